@@ -1,0 +1,51 @@
+# nanoserve: `make serve` runs the demo, `make test` runs everything from a fresh clone.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+export PYTHONPATH := $(CURDIR):$(CURDIR)/proto
+export NANOSERVE_CACHE ?= $(CURDIR)/.cache
+PROTOS := proto/nanoserve/v1/llm.proto proto/nanoserve/v1/worker.proto
+PORT ?= 50051
+
+.PHONY: install proto tiny-model serve test test-python test-node bench clean
+
+install: $(VENV)/.installed tests/node/node_modules/.installed
+
+# torch==2.13.0 resolves to the machine's local CPU wheel; installing it first keeps the
+# other requirements from pulling a CUDA build.
+$(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --disable-pip-version-check torch==2.13.0
+	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements-dev.txt
+	$(VENV)/bin/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $@
+
+tests/node/node_modules/.installed: tests/node/package.json tests/node/package-lock.json
+	cd tests/node && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+proto: $(VENV)/.installed
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=proto --pyi_out=proto --grpc_python_out=proto $(PROTOS)
+
+tiny-model: $(VENV)/.installed
+	$(PY) -m model.tiny $(NANOSERVE_CACHE)/tiny-qwen3
+
+# The main job: `nanoserve up` on the demo model, one real streamed request, then a clean stop.
+# (`$(VENV)/bin/nanoserve up` alone keeps serving until Ctrl-C.)
+serve: install
+	@set -e; $(VENV)/bin/nanoserve up --port $(PORT) & up=$$!; \
+	trap 'kill $$up 2>/dev/null; wait $$up' EXIT; \
+	for i in $$(seq 300); do \
+	  $(PY) -m nanoserve.healthcheck --address 127.0.0.1:$(PORT) >/dev/null 2>&1 && break; sleep 1; done; \
+	$(VENV)/bin/nanoserve generate "Tell me about the sea." --address 127.0.0.1:$(PORT) --max-tokens 32
+
+test: install tiny-model
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+bench: install
+	$(PY) bench/scheduler.py
+	$(PY) bench/throughput.py
+
+clean:
+	rm -rf $(VENV) .cache tests/node/node_modules

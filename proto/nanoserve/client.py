@@ -1,0 +1,102 @@
+"""A thin typed Python client for the public nanoserve.v1.LLM API."""
+import argparse
+import sys
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import grpc
+
+from nanoserve.v1 import llm_pb2, llm_pb2_grpc
+
+
+@dataclass
+class Completion:
+    """Everything a finished Generate stream carried."""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    usage: llm_pb2.Usage | None = None
+
+
+class Client:
+    def __init__(self, address: str = "127.0.0.1:50051"):
+        self.channel = grpc.insecure_channel(address)
+        self.stub = llm_pb2_grpc.LLMStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def stream(self, prompt: str | list[int], *, max_tokens: int | None = None,
+               temperature: float | None = None, ignore_eos: bool = False, seed: int | None = None,
+               stop_token_ids: tuple[int, ...] = (), request_id: str = "",
+               timeout: float | None = None) -> Iterator[llm_pb2.GenerateResponse]:
+        """Yields the server's messages as they arrive; raises grpc.RpcError on failure."""
+        request = make_request(prompt, max_tokens=max_tokens, temperature=temperature,
+                               ignore_eos=ignore_eos, seed=seed, stop_token_ids=stop_token_ids,
+                               request_id=request_id)
+        return self.stub.Generate(request, timeout=timeout)
+
+    def generate(self, prompt: str | list[int], **kwargs) -> Completion:
+        """Runs one Generate to the end and gathers it."""
+        out = Completion()
+        for msg in self.stream(prompt, **kwargs):
+            out.token_ids.extend(msg.token_ids)
+            out.text += msg.text
+            if msg.finish_reason:
+                out.finish_reason = llm_pb2.FinishReason.Name(msg.finish_reason)
+                out.usage = msg.usage
+        return out
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.stub.Tokenize(llm_pb2.TokenizeRequest(text=text)).token_ids)
+
+    def model_info(self) -> llm_pb2.ModelInfo:
+        return self.stub.GetModelInfo(llm_pb2.GetModelInfoRequest())
+
+    def stats(self) -> llm_pb2.Stats:
+        return self.stub.GetStats(llm_pb2.GetStatsRequest())
+
+
+def make_request(prompt: str | list[int], *, max_tokens: int | None = None,
+                 temperature: float | None = None, ignore_eos: bool = False,
+                 seed: int | None = None, stop_token_ids: tuple[int, ...] = (),
+                 request_id: str = "") -> llm_pb2.GenerateRequest:
+    sampling = llm_pb2.SamplingParams(ignore_eos=ignore_eos, stop_token_ids=list(stop_token_ids))
+    if max_tokens is not None:
+        sampling.max_tokens = max_tokens
+    if temperature is not None:
+        sampling.temperature = temperature
+    if seed is not None:
+        sampling.seed = seed
+    request = llm_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    return request
+
+
+def stream_to_terminal(args: argparse.Namespace) -> int:
+    """`nanoserve generate`: prints text as it streams, then the usage line on stderr."""
+    with Client(args.address) as client:
+        try:
+            for msg in client.stream(args.prompt, max_tokens=args.max_tokens,
+                                     temperature=args.temperature, ignore_eos=args.ignore_eos,
+                                     seed=None if args.seed < 0 else args.seed):
+                sys.stdout.write(msg.text)
+                sys.stdout.flush()
+                if msg.finish_reason:
+                    reason = llm_pb2.FinishReason.Name(msg.finish_reason)
+                    u = msg.usage
+                    print(f"\n[{reason}: {u.prompt_tokens} prompt tokens ({u.cached_prompt_tokens} "
+                          f"cached), {u.completion_tokens} generated]", file=sys.stderr)
+        except grpc.RpcError as err:
+            print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    return 0

@@ -1,0 +1,141 @@
+"""The engine loop: schedule -> step every rank -> post-process -> wake the request streams.
+
+Runs as one asyncio task beside the gRPC handlers; handlers only enqueue requests and read
+their RequestStream, so a slow client never blocks a step.
+"""
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.sequence import Sequence
+from scheduler_svc.worker_group import WorkerGroup, WorkerUnavailable
+
+log = logging.getLogger("nanoserve.scheduler")
+
+
+@dataclass
+class RequestStream:
+    """What the engine has produced for one request and not yet handed to its handler."""
+    seq: Sequence
+    new_tokens: list[int] = field(default_factory=list)
+    finished: bool = False
+    error: str = ""  # set when the workers failed; the handler answers UNAVAILABLE
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def take(self) -> list[int]:
+        tokens, self.new_tokens = self.new_tokens, []
+        self.wakeup.clear()
+        return tokens
+
+
+@dataclass
+class Totals:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    requests_finished: int = 0
+
+
+class Engine:
+    def __init__(self, group: WorkerGroup, config: SchedulerConfig, reconnect_timeout: float):
+        self.group = group
+        self.config = config
+        self.reconnect_timeout = reconnect_timeout
+        self.scheduler = Scheduler(config)
+        self.streams: dict[int, RequestStream] = {}
+        self.pending_aborts: list[int] = []
+        self.totals = Totals()
+        self.healthy = True
+        self.failure = ""
+        self.on_health_change = lambda healthy: None
+        self.work = asyncio.Event()
+        self.next_seq_id = 0
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._loop())
+
+    def add(self, seq: Sequence) -> RequestStream:
+        """Admits a sequence (raises AdmissionError when it can never run)."""
+        self.scheduler.add(seq)
+        stream = RequestStream(seq)
+        self.streams[seq.seq_id] = stream
+        self.totals.prompt_tokens += len(seq.prompt_token_ids)
+        self.work.set()
+        return stream
+
+    def new_seq_id(self) -> int:
+        self.next_seq_id += 1
+        return self.next_seq_id
+
+    def abort(self, seq_id: int) -> None:
+        """Cancels a request; applied between steps so an in-flight step stays consistent."""
+        if seq_id in self.streams:
+            self.pending_aborts.append(seq_id)
+            self.work.set()
+
+    async def _loop(self) -> None:
+        while True:
+            self._apply_aborts()
+            if not self.scheduler.has_work():
+                self.work.clear()
+                await self.work.wait()
+                continue
+            batch = self.scheduler.schedule()
+            if batch is None:  # waiting sequences that cannot run yet; wait for a change
+                self.work.clear()
+                await self.work.wait()
+                continue
+            try:
+                tokens = await self.group.step(batch.request)
+            except WorkerUnavailable as err:
+                await self._fail_all(str(err))
+                continue
+            for seq in self.scheduler.postprocess(batch, tokens):
+                self._deliver(seq)
+
+    def _apply_aborts(self) -> None:
+        for seq_id in self.pending_aborts:
+            if self.streams.pop(seq_id, None) is not None:
+                self.scheduler.abort(seq_id)
+        self.pending_aborts.clear()
+
+    def _deliver(self, seq: Sequence) -> None:
+        stream = self.streams.get(seq.seq_id)
+        if stream is None:
+            return
+        stream.new_tokens.append(seq.completion_token_ids[-1])
+        self.totals.generated_tokens += 1
+        if seq.finish_reason is not None:
+            stream.finished = True
+            self.totals.requests_finished += 1
+            del self.streams[seq.seq_id]
+        stream.wakeup.set()
+
+    async def _fail_all(self, reason: str) -> None:
+        """A rank failed: every request in flight ends UNAVAILABLE, then the group is rebuilt."""
+        log.error("%s; failing %d request(s) and reconnecting", reason, len(self.streams))
+        self.healthy, self.failure = False, reason
+        self.on_health_change(False)
+        for stream in self.streams.values():
+            stream.error = reason
+            stream.wakeup.set()
+        self.streams.clear()
+        self.pending_aborts.clear()
+        await self.group.close()
+        while True:
+            self.group = WorkerGroup(self.group.addresses)
+            try:
+                await self.group.connect(self.reconnect_timeout)
+                break
+            except WorkerUnavailable as err:
+                log.error("group still incomplete: %s", err)
+                self.failure = str(err)
+                await self.group.close()
+        # Worker KV memory was reset: the prefix cache and all block state start over.
+        self.config.num_kv_blocks = self.group.num_blocks
+        self.scheduler = Scheduler(self.config)
+        self.healthy, self.failure = True, ""
+        self.on_health_change(True)
+        log.info("worker group whole again; serving")

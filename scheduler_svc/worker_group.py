@@ -1,0 +1,102 @@
+"""The scheduler's view of its worker ranks: connect, agree on a KV pool, stream steps to all."""
+import asyncio
+import logging
+import time
+
+import grpc
+
+from nanoserve.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger("nanoserve.scheduler")
+_MAX_MESSAGE = 64 << 20
+
+
+class WorkerUnavailable(Exception):
+    """A rank could not be reached or failed a step; the message names it."""
+
+
+class WorkerGroup:
+    def __init__(self, addresses: list[str]):
+        self.addresses = addresses
+        self.channels = [grpc.aio.insecure_channel(a, options=[("grpc.max_send_message_length", _MAX_MESSAGE),
+                                                               ("grpc.max_receive_message_length", _MAX_MESSAGE)])
+                         for a in addresses]
+        self.stubs = [worker_pb2_grpc.WorkerStub(c) for c in self.channels]
+        self.infos: list[worker_pb2.WorkerInfo] = []
+        self.streams: list = []
+        self.num_blocks = 0
+
+    def name(self, rank: int) -> str:
+        return f"worker rank {rank} at {self.addresses[rank]}"
+
+    async def connect(self, timeout: float) -> None:
+        """Waits for every rank, checks they form one deployment, allocates the agreed KV pool."""
+        self.infos = [await self._describe(rank, timeout) for rank in range(len(self.stubs))]
+        self._check_agreement()
+        self.num_blocks = min(info.max_kv_blocks for info in self.infos)
+        for rank, stub in enumerate(self.stubs):
+            try:
+                await stub.AllocateKVCache(worker_pb2.AllocateKVCacheRequest(num_blocks=self.num_blocks))
+            except grpc.aio.AioRpcError as err:
+                raise WorkerUnavailable(f"{self.name(rank)} failed to allocate its KV cache: "
+                                        f"{err.details()}") from err
+        self.streams = [stub.Step() for stub in self.stubs]
+        log.info("connected to %d worker rank(s); KV pool %d blocks of %d tokens",
+                 len(self.stubs), self.num_blocks, self.infos[0].block_size)
+
+    async def _describe(self, rank: int, timeout: float) -> worker_pb2.WorkerInfo:
+        deadline = time.monotonic() + timeout
+        next_log = 0.0
+        while True:
+            try:
+                return await self.stubs[rank].Describe(worker_pb2.DescribeRequest(), timeout=5)
+            except grpc.aio.AioRpcError as err:
+                now = time.monotonic()
+                if now >= deadline:
+                    raise WorkerUnavailable(f"{self.name(rank)} did not answer within {timeout:.0f}s: "
+                                            f"{err.code().name}") from err
+                if now >= next_log:
+                    log.info("waiting for %s (%s)", self.name(rank), err.code().name)
+                    next_log = now + 10
+                await asyncio.sleep(1)
+
+    def _check_agreement(self) -> None:
+        first = self.infos[0]
+        for rank, info in enumerate(self.infos):
+            problems = []
+            if info.rank != rank:
+                problems.append(f"reports rank {info.rank}")
+            if info.world_size != len(self.infos):
+                problems.append(f"expects {info.world_size} ranks, the scheduler has {len(self.infos)}")
+            if info.model_fingerprint != first.model_fingerprint:
+                problems.append(f"serves {info.model!r}, rank 0 serves {first.model!r}")
+            if info.block_size != first.block_size:
+                problems.append(f"uses block size {info.block_size}, rank 0 uses {first.block_size}")
+            if problems:
+                raise WorkerUnavailable(f"{self.name(rank)} does not match the group: " + "; ".join(problems))
+
+    async def step(self, request: worker_pb2.StepRequest) -> list[int]:
+        """Sends one step to every rank; returns rank 0's sampled tokens."""
+        try:
+            await asyncio.gather(*(s.write(request) for s in self.streams))
+            replies = await asyncio.gather(*(s.read() for s in self.streams))
+        except grpc.aio.AioRpcError as err:
+            raise WorkerUnavailable(self._which_failed(err)) from err
+        for rank, reply in enumerate(replies):
+            if reply is grpc.aio.EOF:
+                raise WorkerUnavailable(f"{self.name(rank)} closed its step stream")
+            if reply.error:
+                raise WorkerUnavailable(f"{self.name(rank)} failed step {request.step_id}: {reply.error}")
+        return list(replies[0].token_ids)
+
+    def _which_failed(self, err: grpc.aio.AioRpcError) -> str:
+        for rank, stream in enumerate(self.streams):
+            if stream.done():
+                return f"{self.name(rank)} is unavailable: {err.details() or err.code().name}"
+        return f"a worker is unavailable: {err.details() or err.code().name}"
+
+    async def close(self) -> None:
+        for stream in self.streams:
+            stream.cancel()
+        for channel in self.channels:
+            await channel.close()

@@ -1,0 +1,86 @@
+"""Starts real nanoserve processes on free loopback ports, the way users start them."""
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'proto'}", "PYTHONUNBUFFERED": "1"}
+CLI = [sys.executable, "-m", "nanoserve.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_worker(model_dir: Path, port: int, *flags: str, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(CLI + ["worker", "--model", str(model_dir), "--host", "127.0.0.1",
+                                   "--port", str(port), "--device", "cpu", *flags],
+                            env=ENV, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+
+
+def start_scheduler(workers: list[str], port: int, *flags: str, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(CLI + ["scheduler", "--workers", ",".join(workers), "--host", "127.0.0.1",
+                                   "--port", str(port), *flags],
+                            env=ENV, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+
+
+def health_status(address: str) -> int | None:
+    """The server's grpc.health.v1 status, or None when it does not answer."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status
+        except grpc.RpcError:
+            return None
+
+
+def wait_serving(address: str, procs: list[subprocess.Popen], log: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if health_status(address) == health_pb2.HealthCheckResponse.SERVING:
+            return
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError(f"a nanoserve process exited early:\n{log.read_text()[-4000:]}")
+        time.sleep(0.3)
+    raise RuntimeError(f"{address} not serving after {timeout}s:\n{log.read_text()[-4000:]}")
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+@contextlib.contextmanager
+def running_service(model_dir: Path, log: Path, tensor_parallel_size: int = 1,
+                    worker_flags: tuple[str, ...] = (), scheduler_flags: tuple[str, ...] = ()) -> Iterator[dict]:
+    """Worker rank(s) and a scheduler; yields {'address', 'procs', 'workers'}."""
+    dist = f"127.0.0.1:{free_port()}"
+    ports = [free_port() for _ in range(tensor_parallel_size)]
+    workers = [start_worker(model_dir, port, "--rank", str(rank), "--tensor-parallel-size",
+                            str(tensor_parallel_size), "--dist-init-addr", dist, *worker_flags, log=log)
+               for rank, port in enumerate(ports)]
+    address = f"127.0.0.1:{free_port()}"
+    scheduler = start_scheduler([f"127.0.0.1:{p}" for p in ports], int(address.split(":")[1]),
+                                *scheduler_flags, log=log)
+    procs = [*workers, scheduler]
+    try:
+        wait_serving(address, procs, log)
+        yield {"address": address, "procs": procs, "workers": workers, "scheduler": scheduler}
+    finally:
+        stop(procs)
