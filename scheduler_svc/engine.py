@@ -7,6 +7,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
+from nanoserve.v1 import worker_pb2
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import Sequence
@@ -32,9 +33,34 @@ class RequestStream:
 
 @dataclass
 class Totals:
+    """Counters behind GetStats; step timings are rank 0's own."""
     prompt_tokens: int = 0
     generated_tokens: int = 0
     requests_finished: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_busy_seconds: float = 0.0
+    decode_busy_seconds: float = 0.0
+    decode_idle_seconds: float = 0.0
+
+    def record_step(self, request: worker_pb2.StepRequest, reply: worker_pb2.StepResponse) -> None:
+        first = request.seqs[0]
+        if not first.reset and len(first.token_ids) == 1:  # decode steps are never mixed with prefill
+            self.decode_steps += 1
+            self.decode_tokens += len(request.seqs)
+            self.decode_busy_seconds += reply.busy_seconds
+            self.decode_idle_seconds += reply.idle_seconds
+        else:
+            self.prefill_steps += 1
+            self.prefill_tokens += sum(len(s.token_ids) for s in request.seqs)
+            self.prefill_busy_seconds += reply.busy_seconds
+
+
+def _log_crash(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.critical("engine loop crashed", exc_info=task.exception())
 
 
 class Engine:
@@ -55,6 +81,7 @@ class Engine:
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._loop())
+        self.task.add_done_callback(_log_crash)
 
     def add(self, seq: Sequence) -> RequestStream:
         """Admits a sequence (raises AdmissionError when it can never run)."""
@@ -78,22 +105,25 @@ class Engine:
     async def _loop(self) -> None:
         while True:
             self._apply_aborts()
-            if not self.scheduler.has_work():
-                self.work.clear()
-                await self.work.wait()
-                continue
-            batch = self.scheduler.schedule()
-            if batch is None:  # waiting sequences that cannot run yet; wait for a change
-                self.work.clear()
-                await self.work.wait()
-                continue
+            batch = self.scheduler.schedule() if self.scheduler.has_work() else None
             try:
-                tokens = await self.group.step(batch.request)
+                if batch is None:  # nothing runnable: wait for a change, watching the workers meanwhile
+                    await self._idle()
+                    continue
+                reply = await self.group.step(batch.request)
             except WorkerUnavailable as err:
                 await self._fail_all(str(err))
                 continue
-            for seq in self.scheduler.postprocess(batch, tokens):
+            self.totals.record_step(batch.request, reply)
+            for seq in self.scheduler.postprocess(batch, list(reply.token_ids)):
                 self._deliver(seq)
+
+    async def _idle(self, ping_every: float = 2.0) -> None:
+        self.work.clear()
+        try:
+            await asyncio.wait_for(self.work.wait(), timeout=ping_every)
+        except TimeoutError:
+            await self.group.ping()
 
     def _apply_aborts(self) -> None:
         for seq_id in self.pending_aborts:

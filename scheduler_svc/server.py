@@ -86,7 +86,10 @@ class LLMService(llm_pb2_grpc.LLMServicer):
                              kv_blocks_total=s.num_total_blocks, kv_blocks_free=s.num_free_blocks,
                              prefix_cache_hit_tokens=s.prefix_cache_hit_tokens,
                              prompt_tokens_total=t.prompt_tokens, generated_tokens_total=t.generated_tokens,
-                             requests_finished=t.requests_finished)
+                             requests_finished=t.requests_finished, prefill_steps=t.prefill_steps,
+                             decode_steps=t.decode_steps, prefill_tokens=t.prefill_tokens,
+                             decode_tokens=t.decode_tokens, prefill_busy_seconds=t.prefill_busy_seconds,
+                             decode_busy_seconds=t.decode_busy_seconds, decode_idle_seconds=t.decode_idle_seconds)
 
 
 def _scheduler_config(args: argparse.Namespace, group: WorkerGroup) -> SchedulerConfig:

@@ -75,8 +75,8 @@ class WorkerGroup:
             if problems:
                 raise WorkerUnavailable(f"{self.name(rank)} does not match the group: " + "; ".join(problems))
 
-    async def step(self, request: worker_pb2.StepRequest) -> list[int]:
-        """Sends one step to every rank; returns rank 0's sampled tokens."""
+    async def step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
+        """Sends one step to every rank; returns rank 0's reply (its sampled tokens and timings)."""
         try:
             await asyncio.gather(*(s.write(request) for s in self.streams))
             replies = await asyncio.gather(*(s.read() for s in self.streams))
@@ -87,7 +87,15 @@ class WorkerGroup:
                 raise WorkerUnavailable(f"{self.name(rank)} closed its step stream")
             if reply.error:
                 raise WorkerUnavailable(f"{self.name(rank)} failed step {request.step_id}: {reply.error}")
-        return list(replies[0].token_ids)
+        return replies[0]
+
+    async def ping(self) -> None:
+        """Raises WorkerUnavailable when a rank no longer answers (checked while idle)."""
+        for rank, stub in enumerate(self.stubs):
+            try:
+                await stub.Describe(worker_pb2.DescribeRequest(), timeout=2)
+            except grpc.aio.AioRpcError as err:
+                raise WorkerUnavailable(f"{self.name(rank)} is unavailable: {err.code().name}") from err
 
     def _which_failed(self, err: grpc.aio.AioRpcError) -> str:
         for rank, stream in enumerate(self.streams):

@@ -1,6 +1,7 @@
 """The Worker gRPC service: one process per tensor-parallel rank, around a ModelRunner."""
 import logging
 import threading
+import time
 from concurrent import futures
 from typing import Iterator
 
@@ -32,15 +33,18 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     def Step(self, requests: Iterator[worker_pb2.StepRequest], context) -> Iterator[worker_pb2.StepResponse]:
         log.info("step stream opened by %s", context.peer())
+        replied = time.perf_counter()
         for request in requests:
+            started = time.perf_counter()
             with self.lock:
                 try:
-                    tokens = self.runner.step(request)
+                    reply = worker_pb2.StepResponse(step_id=request.step_id, token_ids=self.runner.step(request))
                 except ValueError as err:  # a bad step: report it, keep serving
                     log.warning("step %d refused: %s", request.step_id, err)
-                    yield worker_pb2.StepResponse(step_id=request.step_id, error=str(err))
-                    continue
-            yield worker_pb2.StepResponse(step_id=request.step_id, token_ids=tokens)
+                    reply = worker_pb2.StepResponse(step_id=request.step_id, error=str(err))
+            replied, reply.idle_seconds = time.perf_counter(), started - replied
+            reply.busy_seconds = replied - started
+            yield reply
         log.info("step stream closed")
 
 

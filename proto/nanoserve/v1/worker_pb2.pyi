@@ -86,11 +86,15 @@ class StepRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqStep, _Mapping]]] = ..., forget_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "token_ids", "error")
+    __slots__ = ("step_id", "token_ids", "error", "busy_seconds", "idle_seconds")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     error: str
-    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ...) -> None: ...
+    busy_seconds: float
+    idle_seconds: float
+    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., busy_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,59 @@
+"""Faults: workers that are missing at start-up or die mid-run never leave a request hanging."""
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from nanoserve.client import Client
+from tests.services import free_port, health_status, running_service, start_scheduler, start_worker, stop, wait_serving
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_missing_worker_is_named_and_requests_get_unavailable(tmp_path: Path):
+    log = tmp_path / "scheduler.log"
+    worker = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{free_port()}"
+    sched = start_scheduler([worker], int(address.split(":")[1]), "--worker-connect-timeout", "4", log=log)
+    try:
+        deadline = time.monotonic() + 20
+        while health_status(address) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert health_status(address) == NOT_SERVING
+        with Client(address) as client, pytest.raises(grpc.RpcError) as info:
+            client.generate("hello", max_tokens=2)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert sched.wait(timeout=30) != 0
+        text = log.read_text()
+        assert f"waiting for worker rank 0 at {worker}" in text
+        assert f"worker rank 0 at {worker} did not answer" in text
+    finally:
+        stop([sched])
+
+
+def test_worker_dying_mid_run_fails_in_flight_requests_then_recovers(tiny_model_dir, tmp_path: Path):
+    log = tmp_path / "services.log"
+    flags = ("--block-size", "16", "--num-kv-blocks", "128")
+    with running_service(Path(tiny_model_dir), log, worker_flags=flags) as svc, Client(svc["address"]) as client:
+        worker = svc["workers"][0]
+        worker_port = worker.args[worker.args.index("--port") + 1]
+        stream = client.stream([1, 2, 3, 4], max_tokens=100000, temperature=0, ignore_eos=True, timeout=60)
+        next(stream)
+        worker.kill()
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in stream:
+                pass
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert f"worker rank 0 at 127.0.0.1:{worker_port}" in info.value.details()
+        assert health_status(svc["address"]) == NOT_SERVING
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate([1, 2, 3], max_tokens=2)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+        restarted = start_worker(Path(tiny_model_dir), int(worker_port), *flags, log=log)
+        svc["procs"].append(restarted)
+        wait_serving(svc["address"], [svc["scheduler"], restarted], log)
+        done = client.generate([1, 2, 3], max_tokens=3, temperature=0, ignore_eos=True)
+        assert len(done.token_ids) == 3
