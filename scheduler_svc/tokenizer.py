@@ -1,0 +1,47 @@
+"""Text <-> token ids for the scheduler, on the light `tokenizers` library (no transformers, no torch)."""
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+
+
+class TextTokenizer:
+    """A checkpoint's tokenizer: `tokenizer.json`, plus `tokenizer_config.json` when present."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self._bos_ids = self._required_bos_ids(model_dir / "tokenizer_config.json")
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer knows, added tokens included (the model's embedding may be larger)."""
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Prompt ids: the text's tokens, after a BOS only if the tokenizer config asks for one."""
+        return self._bos_ids + self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of the ids; special tokens (eos, chat markers) are left out, as when streaming."""
+        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def new_detokenizer(self) -> IncrementalDetokenizer:
+        """A streaming decoder for one sequence, consistent with `decode`."""
+        return IncrementalDetokenizer(self.decode)
+
+    def _required_bos_ids(self, config_path: Path) -> list[int]:
+        """[bos id] when the config sets `add_bos_token` (Llama style); Qwen3 sets it false."""
+        if not config_path.exists():
+            return []
+        config = json.loads(config_path.read_text())
+        bos = config.get("bos_token")
+        if not config.get("add_bos_token") or bos is None:
+            return []
+        bos_content = bos["content"] if isinstance(bos, dict) else bos  # older configs nest it
+        bos_id = self._tokenizer.token_to_id(bos_content)
+        if bos_id is None:
+            raise ValueError(f"{config_path}: bos_token {bos_content!r} is not in the vocabulary")
+        return [bos_id]
