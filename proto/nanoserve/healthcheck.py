@@ -1,0 +1,49 @@
+"""Container health probe over grpc.health.v1: exit status 0 only when the server says SERVING.
+
+    python -m nanoserve.healthcheck [--address 127.0.0.1:50051] [--service NAME] [--timeout 2]
+
+Shipped in both images, so compose health checks need no downloaded binary. Prints one line
+saying why the server is not healthy (unreachable, NOT_SERVING, unknown service, ...).
+"""
+import argparse
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+SERVING = health_pb2.HealthCheckResponse.ServingStatus.Name(health_pb2.HealthCheckResponse.SERVING)
+
+
+def serving_status(address: str, service: str = "", timeout: float = 2.0) -> str:
+    """The status name `address` reports for `service` ("" = the whole server), e.g. "SERVING".
+
+    Raises grpc.RpcError when the server cannot be asked (not listening, too slow, no such service).
+    """
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nanoserve.healthcheck",
+                                     description="exit 0 only when the server reports SERVING")
+    parser.add_argument("--address", default="127.0.0.1:50051", help="host:port of the gRPC server")
+    parser.add_argument("--service", default="", help="service name to ask about; empty = the whole server")
+    parser.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
+    args = parser.parse_args(argv)
+    target = args.address + (f" ({args.service})" if args.service else "")
+    try:
+        status = serving_status(args.address, args.service, args.timeout)
+    except grpc.RpcError as err:
+        print(f"unhealthy: {target} did not answer: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    if status != SERVING:
+        print(f"unhealthy: {target} reports {status}", file=sys.stderr)
+        return 1
+    print(f"healthy: {target} reports {SERVING}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
