@@ -1,0 +1,129 @@
+"""Triton paged decode attention: one query per sequence, GQA-grouped, split-K along the context.
+
+Each program takes one (sequence, KV head, split): the GROUP query heads sharing that KV head form
+one [GROUP_PAD, head_dim] tile, so every K/V row is read once for all of them. A sequence's
+context is cut into `splits` equal ranges computed in the kernel from its own length; a second
+kernel merges the splits' partial softmaxes. The grid and every buffer depend only on tensor shapes
+(batch, heads), never on per-step lengths, so the launch can be captured in a CUDA graph.
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_prefill import LOG2_E, attend_block
+
+BLOCK_N = 64
+# Programs wanted in flight per multiprocessor before splitting stops paying for its merge.
+PROGRAMS_PER_SM = 4
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _split_range(length, split, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key range [start, end) of one split: equal BLOCK_N-aligned chunks of the context."""
+    chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    return start, tl.minimum(length, start + chunk)
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache, v_cache, context_lens, block_tables, out_ptr, part_out,
+                   part_max, part_sum, qk_scale, stride_q_seq, stride_q_head, stride_o_seq,
+                   stride_o_head, stride_slot, stride_table, GROUP: tl.constexpr,
+                   GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(context_lens + seq)
+    start, end = _split_range(length, split, SPLITS, BLOCK_N)
+    if SPLITS > 1 and start >= end:
+        return  # the merge reads only the splits that hold keys
+    group = tl.arange(0, GROUP_PAD)
+    heads = (kv_head * GROUP + group)[:, None]
+    head_valid = (group < GROUP)[:, None]
+    dims = tl.arange(0, HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + seq * stride_q_seq + heads * stride_q_head + dims, mask=head_valid, other=0.0)
+    # The single query sits after the whole context; masking at end - 1 hides the split's tail.
+    q_pos = tl.full([GROUP_PAD], 0, tl.int32) + end - 1
+
+    kv_offset = kv_head * HEAD_DIM
+    table = block_tables + seq.to(tl.int64) * stride_table
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for block_start in range(start, end, BLOCK_N):
+        m_i, l_i, acc = attend_block(q, q_pos, m_i, l_i, acc, k_cache + kv_offset, v_cache + kv_offset,
+                                     table, block_start, end, qk_scale, stride_slot, BLOCK_SIZE,
+                                     HEAD_DIM, BLOCK_N, True)
+    if SPLITS == 1:
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]  # an empty row (length 0) gives zeros
+        tl.store(out_ptr + seq * stride_o_seq + heads * stride_o_head + dims,
+                 out.to(out_ptr.dtype.element_ty), mask=head_valid)
+    else:
+        rows = (seq * tl.num_programs(1) * GROUP + heads) * SPLITS + split
+        tl.store(part_out + rows * HEAD_DIM + dims, acc, mask=head_valid)
+        tl.store(part_max + rows, m_i[:, None], mask=head_valid)
+        tl.store(part_sum + rows, l_i[:, None], mask=head_valid)
+
+
+@triton.jit
+def _merge_kernel(context_lens, part_out, part_max, part_sum, out_ptr, stride_o_seq, stride_o_head,
+                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    length = tl.load(context_lens + seq)
+    chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+    used = tl.cdiv(length, tl.maximum(chunk, 1))
+    splits = tl.arange(0, SPLITS)
+    rows = (seq * tl.num_programs(1) + head) * SPLITS + splits
+    maxes = tl.load(part_max + rows, mask=splits < used, other=float("-inf"))
+    top = tl.max(maxes, 0)
+    weights = tl.where(splits < used, tl.exp2(maxes - top), 0.0)
+    total = tl.sum(weights * tl.load(part_sum + rows, mask=splits < used, other=0.0), 0)
+    dims = tl.arange(0, HEAD_DIM)
+    parts = tl.load(part_out + rows[:, None] * HEAD_DIM + dims[None, :], mask=(splits < used)[:, None],
+                    other=0.0)
+    out = tl.sum(parts * weights[:, None], 0) / tl.maximum(total, 1e-30)  # no splits: zeros
+    tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty))
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2  # the CPU interpreter: a small stand-in, so that small test batches still split
+
+
+def num_splits(num_seqs: int, kv_heads: int, device: torch.device) -> int:
+    """Splits per (sequence, KV head): enough programs to fill the GPU, from shapes alone."""
+    wanted = PROGRAMS_PER_SM * _multiprocessors(device)
+    return min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(wanted, num_seqs * kv_heads)))
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence (q: [num_seqs, heads, head_dim]) over its whole cache.
+    A row with context length 0 (padding) gives zeros."""
+    num_seqs, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    group = heads // kv_heads
+    splits = num_splits(num_seqs, kv_heads, q.device)
+    out = torch.empty_like(q)
+    part_out = torch.empty(num_seqs, heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    part_max = torch.empty(num_seqs, heads, splits, dtype=torch.float32, device=q.device)
+    part_sum = torch.empty_like(part_max)
+    _decode_kernel[(num_seqs, kv_heads, splits)](
+        q, k_cache, v_cache, context_lens, block_tables, out, part_out, part_max, part_sum,
+        scale * LOG2_E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(1), block_tables.stride(0), GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        BLOCK_N=BLOCK_N, SPLITS=splits, num_warps=4, num_stages=3)
+    if splits > 1:
+        _merge_kernel[(num_seqs, heads)](
+            context_lens, part_out, part_max, part_sum, out, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, SPLITS=splits)
+    return out

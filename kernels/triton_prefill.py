@@ -1,0 +1,126 @@
+"""Triton paged prefill attention: flash-attention's online softmax over the paged cache.
+
+New tokens attend causally to their whole sequence, cached prefix included, reading K/V through
+the block table: the model stores this step's K/V first, so first prefills, prefix-cache hits and
+chunked prefill are one case. Query i of a sequence with n new tokens and L cached tokens sits at
+position L - n + i. One program per (query tile, query head).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_kv_store import cache_rows
+
+LOG2_E = 1.4426950408889634
+
+
+@triton.jit
+def attend_block(q, q_pos, m_i, l_i, acc, k_base, v_base, block_table_row, start, length,
+                 qk_scale, stride_slot, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Folds keys [start, start + BLOCK_N) of one sequence and KV head into the running softmax of
+    queries q [M, HEAD_DIM] (base-2 scores). Keys at or past `length` are never read; with MASKED,
+    keys after a row's position q_pos are hidden from it (which hides keys >= length from every
+    row whose q_pos < length)."""
+    positions = start + tl.arange(0, BLOCK_N)
+    valid = positions < length
+    rows = cache_rows(block_table_row, positions, valid, BLOCK_SIZE)
+    offsets = rows[:, None] * stride_slot + tl.arange(0, HEAD_DIM)[None, :]
+    k = tl.load(k_base + offsets, mask=valid[:, None], other=0.0)
+    scores = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASKED:
+        scores = tl.where(positions[None, :] <= q_pos[:, None], scores, float("-inf"))
+    v = tl.load(v_base + offsets, mask=valid[:, None], other=0.0)
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _find_sequence(cu_seqlens_q, num_seqs, slot, BLOCK_M: tl.constexpr):
+    """Binary search for the sequence owning tile slot `slot`; sequence i's tiles start at slot
+    cu_seqlens_q[i] // BLOCK_M + i, a layout that needs no host-side tile count."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(cu_seqlens_q + mid) // BLOCK_M + mid <= slot:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, cu_seqlens_q, context_lens, block_tables,
+                    num_seqs, qk_scale, stride_q_token, stride_q_head, stride_o_token, stride_o_head,
+                    stride_slot, stride_table, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Reversed, so the last tiles of each sequence (the most keys under the mask) start first.
+    slot = tl.num_programs(0) - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    seq = _find_sequence(cu_seqlens_q, num_seqs, slot, BLOCK_M)
+    q_start = tl.load(cu_seqlens_q + seq)
+    num_new = tl.load(cu_seqlens_q + seq + 1) - q_start
+    tile = slot - (q_start // BLOCK_M + seq)
+    if tile * BLOCK_M >= num_new:
+        return
+    length = tl.load(context_lens + seq)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_valid = (rows < num_new)[:, None]
+    tokens = (q_start + rows).to(tl.int64)[:, None]
+    dims = tl.arange(0, HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + tokens * stride_q_token + head * stride_q_head + dims, mask=row_valid, other=0.0)
+    q_pos = length - num_new + rows
+
+    kv_offset = (head // GROUP) * HEAD_DIM
+    k_base = k_cache + kv_offset
+    v_base = v_cache + kv_offset
+    table = block_tables + seq.to(tl.int64) * stride_table
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # Keys up to the tile's first query position are visible to every row: no mask there.
+    first_pos = length - num_new + tile * BLOCK_M
+    unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
+    for start in range(0, unmasked_end, BLOCK_N):
+        m_i, l_i, acc = attend_block(q, q_pos, m_i, l_i, acc, k_base, v_base, table, start, length,
+                                     qk_scale, stride_slot, BLOCK_SIZE, HEAD_DIM, BLOCK_N, False)
+    end = tl.minimum(length, first_pos + BLOCK_M)
+    for start in range(unmasked_end, end, BLOCK_N):
+        m_i, l_i, acc = attend_block(q, q_pos, m_i, l_i, acc, k_base, v_base, table, start, length,
+                                     qk_scale, stride_slot, BLOCK_SIZE, HEAD_DIM, BLOCK_N, True)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + tokens * stride_o_token + head * stride_o_head + dims,
+             out.to(out_ptr.dtype.element_ty), mask=row_valid)
+
+
+def _launch_config(head_dim: int) -> dict:
+    """Tile shapes and pipelining, tuned on an H100 for head_dim 128 (bench/NOTES-kernels.md)."""
+    if head_dim >= 128:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """New tokens (q: [N, heads, head_dim], packed by cu_seqlens_q) attend causally to their
+    sequence's whole cache (cached prefix + themselves, already stored). No host sync."""
+    num_tokens, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    out = torch.empty_like(q)
+    num_seqs = context_lens.numel()
+    config = _launch_config(head_dim)
+    # Enough tile slots for any split of num_tokens into num_seqs sequences (see _find_sequence).
+    grid = (num_tokens // config["BLOCK_M"] + num_seqs, heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,
+        num_seqs, scale * LOG2_E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(1), block_tables.stride(0),
+        GROUP=heads // kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, **config)
+    return out

@@ -1,0 +1,185 @@
+"""Triton KV-store, paged prefill and paged decode kernels vs the plain-torch reference, on CPU
+through Triton's interpreter.
+
+Triton decides between interpreter and compiler when a kernel is decorated, i.e. when
+kernels.triton_* is first imported, so TRITON_INTERPRET=1 must be set before that import; any
+earlier test in the same pytest process may already have imported them compiled. Each test
+therefore runs its cases in a fresh Python process (this file as a script) whose environment sets
+the variable from the start. tests/gpu/test_kernels_gpu.py reuses the case checks below on CUDA.
+"""
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import pytest
+import torch
+
+from kernels import reference
+
+REPO = Path(__file__).resolve().parents[1]
+# ||out - ref|| / ||ref|| allowed per dtype (bf16 is GPU-only: the interpreter's bf16 dot is wrong).
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+@dataclass(frozen=True)
+class Case:
+    new_lens: tuple[int, ...]  # new tokens per sequence (decode: one query each)
+    context_lens: tuple[int, ...]  # cached tokens per sequence after this step's store
+    heads: int
+    kv_heads: int
+    head_dim: int = 16
+    block_size: int = 16
+    dtype: torch.dtype = torch.float32
+
+
+class PagedBatch(NamedTuple):
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+
+
+def make_paged_batch(case: Case, device: str, seed: int) -> PagedBatch:
+    """Random queries and a paged cache whose sequences own shuffled, scattered blocks. Every
+    cache slot outside the sequences' contexts (spare blocks, tails of last blocks) holds NaN,
+    so a kernel that reads one poisons its output."""
+    gen = torch.Generator().manual_seed(seed)
+    size = (case.block_size, case.kv_heads, case.head_dim)
+    counts = [-(-length // case.block_size) for length in case.context_lens]
+    num_blocks = sum(counts) + 2
+    k_cache = torch.full((num_blocks, *size), float("nan"))
+    v_cache = torch.full((num_blocks, *size), float("nan"))
+    block_tables = torch.full((len(counts), max(counts) + 1), -1, dtype=torch.int32)
+    physical = torch.randperm(num_blocks, generator=gen)
+    for seq, (count, length) in enumerate(zip(counts, case.context_lens)):
+        blocks, physical = physical[:count], physical[count:]
+        block_tables[seq, :count] = blocks.int()
+        positions = torch.arange(length)
+        slots = blocks[positions // case.block_size] * case.block_size + positions % case.block_size
+        for cache in (k_cache, v_cache):
+            cache.view(-1, *size[1:])[slots] = torch.randn(length, *size[1:], generator=gen)
+    q = torch.randn(sum(case.new_lens), case.heads, case.head_dim, generator=gen)
+    cu_seqlens_q = torch.tensor([0, *case.new_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    context_lens = torch.tensor(case.context_lens, dtype=torch.int32)
+    tensors = (q.to(case.dtype), k_cache.to(case.dtype), v_cache.to(case.dtype), cu_seqlens_q,
+               context_lens, block_tables)
+    return PagedBatch(*(t.to(device) for t in tensors))
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def check_store(store_kvcache: Callable, case: Case, device: str, seed: int) -> None:
+    """New K/V, given as strided views of a packed qkv row as the model passes them, land at
+    their slots bit for bit; slot -1 writes nothing."""
+    batch = make_paged_batch(case, device, seed)
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens, kv_size = sum(case.new_lens), case.kv_heads * case.head_dim
+    qkv = torch.randn(num_tokens, case.heads * case.head_dim + 2 * kv_size, generator=gen)
+    qkv = qkv.to(device=device, dtype=case.dtype)
+    k = qkv[:, -2 * kv_size:-kv_size].view(num_tokens, case.kv_heads, case.head_dim)
+    v = qkv[:, -kv_size:].view(num_tokens, case.kv_heads, case.head_dim)
+    slots = torch.randperm(batch.k_cache.shape[0] * case.block_size, generator=gen)[:num_tokens]
+    slots[::3] = -1
+    slot_mapping = slots.to(device)
+    expected_k, expected_v = batch.k_cache.clone(), batch.v_cache.clone()
+    reference.store_kvcache(k, v, expected_k, expected_v, slot_mapping)
+    store_kvcache(k, v, batch.k_cache, batch.v_cache, slot_mapping)
+    assert torch.equal(batch.k_cache.nan_to_num(), expected_k.nan_to_num()), case
+    assert torch.equal(batch.v_cache.nan_to_num(), expected_v.nan_to_num()), case
+
+
+def check_prefill(paged_prefill: Callable, case: Case, device: str, seed: int) -> None:
+    batch = make_paged_batch(case, device, seed)
+    scale = case.head_dim ** -0.5
+    out = paged_prefill(*batch, scale)
+    ref = reference.paged_prefill(*batch, scale)
+    assert torch.isfinite(out).all(), case
+    assert relative_error(out, ref) < TOLERANCE[case.dtype], (case, relative_error(out, ref))
+
+
+def check_decode(paged_decode: Callable, case: Case, device: str, seed: int) -> None:
+    """Context-length-0 rows (CUDA-graph padding) must give zeros, like the reference."""
+    q, k_cache, v_cache, _, context_lens, block_tables = make_paged_batch(case, device, seed)
+    scale = case.head_dim ** -0.5
+    out = paged_decode(q, k_cache, v_cache, context_lens, block_tables, scale)
+    ref = reference.paged_decode(q, k_cache, v_cache, context_lens, block_tables, scale)
+    assert torch.isfinite(out).all(), case
+    assert relative_error(out, ref) < TOLERANCE[case.dtype], (case, relative_error(out, ref))
+    assert not out[context_lens == 0].any(), case
+
+
+STORE_CASES = [
+    Case(new_lens=(20,), context_lens=(40,), heads=4, kv_heads=2),
+    Case(new_lens=(9,), context_lens=(30,), heads=6, kv_heads=3, head_dim=32, dtype=torch.float16),
+]
+# The CPU kernels tile prefill by 64 queries x 32 keys and decode by 64 keys; block sizes 16 and
+# 32 put several cache blocks in one key tile, 64 several tiles in one block.
+PREFILL_CASES = [
+    # first prefills, GQA 1, crossing blocks and query/key tiles
+    Case(new_lens=(37, 5, 70), context_lens=(37, 5, 70), heads=2, kv_heads=2),
+    # prefix-cache hits (context > new tokens), GQA 2
+    Case(new_lens=(10, 33, 1), context_lens=(48, 97, 17), heads=4, kv_heads=2, block_size=32),
+    # chunked prefill continuing mid-block, GQA 8, fp16
+    Case(new_lens=(64, 20), context_lens=(130, 51), heads=8, kv_heads=1, block_size=64,
+         dtype=torch.float16),
+    Case(new_lens=(3, 40), context_lens=(3, 99), heads=4, kv_heads=2, head_dim=32),
+]
+# The interpreter stands in for a 2-multiprocessor GPU: fewer than 8 (sequence, KV head) pairs
+# split the context, 8 or more run unsplit.
+DECODE_CASES = [
+    Case(new_lens=(1,) * 3, context_lens=(37, 0, 150), heads=2, kv_heads=2),  # 2 splits
+    Case(new_lens=(1,) * 5, context_lens=(17, 0, 64, 65, 1), heads=4, kv_heads=2),  # unsplit
+    Case(new_lens=(1,) * 2, context_lens=(200, 1), heads=8, kv_heads=1, block_size=32,
+         dtype=torch.float16),  # 4 splits, one sequence too short to fill them
+    Case(new_lens=(1,), context_lens=(300,), heads=4, kv_heads=2, head_dim=32, block_size=64),
+]
+
+
+def run_interpreted_cases(kernel: str) -> None:
+    """Runs in the child process: TRITON_INTERPRET is already set, so import the kernels now."""
+    from kernels.triton_decode import paged_decode
+    from kernels.triton_kv_store import store_kvcache
+    from kernels.triton_prefill import paged_prefill
+    check, function, cases = {
+        "store": (check_store, store_kvcache, STORE_CASES),
+        "prefill": (check_prefill, paged_prefill, PREFILL_CASES),
+        "decode": (check_decode, paged_decode, DECODE_CASES),
+    }[kernel]
+    for seed, case in enumerate(cases):
+        check(function, case, "cpu", seed)
+
+
+def _fix_interpreter_for_numpy_2_4() -> None:
+    """Triton 3.6's interpreter turns a scalar into a Python int with int(array of shape (1,)),
+    which numpy >= 2.4 refuses, so `range(start, end)` over loaded values fails
+    (triton-lang/triton#9171). Apply the upstream fix: squeeze first."""
+    from triton.runtime import interpreter
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+
+
+@pytest.mark.parametrize("kernel", ["store", "prefill", "decode"])
+def test_triton_kernel_matches_reference_in_interpreter(kernel: str) -> None:
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath}
+    result = subprocess.run([sys.executable, __file__, kernel], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    _fix_interpreter_for_numpy_2_4()
+    run_interpreted_cases(sys.argv[1])
