@@ -1,0 +1,200 @@
+"""Continuous batching: which sequences compute what in the next step, and what its tokens do.
+
+A step either prefills or decodes. Prefill comes first: it continues the prompt chunked in
+the previous step, then admits waiting sequences while the running count, the token budget
+and the free blocks allow; a prompt longer than the budget left is split across steps. When
+nothing can be prefilled, every running sequence decodes one token; if one needs a new block
+and none is free, the most recently admitted sequence is preempted and later recomputed.
+
+Call postprocess() for each batch before the next schedule(): computed-token counts and the
+prefix cache advance only once the workers have done the work.
+"""
+from collections import deque
+
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.sequence import Sequence, SequenceStatus
+from scheduler_svc.step_batch import StepBatch
+
+
+class AdmissionError(Exception):
+    """A request that can never run; kind is "invalid" (bad input) or "exhausted" (too big for KV memory)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        if config.max_num_batched_tokens < config.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must cover one decode "
+                             f"token for each of max_num_seqs ({config.max_num_seqs}) sequences")
+        self.config = config
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        # A sequence can never outgrow the pool either: past it, there is no slot for its next token.
+        self.max_seq_len = min(config.max_model_len, config.num_kv_blocks * config.block_size)
+        self.eos_token_ids = frozenset(config.eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last one is preempted first
+        self.live: dict[int, Sequence] = {}  # waiting and running, by id
+        # Sent with the next step; the workers drop these before computing its entries.
+        self.forget_seq_ids: list[int] = []
+        self.next_step_id = 1
+        self.prefix_cache_hit_tokens = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.block_manager.num_total_blocks
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queues a sequence, or raises AdmissionError if it could never run."""
+        num_tokens, limit = seq.num_prompt_tokens, self.config.max_model_len
+        if num_tokens == 0:
+            raise AdmissionError("invalid", "the prompt is empty")
+        if num_tokens >= limit:
+            raise AdmissionError("invalid", f"prompt has {num_tokens} tokens but the model's limit is {limit} "
+                                            f"for prompt and completion together")
+        num_blocks = self.block_manager.num_blocks_for(num_tokens)
+        if num_blocks > self.num_total_blocks:
+            raise AdmissionError("exhausted", f"prompt needs {num_blocks} KV blocks of {self.config.block_size} "
+                                              f"tokens but the pool has {self.num_total_blocks}")
+        self.waiting.append(seq)
+        self.live[seq.seq_id] = seq
+
+    def schedule(self) -> StepBatch | None:
+        """The next step, or None when no sequence is live (pending forgets then ride on the next step)."""
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def postprocess(self, batch: StepBatch, token_ids: list[int]) -> list[Sequence]:
+        """Applies a step's sampled tokens (one per entry with `sample` set, in entry order).
+
+        Returns the sequences that received a token; finished ones have released their blocks.
+        Sequences aborted while the step ran are skipped.
+        """
+        if len(token_ids) != len(batch.sampled):
+            raise ValueError(f"step {batch.request.step_id} sampled {len(batch.sampled)} sequences "
+                             f"but {len(token_ids)} tokens came back")
+        running, block_size = SequenceStatus.RUNNING, self.config.block_size
+        for seq, count in zip(batch.seqs, batch.num_tokens):
+            if seq.status is running:
+                start = seq.num_computed_tokens
+                seq.num_computed_tokens = start + count
+                if (start + count) // block_size > start // block_size:  # rare in decode: skip the call
+                    self.block_manager.cache_full_blocks(seq, start, start + count)
+        served = []
+        any_finished = False
+        for seq, token_id in zip(batch.sampled, token_ids):
+            if seq.status is not running:
+                continue
+            seq.append_token(token_id)
+            reason = self._finish_reason(seq, token_id)
+            if reason is not None:
+                seq.finish_reason = reason
+                self._release(seq)
+                any_finished = True
+            served.append(seq)
+        if any_finished:
+            self.running = [seq for seq in self.running if seq.status is running]
+        return served
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Cancels a live sequence wherever it is; None if it is not live."""
+        seq = self.live.get(seq_id)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+        self._release(seq)
+        return seq
+
+    def _schedule_prefill(self) -> StepBatch | None:
+        budget = self.config.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        num_tokens: list[int] = []
+        # At most one prompt is part-way through: the last one admitted, split by the budget.
+        # With one token left it simply joins the next decode.
+        if self.running and self.running[-1].num_uncomputed_tokens > 1:
+            seqs.append(self.running[-1])
+            num_tokens.append(min(self.running[-1].num_uncomputed_tokens, budget))
+            budget -= num_tokens[-1]
+        while self.waiting and budget and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.block_manager.cached_prefix(seq)
+            if not self.block_manager.can_allocate(seq, cached):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, cached)
+            seq.num_computed_tokens = len(cached) * self.config.block_size
+            seq.num_cached_prompt_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+            self.prefix_cache_hit_tokens += seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            num_tokens.append(min(seq.num_uncomputed_tokens, budget))
+            budget -= num_tokens[-1]
+        return self._build(seqs, num_tokens) if seqs else None
+
+    def _schedule_decode(self) -> StepBatch | None:
+        running, block_size = self.running, self.config.block_size
+        index = 0
+        while index < len(running):
+            seq = running[index]
+            # The token to compute goes at position num_computed_tokens.
+            if seq.num_computed_tokens < len(seq.block_table) * block_size or self.block_manager.append_block(seq):
+                index += 1
+            else:
+                self._preempt(running.pop())  # may be seq itself, which ends the loop
+        # A copy: the batch must not change when running does (an abort while the step runs).
+        return self._build(list(running), [1] * len(running)) if running else None
+
+    def _build(self, seqs: list[Sequence], num_tokens: list[int]) -> StepBatch:
+        batch = StepBatch.build(self.next_step_id, seqs, num_tokens, self.forget_seq_ids)
+        self.next_step_id += 1
+        self.forget_seq_ids = []
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Releases the sequence's blocks and queues it first, to be recomputed (prompt and
+        completion so far, less what the prefix cache still holds)."""
+        self.block_manager.free(seq)
+        self._forget(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        self._forget(seq)
+        seq.status = SequenceStatus.FINISHED
+        del self.live[seq.seq_id]
+
+    def _forget(self, seq: Sequence) -> None:
+        if seq.num_blocks_on_workers:
+            self.forget_seq_ids.append(seq.seq_id)
+            seq.num_blocks_on_workers = 0
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        sampling = seq.sampling
+        if token_id in sampling.stop_token_ids or (not sampling.ignore_eos and token_id in self.eos_token_ids):
+            return "stop"
+        if len(seq.completion_token_ids) == sampling.max_tokens or len(seq) >= self.max_seq_len:
+            return "length"
+        return None

@@ -1,0 +1,63 @@
+"""One request's state as the scheduler tracks it, from admission to finish."""
+from dataclasses import dataclass
+from enum import Enum, auto
+
+from nanoserve.v1 import llm_pb2
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()   # queued: holds no blocks, the workers do not know it
+    RUNNING = auto()   # admitted: holds blocks, prefilling or decoding
+    FINISHED = auto()  # stopped, hit a length limit, or aborted
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    temperature: float = 1.0            # 0 = greedy
+    max_tokens: int | None = None       # None: up to the model's length limit
+    ignore_eos: bool = False
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def to_proto(self) -> llm_pb2.SamplingParams:
+        return llm_pb2.SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens,
+                                      ignore_eos=self.ignore_eos, seed=self.seed,
+                                      stop_token_ids=self.stop_token_ids)
+
+
+class Sequence:
+    __slots__ = ("seq_id", "sampling", "status", "prompt_token_ids", "completion_token_ids", "token_ids",
+                 "block_table", "num_computed_tokens", "num_cached_prompt_tokens", "num_blocks_on_workers",
+                 "finish_reason")
+
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], sampling: SamplingOptions):
+        self.seq_id = seq_id
+        self.sampling = sampling
+        self.status = SequenceStatus.WAITING
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.completion_token_ids: list[int] = []
+        # Prompt then completion: the history the KV cache covers. Kept whole beside the two
+        # parts so that slicing it for blocks and steps never concatenates.
+        self.token_ids = list(prompt_token_ids)
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0         # tokens whose KV the workers hold
+        self.num_cached_prompt_tokens = 0    # prompt tokens the prefix cache served at the latest admission
+        # Leading block_table entries the workers have been sent; 0 while they do not know
+        # the sequence (not yet admitted, or preempted), so its next entry resets them.
+        self.num_blocks_on_workers = 0
+        self.finish_reason: str | None = None  # "stop" or "length" once finished (None when aborted)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.completion_token_ids.append(token_id)

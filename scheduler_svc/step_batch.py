@@ -1,0 +1,40 @@
+"""One step as the workers receive it, in delta form, plus what post-processing needs."""
+from dataclasses import dataclass
+
+from nanoserve.v1 import worker_pb2
+from scheduler_svc.sequence import Sequence
+
+
+@dataclass
+class StepBatch:
+    request: worker_pb2.StepRequest
+    seqs: list[Sequence]      # one per entry, in entry order
+    num_tokens: list[int]     # tokens each entry computes
+    sampled: list[Sequence]   # the entries with `sample` set: who receives token_ids[i]
+
+    @classmethod
+    def build(cls, step_id: int, seqs: list[Sequence], num_tokens: list[int],
+              forget_seq_ids: list[int]) -> "StepBatch":
+        """Describes each sequence against what the workers already know of it: a sequence
+        they do not know gets its whole block table and sampling options; afterwards only the
+        tokens to compute and the blocks appended since, so a decode entry stays the same size
+        whatever the context length."""
+        request = worker_pb2.StepRequest(step_id=step_id, forget_seq_ids=forget_seq_ids)
+        add_entry = request.seqs.add
+        sampled = []
+        for seq, count in zip(seqs, num_tokens):
+            start = seq.num_computed_tokens
+            end = start + count
+            sample = end == len(seq.token_ids)
+            # Fields left at their defaults are not passed: each keyword costs on the hot path.
+            entry = add_entry(seq_id=seq.seq_id, token_ids=seq.token_ids[start:end], num_computed=start,
+                              sample=sample, num_generated=len(seq.completion_token_ids))
+            if seq.num_blocks_on_workers == 0:
+                entry.reset = True
+                entry.sampling.CopyFrom(seq.sampling.to_proto())
+            if seq.num_blocks_on_workers < len(seq.block_table):
+                entry.new_block_ids.extend(seq.block_table[seq.num_blocks_on_workers:])
+                seq.num_blocks_on_workers = len(seq.block_table)
+            if sample:
+                sampled.append(seq)
+        return cls(request, seqs, num_tokens, sampled)
