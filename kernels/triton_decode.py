@@ -15,6 +15,8 @@ import triton.language as tl
 from kernels.triton_prefill import LOG2_E, attend_block
 
 BLOCK_N = 64
+NUM_WARPS = 4
+NUM_STAGES = 3
 # Programs wanted in flight per multiprocessor before splitting stops paying for its merge.
 PROGRAMS_PER_SM = 4
 MAX_SPLITS = 32
@@ -121,7 +123,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         scale * LOG2_E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(1), block_tables.stride(0), GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        BLOCK_N=BLOCK_N, SPLITS=splits, num_warps=4, num_stages=3)
+        BLOCK_N=BLOCK_N, SPLITS=splits, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if splits > 1:
         _merge_kernel[(num_seqs, heads)](
             context_lens, part_out, part_max, part_sum, out, out.stride(0), out.stride(1),

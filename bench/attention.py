@@ -1,0 +1,167 @@
+"""Paged attention kernels: our Triton prefill and decode against flash-attn (when it imports) on
+the same paged shapes (Qwen3-0.6B: 16 query heads, 8 KV heads, head_dim 128, bf16, blocks of 256),
+and decode bytes/s against the measured device-to-device copy rate. Prints a table, writes JSON.
+
+    PYTHONPATH=.:proto python bench/attention.py [--out bench/out/attention.json]
+"""
+import argparse
+import datetime
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+import triton
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO)]
+
+from kernels import flash_attn_backend, triton_decode, triton_prefill  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 16, 8, 128, 256, torch.bfloat16
+SCALE = HEAD_DIM ** -0.5
+# Enough distinct cache data per timed call that repeated calls do not run from the 50 MB L2.
+MIN_ROTATED_BYTES = 512 * 2**20
+DECODE_SHAPES = [(256, 1024), (64, 1024), (16, 1024), (1, 1024), (8, 8192)]  # (batch, context)
+
+
+def ragged_lengths(count: int) -> list[int]:
+    """Prompt lengths drawn as DESIGN §8's workload draws them (uniform in [100, 1024])."""
+    rng = random.Random(0)
+    return [rng.randint(100, 1024) for _ in range(count)]
+
+
+PREFILL_SHAPES = {  # name: (new tokens per sequence, cached tokens per sequence after the store)
+    "16 x 1024 new": ([1024] * 16, [1024] * 16),
+    "16 x 1024 new + 1024 cached": ([1024] * 16, [2048] * 16),
+    "16 x U[100,1024] new": (ragged_lengths(16), ragged_lengths(16)),
+}
+
+
+def median_ms(fn: Callable[[], object]) -> float:
+    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 1 GiB device-to-device copy."""
+    src = torch.randint(0, 2**30, (2**28,), dtype=torch.int32, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * src.element_size() / (median_ms(lambda: dst.copy_(src)) * 1e-3)
+
+
+def paged_sets(context_lens: list[int], copies: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One cache pool holding `copies` disjoint, shuffled block sets for a batch of sequences;
+    returns (k_cache, v_cache, block_tables [copies, batch, max_blocks])."""
+    counts = [triton.cdiv(length, BLOCK_SIZE) for length in context_lens]
+    width = max(counts)
+    num_blocks = copies * len(counts) * width
+    shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
+    v_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
+    tables = torch.randperm(num_blocks, device="cuda").int().view(copies, len(counts), width)
+    for seq, count in enumerate(counts):
+        tables[:, seq, count:] = -1
+    return k_cache, v_cache, tables
+
+
+def kv_bytes(context_lens: list[int]) -> int:
+    return 2 * sum(context_lens) * KV_HEADS * HEAD_DIM * DTYPE.itemsize
+
+
+def time_decode(decode: Callable, batch: int, context: int) -> tuple[float, torch.Tensor]:
+    """Milliseconds per call, replaying a CUDA graph (as the engine does) of one call per block
+    set, rotated so that the cache is read from HBM."""
+    copies = triton.cdiv(MIN_ROTATED_BYTES, kv_bytes([context] * batch))
+    k_cache, v_cache, tables = paged_sets([context] * batch, copies)
+    q = torch.randn(copies, batch, HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    context_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    decode(q[0], k_cache, v_cache, context_lens, tables[0], SCALE)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [decode(q[i], k_cache, v_cache, context_lens, tables[i], SCALE) for i in range(copies)]
+    return median_ms(graph.replay) / copies, outs[0]
+
+
+def time_prefill(prefill: Callable, new_lens: list[int], context_lens: list[int]) -> tuple[float, torch.Tensor]:
+    k_cache, v_cache, tables = paged_sets(context_lens, 1)
+    q = torch.randn(sum(new_lens), HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    cu_seqlens_q = torch.tensor([0, *new_lens], device="cuda").cumsum(0, dtype=torch.int32)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device="cuda")
+    args = (q, k_cache, v_cache, cu_seqlens_q, lens, tables[0], SCALE)
+    return median_ms(lambda: prefill(*args)), prefill(*args)
+
+
+def prefill_flops(new_lens: list[int], context_lens: list[int]) -> int:
+    """Causal attention: query i of n new tokens over L cached sees L - n + i + 1 keys; QK^T and
+    PV cost 2 * head_dim FLOPs per (query, key, head) each."""
+    pairs = sum(n * (length - n) + n * (n + 1) // 2 for n, length in zip(new_lens, context_lens))
+    return 4 * pairs * HEAD_DIM * HEADS
+
+
+def relative_difference(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def compare(name: str, timed: Callable[[Callable], tuple[float, torch.Tensor]], triton_fn: Callable,
+            flash_fn: Callable) -> dict:
+    triton_ms, triton_out = timed(triton_fn)
+    row = dict(case=name, triton_ms=triton_ms)
+    if flash_attn_backend.AVAILABLE:
+        flash_ms, flash_out = timed(flash_fn)
+        row.update(flash_attn_ms=flash_ms, triton_over_flash_attn=triton_ms / flash_ms,
+                   relative_difference=relative_difference(triton_out, flash_out))
+    return row
+
+
+def run() -> dict:
+    copy_rate = copy_bandwidth()
+    decode_rows, prefill_rows = [], []
+    for batch, context in DECODE_SHAPES:
+        row = compare(f"decode {batch} x {context}", lambda fn: time_decode(fn, batch, context),
+                      triton_decode.paged_decode, flash_attn_backend.paged_decode)
+        moved = kv_bytes([context] * batch) + 2 * batch * HEADS * HEAD_DIM * DTYPE.itemsize
+        row.update(bytes=moved, triton_bytes_per_s=moved / (row["triton_ms"] * 1e-3))
+        row["triton_fraction_of_copy"] = row["triton_bytes_per_s"] / copy_rate
+        decode_rows.append(row)
+    for name, (new_lens, context_lens) in PREFILL_SHAPES.items():
+        row = compare(f"prefill {name}", lambda fn: time_prefill(fn, new_lens, context_lens),
+                      triton_prefill.paged_prefill, flash_attn_backend.paged_prefill)
+        row.update(flops=prefill_flops(new_lens, context_lens))
+        row["triton_flops_per_s"] = row["flops"] / (row["triton_ms"] * 1e-3)
+        prefill_rows.append(row)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
+    return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                commit=commit, copy_bytes_per_s=copy_rate, decode=decode_rows, prefill=prefill_rows)
+
+
+def print_table(result: dict) -> None:
+    print(f"{result['device']}, copy {result['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write)")
+    print(f"{'case':38} {'triton ms':>10} {'flash ms':>9} {'ratio':>6} {'rate':>12} {'% copy':>7}")
+    for row in result["decode"] + result["prefill"]:
+        flash = f"{row['flash_attn_ms']:9.4f} {row['triton_over_flash_attn']:6.2f}" if "flash_attn_ms" in row \
+            else f"{'-':>9} {'-':>6}"
+        if "triton_bytes_per_s" in row:
+            rate = f"{row['triton_bytes_per_s'] / 1e12:8.2f} TB/s"
+            share = f"{100 * row['triton_fraction_of_copy']:6.1f}%"
+        else:
+            rate, share = f"{row['triton_flops_per_s'] / 1e12:6.0f} TFLOP/s", f"{'-':>7}"
+        print(f"{row['case']:38} {row['triton_ms']:10.4f} {flash} {rate:>12} {share}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=REPO / "bench/out/attention.json")
+    args = parser.parse_args()
+    result = run()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print_table(result)
+
+
+if __name__ == "__main__":
+    main()

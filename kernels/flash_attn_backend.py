@@ -1,0 +1,38 @@
+"""flash-attn behind the kernels' three-function contract (kernels/reference.py), as the seeds
+call it: varlen prefill through the block table, decode through the paged KV cache. flash-attn's
+paged KV needs a block size that is a multiple of 256; the KV store is our Triton one.
+
+flash_attn is optional: this module imports without it, and AVAILABLE says whether it can run.
+"""
+import torch
+
+from kernels.triton_kv_store import store_kvcache
+
+try:
+    from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+except ImportError:
+    flash_attn_varlen_func = flash_attn_with_kvcache = None
+
+AVAILABLE = flash_attn_varlen_func is not None
+__all__ = ["AVAILABLE", "store_kvcache", "paged_prefill", "paged_decode"]
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """New tokens attend causally to their whole cache. flash-attn sizes its grid from the longest
+    query and key lengths, which costs one host sync per call."""
+    cu_seqlens_k = torch.nn.functional.pad(context_lens.cumsum(0, dtype=torch.int32), (1, 0))
+    max_seqlen_q, max_seqlen_k = torch.stack(
+        [(cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max(), context_lens.max()]).tolist()
+    return flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, softmax_scale=scale, causal=True,
+                                  block_table=block_tables)
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence over its cache; no host sync, so it can be captured in a CUDA graph."""
+    out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context_lens,
+                                  block_table=block_tables, softmax_scale=scale, causal=True)
+    return out.squeeze(1)

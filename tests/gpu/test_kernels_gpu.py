@@ -1,0 +1,100 @@
+"""The Triton kernels, and the flash-attn backend when flash_attn imports, vs the torch reference
+on CUDA at the benchmark model's sizes (16 query heads, 8 KV heads, head_dim 128) in bf16."""
+import dataclasses
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from kernels import flash_attn_backend, triton_decode, triton_kv_store, triton_prefill  # noqa: E402
+from tests.test_triton_kernels import (  # noqa: E402
+    Case, check_decode, check_prefill, check_store, make_paged_batch)
+
+BF16 = dict(head_dim=128, dtype=torch.bfloat16)
+STORE_CASES = [Case(new_lens=(700,), context_lens=(1500,), heads=16, kv_heads=8, block_size=256, **BF16)]
+PREFILL_CASES = [
+    # first prefills, GQA 2
+    Case(new_lens=(1024, 517, 33), context_lens=(1024, 517, 33), heads=16, kv_heads=8,
+         block_size=256, **BF16),
+    # prefix-cache hits, GQA 2
+    Case(new_lens=(1024, 100), context_lens=(2048, 612), heads=16, kv_heads=8, block_size=256, **BF16),
+    # chunked prefill continuing mid-block, GQA 8
+    Case(new_lens=(512, 300), context_lens=(1536, 701), heads=16, kv_heads=2, block_size=16, **BF16),
+    # GQA 1, smaller power-of-two head_dim
+    Case(new_lens=(200, 77), context_lens=(200, 300), heads=8, kv_heads=8, head_dim=64,
+         block_size=32, dtype=torch.bfloat16),
+]
+_LENGTHS = torch.randint(0, 2048, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+DECODE_CASES = [
+    # many sequences (no split), GQA 2, a few padding rows of length 0
+    Case(new_lens=(1,) * 64, context_lens=tuple(_LENGTHS[:60]) + (0,) * 4, heads=16, kv_heads=8,
+         block_size=256, **BF16),
+    # few sequences: split along the context
+    Case(new_lens=(1,) * 3, context_lens=(4000, 0, 77), heads=16, kv_heads=8, block_size=256, **BF16),
+    # GQA 8
+    Case(new_lens=(1,) * 7, context_lens=(1, 16, 17, 300, 999, 1024, 2500), heads=16, kv_heads=2,
+         block_size=16, **BF16),
+    # GQA 1, smaller power-of-two head_dim
+    Case(new_lens=(1,) * 5, context_lens=(5, 50, 500, 0, 1234), heads=8, kv_heads=8, head_dim=64,
+         block_size=32, dtype=torch.bfloat16),
+]
+needs_flash_attn = pytest.mark.skipif(not flash_attn_backend.AVAILABLE, reason="flash_attn not importable")
+
+
+
+def flash_attn_shaped(cases: list[Case]) -> list[Case]:
+    """The minimal flash-attn build serves bf16, head_dim 128, blocks of a multiple of 256."""
+    return [c for c in cases if c.head_dim == 128 and c.block_size % 256 == 0]
+
+
+@pytest.mark.parametrize("case", STORE_CASES)
+def test_triton_store(case: Case) -> None:
+    check_store(triton_kv_store.store_kvcache, case, "cuda", seed=0)
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_triton_prefill(case: Case) -> None:
+    check_prefill(triton_prefill.paged_prefill, case, "cuda", seed=1)
+
+
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_triton_decode(case: Case) -> None:
+    check_decode(triton_decode.paged_decode, case, "cuda", seed=2)
+
+
+def test_triton_decode_replays_in_cuda_graph() -> None:
+    """Captured once at capacity, then replayed over other lengths and block tables written into
+    the captured buffers: right every time, since the launch depends only on shapes."""
+    capacity = Case(new_lens=(1,) * 3, context_lens=(4000,) * 3, heads=16, kv_heads=8,
+                    block_size=256, **BF16)
+    q, k_cache, v_cache, _, context_lens, block_tables = make_paged_batch(capacity, "cuda", seed=5)
+    static = (q, k_cache, v_cache, context_lens, block_tables)
+    scale = capacity.head_dim ** -0.5
+    triton_decode.paged_decode(*static, scale)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_decode.paged_decode(*static, scale)
+
+    def replay(*step: torch.Tensor) -> torch.Tensor:
+        block_tables.fill_(-1)
+        for buffer, new in zip(static, step[:-1]):
+            buffer[tuple(slice(0, n) for n in new.shape)].copy_(new)
+        graph.replay()
+        return out.clone()
+
+    for seed, lengths in enumerate([(10, 3000, 0), (4000, 1, 77)]):
+        check_decode(replay, dataclasses.replace(capacity, context_lens=lengths), "cuda", seed)
+
+
+@needs_flash_attn
+@pytest.mark.parametrize("case", flash_attn_shaped(PREFILL_CASES))
+def test_flash_attn_prefill(case: Case) -> None:
+    check_prefill(flash_attn_backend.paged_prefill, case, "cuda", seed=3)
+
+
+@needs_flash_attn
+@pytest.mark.parametrize("case", flash_attn_shaped(DECODE_CASES))
+def test_flash_attn_decode(case: Case) -> None:
+    check_decode(flash_attn_backend.paged_decode, case, "cuda", seed=4)
