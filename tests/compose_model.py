@@ -1,0 +1,77 @@
+"""compose.yaml as the tests read it: resolved by a real Compose implementation, and each
+service's `nanoserve` command line parsed by the CLI's own argument parser."""
+import argparse
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from unittest import mock
+
+import yaml
+
+from nanoserve.cli import build_parser
+
+REPO = Path(__file__).resolve().parent.parent
+COMPOSE_FILE = REPO / "compose.yaml"
+PROFILES = ("one-rank",)
+
+
+def compose_clis() -> list[list[str]]:
+    """The Compose implementations on this machine: Docker's plugin and Debian's docker-compose."""
+    found = []
+    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"],
+                                                 capture_output=True).returncode == 0:
+        found.append(["docker", "compose"])
+    if shutil.which("docker-compose"):
+        found.append(["docker-compose"])
+    return found
+
+
+def compose_config(cli: list[str], variables: dict[str, str]) -> subprocess.CompletedProcess:
+    """`config` over compose.yaml with every profile on, seeing only `variables` from the host."""
+    profiles = [arg for name in PROFILES for arg in ("--profile", name)]
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), **variables}
+    return subprocess.run([*cli, "--project-directory", str(REPO), "-f", str(COMPOSE_FILE), *profiles,
+                           "config"], env=env, capture_output=True, text=True, timeout=60)
+
+
+def resolved_model(cli: list[str], variables: dict[str, str]) -> dict:
+    """The project as the implementation resolves it (anchors merged, variables substituted)."""
+    result = compose_config(cli, variables)
+    assert result.returncode == 0, f"{' '.join(cli)} config failed:\n{result.stderr}"
+    return yaml.safe_load(result.stdout)
+
+
+def raw_services() -> dict[str, dict]:
+    """The services as written (YAML anchors merged, variables left as they are)."""
+    return yaml.safe_load(COMPOSE_FILE.read_text())["services"]
+
+
+def cli_args(name: str, service: dict) -> argparse.Namespace:
+    """The service's command parsed by nanoserve's parser, which reads NANOSERVE_* as defaults."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NANOSERVE_")}
+    env.update({k: str(v) for k, v in (service.get("environment") or {}).items()})
+    command = [str(arg) for arg in service["command"]]
+    with mock.patch.dict(os.environ, env, clear=True):
+        try:
+            return build_parser().parse_args(command)
+        except SystemExit:
+            raise AssertionError(f"{name}: `nanoserve {' '.join(command)}` does not parse") from None
+
+
+@dataclass
+class Deployment:
+    """One scheduler service and the worker services it drives, in rank order."""
+    scheduler: str
+    workers: list[str]
+
+
+def deployments(services: dict[str, dict]) -> list[Deployment]:
+    """Every scheduler service, with its workers named by the hosts in its --workers list."""
+    found = []
+    for name, service in services.items():
+        args = cli_args(name, service)
+        if args.command == "scheduler":
+            found.append(Deployment(name, [addr.split(":")[0] for addr in args.workers.split(",")]))
+    return found
