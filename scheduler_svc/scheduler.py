@@ -176,7 +176,6 @@ class Scheduler:
         completion so far, less what the prefix cache still holds)."""
         self.block_manager.free(seq)
         self._forget(seq)
-        seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 

@@ -40,7 +40,7 @@ class Sequence:
         # parts so that slicing it for blocks and steps never concatenates.
         self.token_ids = list(prompt_token_ids)
         self.block_table: list[int] = []
-        self.num_computed_tokens = 0         # tokens whose KV the workers hold
+        self.num_computed_tokens = 0         # while running: tokens whose KV the workers hold
         self.num_cached_prompt_tokens = 0    # prompt tokens the prefix cache served at the latest admission
         # Leading block_table entries the workers have been sent; 0 while they do not know
         # the sequence (not yet admitted, or preempted), so its next entry resets them.
