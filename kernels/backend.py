@@ -1,0 +1,52 @@
+"""Attention backends: three functions with the signatures of kernels.reference (store_kvcache,
+paged_prefill, paged_decode), looked up by name so each implementation plugs in alone."""
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from typing import Callable
+
+# name -> "module:function" for store_kvcache, paged_prefill, paged_decode
+BACKENDS: dict[str, tuple[str, str, str]] = {
+    "torch": ("kernels.reference:store_kvcache", "kernels.reference:paged_prefill",
+              "kernels.reference:paged_decode"),
+    "triton": ("kernels.triton_kv_store:store_kvcache", "kernels.triton_prefill:paged_prefill",
+               "kernels.triton_decode:paged_decode"),
+    "flash-attn": ("kernels.triton_kv_store:store_kvcache", "kernels.flash_attention:paged_prefill",
+                   "kernels.flash_attention:paged_decode"),
+}
+FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn's paged kernels need blocks of a multiple of 256 tokens
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    store_kvcache: Callable
+    paged_prefill: Callable
+    paged_decode: Callable
+
+
+def _function(target: str) -> Callable:
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def auto_backend_name(device: str, block_size: int) -> str:
+    """flash-attn where it is installed and the block size suits it, then our Triton kernels on
+    CUDA, else the plain torch reference."""
+    if device != "cuda":
+        return "torch"
+    if importlib.util.find_spec("flash_attn") and block_size % FLASH_ATTN_BLOCK_MULTIPLE == 0:
+        return "flash-attn"
+    return "triton"
+
+
+def select_backend(name: str, device: str, block_size: int) -> AttentionBackend:
+    """The backend called `name` ("auto" picks one for the device); ValueError if it cannot run."""
+    if name == "auto":
+        name = auto_backend_name(device, block_size)
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend {name!r}: expected auto or one of {', '.join(BACKENDS)}")
+    if name == "flash-attn" and block_size % FLASH_ATTN_BLOCK_MULTIPLE:
+        raise ValueError(f"the flash-attn backend needs a block size that is a multiple of "
+                         f"{FLASH_ATTN_BLOCK_MULTIPLE}, got {block_size}")
+    return AttentionBackend(name, *(_function(target) for target in BACKENDS[name]))

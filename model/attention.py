@@ -1,0 +1,29 @@
+"""Paged attention over the KV cache: stores this step's K/V, then attends through the backend
+named in the step context."""
+import torch
+from torch import nn
+
+from worker_svc.context import get_step_context
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.k_cache = self.v_cache = torch.empty(0)  # bound by the runner once memory is sized
+
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """This layer's [num_blocks, block_size, kv_heads, head_dim] slices of the cache."""
+        self.k_cache, self.v_cache = k_cache, v_cache
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [N, heads, head_dim], k/v [N, kv_heads, head_dim] -> [N, heads, head_dim]."""
+        ctx = get_step_context()
+        backend = ctx.backend
+        backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        if ctx.is_prefill:
+            return backend.paged_prefill(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q,
+                                         ctx.context_lens, ctx.block_tables, self.scale)
+        return backend.paged_decode(q, self.k_cache, self.v_cache, ctx.context_lens,
+                                    ctx.block_tables, self.scale)

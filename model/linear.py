@@ -1,0 +1,93 @@
+"""Tensor-parallel linear layers (no bias: Qwen3 has none). Each keeps only its rank's slice of the
+weight and knows how to cut that slice out of a full checkpoint tensor (its weight loader).
+At world size 1 they are plain linear layers."""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.parallel import all_reduce, check_shape, divide, tp_rank, tp_world_size
+
+
+@dataclass(frozen=True)
+class PackedPart:
+    """One checkpoint matrix packed into a column-parallel weight, as this rank holds it."""
+    full_rows: int  # rows of the checkpoint matrix
+    start: int      # first of its rows this rank keeps
+    rows: int       # how many rows this rank keeps
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split across ranks: each rank computes its slice of y, no communication.
+    Several checkpoint matrices of the same input (`parts`, by shard id) are packed side by side
+    so that they run as one matmul."""
+
+    def __init__(self, input_size: int, parts: dict[int | str, PackedPart]):
+        super().__init__()
+        self.input_size = input_size
+        self.parts = parts
+        self.offsets, offset = {}, 0
+        for shard_id, part in parts.items():
+            self.offsets[shard_id], offset = offset, offset + part.rows
+        self.weight = nn.Parameter(torch.empty(offset, input_size))
+        self.weight.weight_loader = self.load_weight
+
+    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str) -> None:
+        part = self.parts[shard_id]
+        check_shape(loaded, (part.full_rows, self.input_size))
+        param.data.narrow(0, self.offsets[shard_id], part.rows).copy_(loaded.narrow(0, part.start, part.rows))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Projections of one input (gate and up), each split evenly across ranks; shard ids 0, 1, ..."""
+
+    def __init__(self, input_size: int, output_sizes: list[int]):
+        rank, world_size = tp_rank(), tp_world_size()
+        parts = {}
+        for shard_id, size in enumerate(output_sizes):
+            rows = divide(size, world_size, "output features")
+            parts[shard_id] = PackedPart(size, rank * rows, rows)
+        super().__init__(input_size, parts)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v (shard ids "q", "k", "v") split across ranks by heads. With fewer KV heads than
+    ranks, each KV head is replicated on the ranks whose query heads share it."""
+
+    def __init__(self, hidden_size: int, head_dim: int, total_heads: int, total_kv_heads: int):
+        rank, world_size = tp_rank(), tp_world_size()
+        self.num_heads = divide(total_heads, world_size, "attention heads")
+        if total_kv_heads >= world_size:
+            self.num_kv_heads = divide(total_kv_heads, world_size, "KV heads")
+            kv_start = rank * self.num_kv_heads
+        else:
+            self.num_kv_heads = 1
+            kv_start = rank // divide(world_size, total_kv_heads, "ranks (replicating KV heads)")
+        q_rows, kv_rows = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        kv = PackedPart(total_kv_heads * head_dim, kv_start * head_dim, kv_rows)
+        super().__init__(hidden_size, {"q": PackedPart(total_heads * head_dim, rank * q_rows, q_rows),
+                                       "k": kv, "v": kv})
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split across ranks (a column-parallel layer's output slices): each rank
+    computes a partial y and the all-reduce sums them."""
+
+    def __init__(self, input_size: int, output_size: int):
+        super().__init__()
+        self.rank = tp_rank()
+        self.full_shape = (output_size, input_size)
+        self.weight = nn.Parameter(torch.empty(output_size, divide(input_size, tp_world_size(), "input features")))
+        self.weight.weight_loader = self.load_weight
+
+    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        check_shape(loaded, self.full_shape)
+        columns = param.shape[1]
+        param.data.copy_(loaded.narrow(1, self.rank * columns, columns))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(F.linear(x, self.weight))

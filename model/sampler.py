@@ -1,0 +1,49 @@
+"""Next-token sampling: greedy at temperature 0, otherwise the exponential race (Gumbel-max):
+argmax(logits / T - log E) with E ~ Exp(1) draws exactly from softmax(logits / T)."""
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    temperature: float
+    seed: int | None     # per-request seed; None draws from the worker's own stream
+    num_generated: int   # tokens this request has produced so far
+
+
+def seeded_noise_seed(seed: int, num_generated: int) -> int:
+    """The generator seed for one token of a seeded request: a function of (seed, position in the
+    output) only, so the token does not depend on the batch, nor on a recompute after preemption."""
+    digest = hashlib.blake2b(f"{seed}:{num_generated}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int):
+        self.device = device
+        self.generator = torch.Generator(device).manual_seed(seed)
+
+    def _noise(self, rows: list[SamplingRow], vocab_size: int) -> torch.Tensor:
+        """Exp(1) noise [len(rows), vocab]; seeded rows each from their own generator, greedy rows
+        all ones (no noise after the log)."""
+        noise = torch.ones(len(rows), vocab_size, device=self.device)
+        unseeded = [i for i, row in enumerate(rows) if row.temperature > 0 and row.seed is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), vocab_size, device=self.device).exponential_(
+                generator=self.generator)
+        for i, row in enumerate(rows):
+            if row.temperature > 0 and row.seed is not None:
+                own = torch.Generator(self.device).manual_seed(seeded_noise_seed(row.seed, row.num_generated))
+                noise[i].exponential_(generator=own)
+        return noise
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+        """One token per row of logits [len(rows), vocab]; temperature is applied in float32."""
+        logits = logits.float()
+        if all(row.temperature == 0 for row in rows):
+            return logits.argmax(dim=-1).tolist()
+        # Greedy rows divide by 1 and get no noise: the same argmax.
+        temperatures = torch.tensor([row.temperature or 1.0 for row in rows], device=self.device)
+        return (logits / temperatures[:, None] - self._noise(rows, logits.shape[-1]).log()).argmax(dim=-1).tolist()

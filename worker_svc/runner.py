@@ -1,0 +1,124 @@
+"""The model runner of one worker rank: loads its shard of the model, owns the KV cache, and turns
+each step message into one forward pass and, on rank 0, sampled tokens."""
+import hashlib
+from pathlib import Path
+
+import torch
+
+from kernels.backend import select_backend
+from model.loader import load_model
+from model.parallel import tp_rank, tp_world_size
+from model.qwen3_config import Qwen3Config, resolve_dtype
+from model.sampler import Sampler, SamplingRow
+from nanoserve.v1 import worker_pb2
+from worker_svc.config import WorkerConfig
+from worker_svc.context import step_context
+from worker_svc.distributed import uses_cuda
+from worker_svc.seq_state import SequenceTable
+from worker_svc.step_inputs import build_step_inputs
+
+
+def model_fingerprint(path: Path, dtype: torch.dtype) -> str:
+    """Equal on ranks that serve the same checkpoint in the same dtype."""
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for file in sorted(path.glob("*.safetensors")):
+        digest.update(f"{file.name}:{file.stat().st_size}".encode())
+    digest.update(str(dtype).encode())
+    return digest.hexdigest()[:16]
+
+
+class ModelRunner:
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        if (tp_rank(), tp_world_size()) != (config.rank, config.tensor_parallel_size):
+            raise ValueError(f"rank {config.rank} of {config.tensor_parallel_size} was asked for, but this "
+                             f"process is rank {tp_rank()} of {tp_world_size()} in torch.distributed")
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if uses_cuda(config)
+                       else torch.device("cpu"))
+        path = Path(config.model)
+        self.model_config = Qwen3Config.from_dir(path)
+        self.dtype = resolve_dtype(config.dtype, self.model_config)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        if self.max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {self.model_config.max_position_embeddings}")
+        self.backend = select_backend(config.attention_backend, self.device.type, config.block_size)
+        self.model = load_model(path, self.model_config, self.dtype, self.device)
+        self.sampler = Sampler(self.device, config.seed)
+        self.fingerprint = model_fingerprint(path, self.dtype)
+        self.max_kv_blocks = self._max_kv_blocks()
+        self.kv_cache: torch.Tensor | None = None
+        self.seqs: SequenceTable | None = None  # exists once the KV cache does
+
+    def _kv_block_bytes(self) -> int:
+        attn = self.model.attention_layers()[0]
+        per_token = 2 * attn.num_kv_heads * attn.head_dim * self.dtype.itemsize  # K and V
+        return len(self.model.attention_layers()) * self.config.block_size * per_token
+
+    def _max_kv_blocks(self) -> int:
+        """KV blocks this rank can hold: forced by the config, else from the CPU budget or the GPU's
+        free memory under gpu_memory_utilization."""
+        if self.config.num_kv_blocks > 0:
+            return self.config.num_kv_blocks
+        if self.device.type == "cpu":
+            budget = self.config.cpu_kv_cache_gb * 2**30
+        else:
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * self.config.gpu_memory_utilization - (total - free)
+        return max(0, int(budget // self._kv_block_bytes()))
+
+    def info(self) -> worker_pb2.WorkerInfo:
+        return worker_pb2.WorkerInfo(
+            model=self.config.model, rank=self.config.rank, world_size=self.config.tensor_parallel_size,
+            dtype=str(self.dtype).removeprefix("torch."), block_size=self.config.block_size,
+            max_kv_blocks=self.max_kv_blocks, vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len, eos_token_ids=self.model_config.eos_token_ids,
+            attention_backend=self.backend.name, device=str(self.device),
+            max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
+            model_fingerprint=self.fingerprint)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """(Re)allocates the cache; any sequence state refers to the old one and is dropped."""
+        if not 0 < num_blocks <= self.max_kv_blocks:
+            raise ValueError(f"cannot allocate {num_blocks} KV blocks: this rank holds 1 to {self.max_kv_blocks}")
+        self.kv_cache = self.seqs = None  # release the old cache before taking memory for the new one
+        layers = self.model.attention_layers()
+        self.kv_cache = torch.empty(2, len(layers), num_blocks, self.config.block_size, layers[0].num_kv_heads,
+                                    layers[0].head_dim, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(layers):
+            layer.bind_kv_cache(self.kv_cache[0, i], self.kv_cache[1, i])
+        self.seqs = SequenceTable(num_blocks, self.config.block_size, self.model_config.vocab_size,
+                                  self.max_model_len)
+
+    @torch.inference_mode()
+    def step(self, request: worker_pb2.StepRequest) -> list[int]:
+        """One sampled token per entry with `sample` set, in entry order (rank 0); [] on other ranks."""
+        logits, sampling = self._forward(request)
+        return [] if logits is None else self.sampler(logits, sampling)
+
+    @torch.inference_mode()
+    def step_logits(self, request: worker_pb2.StepRequest) -> torch.Tensor | None:
+        """Runs the step like step() but returns the logits [sampled entries, vocab] instead."""
+        return self._forward(request)[0]
+
+    def _forward(self, request: worker_pb2.StepRequest) -> tuple[torch.Tensor | None, list[SamplingRow]]:
+        if self.seqs is None:
+            raise ValueError("step before the KV cache was allocated")
+        num_tokens = sum(len(entry.token_ids) for entry in request.seqs)
+        if len(request.seqs) > self.config.max_num_seqs or num_tokens > self.config.max_num_batched_tokens:
+            raise ValueError(f"step of {len(request.seqs)} sequences and {num_tokens} tokens exceeds this "
+                             f"worker's limits ({self.config.max_num_seqs} sequences, "
+                             f"{self.config.max_num_batched_tokens} tokens)")
+        work = self.seqs.apply(request)
+        if not work:
+            return None, []
+        inputs = build_step_inputs(work, self.config.block_size, self.backend, self.device)
+        with step_context(inputs.context):
+            hidden = self._run_model(inputs.input_ids, inputs.positions)
+        if not inputs.sampling:
+            return None, []
+        return self.model.compute_logits(hidden[inputs.sample_indices]), inputs.sampling
+
+    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The forward pass under the current step context (the seam for CUDA-graph replay)."""
+        return self.model(input_ids, positions)
