@@ -83,7 +83,8 @@ class BlockManager:
                 del self.free_block_ids[block.block_id]
             block.ref_count += 1
         num_fresh = self.num_blocks_for(len(seq)) - len(cached)
-        seq.block_table = [block.block_id for block in cached] + [self._take_free_block() for _ in range(num_fresh)]
+        fresh = [self._take_free_block() for _ in range(num_fresh)]
+        seq.block_table = [block.block_id for block in cached] + fresh
 
     def append_block(self, seq: Sequence) -> bool:
         """Grows a decoding sequence by one block; False when none is free."""

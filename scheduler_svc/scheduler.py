@@ -11,7 +11,7 @@ prefix cache advance only once the workers have done the work.
 """
 from collections import deque
 
-from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.block_manager import Block, BlockManager
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.step_batch import StepBatch
@@ -28,10 +28,11 @@ class AdmissionError(Exception):
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         if config.max_num_batched_tokens < config.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must cover one decode "
-                             f"token for each of max_num_seqs ({config.max_num_seqs}) sequences")
+            raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must cover one "
+                             f"decode token for each of max_num_seqs ({config.max_num_seqs}) sequences")
         self.config = config
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching)
         # A sequence can never outgrow the pool either: past it, there is no slot for its next token.
         self.max_seq_len = min(config.max_model_len, config.num_kv_blocks * config.block_size)
         self.eos_token_ids = frozenset(config.eos_token_ids)
@@ -68,12 +69,13 @@ class Scheduler:
         if num_tokens == 0:
             raise AdmissionError("invalid", "the prompt is empty")
         if num_tokens >= limit:
-            raise AdmissionError("invalid", f"prompt has {num_tokens} tokens but the model's limit is {limit} "
-                                            f"for prompt and completion together")
+            raise AdmissionError("invalid", f"prompt has {num_tokens} tokens but the model's limit is "
+                                            f"{limit} for prompt and completion together")
         num_blocks = self.block_manager.num_blocks_for(num_tokens)
         if num_blocks > self.num_total_blocks:
-            raise AdmissionError("exhausted", f"prompt needs {num_blocks} KV blocks of {self.config.block_size} "
-                                              f"tokens but the pool has {self.num_total_blocks}")
+            raise AdmissionError("exhausted", f"prompt needs {num_blocks} KV blocks of "
+                                              f"{self.config.block_size} tokens but the pool has "
+                                              f"{self.num_total_blocks}")
         self.waiting.append(seq)
         self.live[seq.seq_id] = seq
 
@@ -133,32 +135,33 @@ class Scheduler:
         # With one token left it simply joins the next decode.
         if self.running and self.running[-1].num_uncomputed_tokens > 1:
             seqs.append(self.running[-1])
-            num_tokens.append(min(self.running[-1].num_uncomputed_tokens, budget))
+            num_tokens.append(min(seqs[-1].num_uncomputed_tokens, budget))
             budget -= num_tokens[-1]
         while self.waiting and budget and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            cached = self.block_manager.cached_prefix(seq)
-            if not self.block_manager.can_allocate(seq, cached):
+            cached = self.block_manager.cached_prefix(self.waiting[0])
+            if not self.block_manager.can_allocate(self.waiting[0], cached):
                 break
-            self.waiting.popleft()
-            self.block_manager.allocate(seq, cached)
-            seq.num_computed_tokens = len(cached) * self.config.block_size
-            seq.num_cached_prompt_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
-            self.prefix_cache_hit_tokens += seq.num_computed_tokens
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            seqs.append(seq)
-            num_tokens.append(min(seq.num_uncomputed_tokens, budget))
+            seqs.append(self._admit(self.waiting.popleft(), cached))
+            num_tokens.append(min(seqs[-1].num_uncomputed_tokens, budget))
             budget -= num_tokens[-1]
         return self._build(seqs, num_tokens) if seqs else None
+
+    def _admit(self, seq: Sequence, cached: list[Block]) -> Sequence:
+        self.block_manager.allocate(seq, cached)
+        seq.num_computed_tokens = len(cached) * self.config.block_size
+        seq.num_cached_prompt_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+        self.prefix_cache_hit_tokens += seq.num_computed_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return seq
 
     def _schedule_decode(self) -> StepBatch | None:
         running, block_size = self.running, self.config.block_size
         index = 0
         while index < len(running):
             seq = running[index]
-            # The token to compute goes at position num_computed_tokens.
-            if seq.num_computed_tokens < len(seq.block_table) * block_size or self.block_manager.append_block(seq):
+            has_slot = seq.num_computed_tokens < len(seq.block_table) * block_size  # for the token to compute
+            if has_slot or self.block_manager.append_block(seq):
                 index += 1
             else:
                 self._preempt(running.pop())  # may be seq itself, which ends the loop
@@ -192,8 +195,10 @@ class Scheduler:
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         sampling = seq.sampling
-        if token_id in sampling.stop_token_ids or (not sampling.ignore_eos and token_id in self.eos_token_ids):
+        if token_id in sampling.stop_token_ids:
             return "stop"
-        if len(seq.completion_token_ids) == sampling.max_tokens or len(seq) >= self.max_seq_len:
+        if token_id in self.eos_token_ids and not sampling.ignore_eos:
+            return "stop"
+        if len(seq.completion_token_ids) == sampling.max_tokens or len(seq.token_ids) >= self.max_seq_len:
             return "length"
         return None

@@ -15,10 +15,10 @@ class StepBatch:
     @classmethod
     def build(cls, step_id: int, seqs: list[Sequence], num_tokens: list[int],
               forget_seq_ids: list[int]) -> "StepBatch":
-        """Describes each sequence against what the workers already know of it: a sequence
-        they do not know gets its whole block table and sampling options; afterwards only the
-        tokens to compute and the blocks appended since, so a decode entry stays the same size
-        whatever the context length."""
+        """Describes each sequence against what the workers already know of it, and records
+        what they will know after this step. A sequence they do not know gets its whole block
+        table and sampling options; afterwards only the tokens to compute and the blocks
+        appended since, so a decode entry stays the same size whatever the context length."""
         request = worker_pb2.StepRequest(step_id=step_id, forget_seq_ids=forget_seq_ids)
         add_entry = request.seqs.add
         sampled = []

@@ -28,7 +28,8 @@ def chain_hashes(token_ids: list[int]) -> list[int]:
     hashes: list[int] = []
     for start in range(0, len(token_ids) - BLOCK_SIZE + 1, BLOCK_SIZE):
         prefix = hashes[-1].to_bytes(8, "little") if hashes else b""
-        hashes.append(xxhash.xxh64(prefix + array("I", token_ids[start:start + BLOCK_SIZE]).tobytes()).intdigest())
+        block = array("I", token_ids[start:start + BLOCK_SIZE]).tobytes()
+        hashes.append(xxhash.xxh64(prefix + block).intdigest())
     return hashes
 
 

@@ -41,8 +41,9 @@ def test_prompt_of_exactly_one_block():
     assert list(entry.token_ids) == [1, 2, 3, 4] and entry.num_computed == 0
     assert entry.reset and entry.sample and entry.sampling.max_tokens == 3
     assert len(entry.new_block_ids) == 1
-    assert scheduler.block_manager.hash_to_block_id == {scheduler.block_manager.blocks[entry.new_block_ids[0]].hash:
-                                                        entry.new_block_ids[0]}
+    (block_id,) = entry.new_block_ids
+    manager = scheduler.block_manager
+    assert manager.hash_to_block_id == {manager.blocks[block_id].hash: block_id}  # hashed once computed
     (decode,) = step(scheduler).seqs  # position 4 opens the second block
     assert list(decode.token_ids) == [9] and decode.num_computed == 4 and not decode.reset
     assert len(decode.new_block_ids) == 1 and decode.new_block_ids[0] != entry.new_block_ids[0]
@@ -131,7 +132,8 @@ def test_cached_block_revived_from_the_free_list():
     (entry,) = batch.request.seqs
     assert list(entry.new_block_ids[:2]) == list(first.new_block_ids[:2]) and entry.num_computed == 8
     assert scheduler.num_free_blocks == scheduler.num_total_blocks - 3
-    assert [scheduler.block_manager.blocks[block_id].ref_count for block_id in entry.new_block_ids] == [1, 1, 1]
+    ref_counts = [scheduler.block_manager.blocks[block_id].ref_count for block_id in entry.new_block_ids]
+    assert ref_counts == [1, 1, 1]
 
 
 def test_chunked_prefill_continues_before_admitting_more():
@@ -214,7 +216,7 @@ def test_requests_that_can_never_run_are_refused():
     scheduler = make_scheduler(num_kv_blocks=4, max_model_len=20)
     with pytest.raises(AdmissionError, match="prompt has 20 tokens but the model's limit is 20") as too_long:
         add(scheduler, 1, list(range(20)))
-    with pytest.raises(AdmissionError, match="prompt needs 5 KV blocks of 4 tokens but the pool has 4") as too_big:
+    with pytest.raises(AdmissionError, match="needs 5 KV blocks of 4 tokens but the pool has 4") as too_big:
         add(scheduler, 2, list(range(17)))
     with pytest.raises(AdmissionError, match="empty") as empty:
         add(scheduler, 3, [])
