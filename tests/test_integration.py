@@ -61,7 +61,7 @@ def test_token_id_prompt_greedy_matches_transformers(client, hf):
     ids = [(i * 7919) % 150000 for i in range(1, 40)]
     got = client.generate(ids, max_tokens=20, temperature=0, ignore_eos=True)
     assert got.token_ids == hf_greedy(hf, ids, 20)
-    assert got.text == hf[1].decode(got.token_ids)
+    assert got.text == hf[1].decode(got.token_ids, skip_special_tokens=True)
 
 
 def test_concurrent_streams_with_shared_prefix(client):
@@ -112,7 +112,7 @@ def test_streamed_text_equals_decoding_of_all_tokens(client, hf):
         for msg in client.stream("写一首关于大海的诗 🌊", max_tokens=48, temperature=1.0, seed=seed, ignore_eos=True):
             pieces.append(msg.text)
             tokens.extend(msg.token_ids)
-        full = hf[1].decode(tokens)
+        full = hf[1].decode(tokens, skip_special_tokens=True)
         assert "".join(pieces) == full
         assert all("\ufffd" not in p for p in pieces) or "\ufffd" in full
         found_multibyte |= any(ord(ch) > 0x7FF for ch in full)

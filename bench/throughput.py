@@ -1,0 +1,106 @@
+"""End-to-end throughput through the real services (DESIGN §8 workload).
+
+Starts `nanoserve up` on a Qwen3-0.6B-shaped checkpoint with random bf16 weights (built on first
+use), drives it with 256 concurrent gRPC Generate streams, prints a table and writes JSON.
+"""
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "proto")]
+
+from nanoserve.client import make_request  # noqa: E402
+from nanoserve.launcher import free_port, stop_all, wait_serving  # noqa: E402
+from nanoserve.v1 import llm_pb2, llm_pb2_grpc  # noqa: E402
+
+
+def workload(num_seqs: int, max_input: int, max_output: int) -> list[tuple[list[int], int]]:
+    """The seeds' benchmark: seed 0, prompts of random ids in [0, 10000], random lengths."""
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input))] for _ in range(num_seqs)]
+    return [(p, random.randint(100, max_output)) for p in prompts]
+
+
+async def run_one(stub, prompt: list[int], max_tokens: int) -> int:
+    request = make_request(prompt, max_tokens=max_tokens, temperature=0.6, ignore_eos=True)
+    count = 0
+    async for msg in stub.Generate(request):
+        count += len(msg.token_ids)
+    assert count == max_tokens, (count, max_tokens)
+    return count
+
+
+async def drive(address: str, jobs: list[tuple[list[int], int]]) -> dict:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = llm_pb2_grpc.LLMStub(channel)
+        await run_one(stub, [1, 2, 3, 4], 16)  # warm-up
+        before = await stub.GetStats(llm_pb2.GetStatsRequest())
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(run_one(stub, p, n) for p, n in jobs))
+        seconds = time.perf_counter() - start
+        after = await stub.GetStats(llm_pb2.GetStatsRequest())
+        info = await stub.GetModelInfo(llm_pb2.GetModelInfoRequest())
+
+    def delta(name: str) -> float:
+        return getattr(after, name) - getattr(before, name)
+
+    return {
+        "output_tokens": sum(counts), "seconds": seconds, "tok_per_s": sum(counts) / seconds,
+        "requests": len(jobs), "prompt_tokens": sum(len(p) for p, _ in jobs),
+        "prefill_steps": delta("prefill_steps"), "decode_steps": delta("decode_steps"),
+        "prefill_tok_per_s": delta("prefill_tokens") / max(delta("prefill_busy_seconds"), 1e-9),
+        "decode_tok_per_s": delta("decode_tokens") / max(delta("decode_busy_seconds"), 1e-9),
+        "decode_step_ms": 1e3 * delta("decode_busy_seconds") / max(delta("decode_steps"), 1),
+        "gpu_wait_between_decode_steps_ms": 1e3 * delta("decode_idle_seconds") / max(delta("decode_steps"), 1),
+        "kv_blocks": info.num_kv_blocks, "attention_backend": info.attention_backend,
+        "tensor_parallel_size": info.tensor_parallel_size,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default=str(REPO / ".cache" / "qwen3-0.6b-random"))
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--max-input-len", type=int, default=1024)
+    p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument("--extra", default="", help="more `nanoserve up` flags, space separated")
+    p.add_argument("--out", default=str(REPO / "bench" / "out" / "throughput.json"))
+    args = p.parse_args()
+
+    model = Path(args.model)
+    if not (model / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "model.random_checkpoint", str(model), "--shape", "qwen3-0.6b"],
+                       check=True, cwd=REPO)
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'proto'}"}
+    cmd = [sys.executable, "-m", "nanoserve.cli", "up", "--model", str(model), "--port", str(port),
+           "--worker-base-port", str(free_port()), "--tensor-parallel-size", str(args.tensor_parallel_size),
+           "--attention-backend", args.attention_backend, *args.extra.split()]
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        wait_serving(f"127.0.0.1:{port}", [proc], timeout=900)
+        result = asyncio.run(drive(f"127.0.0.1:{port}", workload(args.num_seqs, args.max_input_len,
+                                                                 args.max_output_len)))
+    finally:
+        stop_all([proc])
+    result["command"] = " ".join(sys.argv)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"{'metric':36s} value")
+    for key, value in result.items():
+        print(f"{key:36s} {value:.1f}" if isinstance(value, float) else f"{key:36s} {value}")
+
+
+if __name__ == "__main__":
+    main()
