@@ -46,6 +46,8 @@ class Totals:
     decode_idle_seconds: float = 0.0
 
     def record_step(self, request: worker_pb2.StepRequest, reply: worker_pb2.StepResponse) -> None:
+        if not request.seqs:
+            return
         first = request.seqs[0]
         if not first.reset and len(first.token_ids) == 1:  # decode steps are never mixed with prefill
             self.decode_steps += 1
