@@ -11,8 +11,8 @@ BACKENDS: dict[str, tuple[str, str, str]] = {
               "kernels.reference:paged_decode"),
     "triton": ("kernels.triton_kv_store:store_kvcache", "kernels.triton_prefill:paged_prefill",
                "kernels.triton_decode:paged_decode"),
-    "flash-attn": ("kernels.triton_kv_store:store_kvcache", "kernels.flash_attention:paged_prefill",
-                   "kernels.flash_attention:paged_decode"),
+    "flash-attn": ("kernels.triton_kv_store:store_kvcache", "kernels.flash_attn_backend:paged_prefill",
+                   "kernels.flash_attn_backend:paged_decode"),
 }
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn's paged kernels need blocks of a multiple of 256 tokens
 
