@@ -71,27 +71,36 @@ def kv_bytes(context_lens: list[int]) -> int:
     return 2 * sum(context_lens) * KV_HEADS * HEAD_DIM * DTYPE.itemsize
 
 
-def time_decode(decode: Callable, batch: int, context: int) -> tuple[float, torch.Tensor]:
-    """Milliseconds per call, replaying a CUDA graph (as the engine does) of one call per block
-    set, rotated so that the cache is read from HBM."""
+def decode_inputs(batch: int, context: int) -> tuple[torch.Tensor, ...]:
+    """q [copies, batch, heads, head_dim], k_cache, v_cache, context_lens, tables [copies, ...]:
+    enough copies of the batch's blocks that rotating through them reads the cache from HBM."""
     copies = triton.cdiv(MIN_ROTATED_BYTES, kv_bytes([context] * batch))
     k_cache, v_cache, tables = paged_sets([context] * batch, copies)
     q = torch.randn(copies, batch, HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-    context_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    return q, k_cache, v_cache, torch.full((batch,), context, dtype=torch.int32, device="cuda"), tables
+
+
+def time_decode(decode: Callable, inputs: tuple[torch.Tensor, ...]) -> tuple[float, torch.Tensor]:
+    """Milliseconds per call, replaying a CUDA graph (as the engine does) of one call per copy."""
+    q, k_cache, v_cache, context_lens, tables = inputs
     decode(q[0], k_cache, v_cache, context_lens, tables[0], SCALE)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = [decode(q[i], k_cache, v_cache, context_lens, tables[i], SCALE) for i in range(copies)]
-    return median_ms(graph.replay) / copies, outs[0]
+        outs = [decode(q[i], k_cache, v_cache, context_lens, tables[i], SCALE) for i in range(len(q))]
+    return median_ms(graph.replay) / len(q), outs[0]
 
 
-def time_prefill(prefill: Callable, new_lens: list[int], context_lens: list[int]) -> tuple[float, torch.Tensor]:
+def prefill_inputs(new_lens: list[int], context_lens: list[int]) -> tuple:
     k_cache, v_cache, tables = paged_sets(context_lens, 1)
     q = torch.randn(sum(new_lens), HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
     cu_seqlens_q = torch.tensor([0, *new_lens], device="cuda").cumsum(0, dtype=torch.int32)
     lens = torch.tensor(context_lens, dtype=torch.int32, device="cuda")
-    args = (q, k_cache, v_cache, cu_seqlens_q, lens, tables[0], SCALE)
-    return median_ms(lambda: prefill(*args)), prefill(*args)
+    return q, k_cache, v_cache, cu_seqlens_q, lens, tables[0], SCALE
+
+
+def time_prefill(prefill: Callable, inputs: tuple) -> tuple[float, torch.Tensor]:
+    """Milliseconds per eager call (prefill steps are not captured in graphs)."""
+    return median_ms(lambda: prefill(*inputs)), prefill(*inputs)
 
 
 def prefill_flops(new_lens: list[int], context_lens: list[int]) -> int:
@@ -105,12 +114,13 @@ def relative_difference(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def compare(name: str, timed: Callable[[Callable], tuple[float, torch.Tensor]], triton_fn: Callable,
-            flash_fn: Callable) -> dict:
-    triton_ms, triton_out = timed(triton_fn)
+def compare(name: str, timer: Callable, inputs: tuple, triton_fn: Callable, flash_fn: Callable) -> dict:
+    """Times both backends on the same inputs; their outputs' relative difference checks that
+    the rows compare the same computation."""
+    triton_ms, triton_out = timer(triton_fn, inputs)
     row = dict(case=name, triton_ms=triton_ms)
     if flash_attn_backend.AVAILABLE:
-        flash_ms, flash_out = timed(flash_fn)
+        flash_ms, flash_out = timer(flash_fn, inputs)
         row.update(flash_attn_ms=flash_ms, triton_over_flash_attn=triton_ms / flash_ms,
                    relative_difference=relative_difference(triton_out, flash_out))
     return row
@@ -120,20 +130,20 @@ def run() -> dict:
     copy_rate = copy_bandwidth()
     decode_rows, prefill_rows = [], []
     for batch, context in DECODE_SHAPES:
-        row = compare(f"decode {batch} x {context}", lambda fn: time_decode(fn, batch, context),
+        row = compare(f"decode {batch} x {context}", time_decode, decode_inputs(batch, context),
                       triton_decode.paged_decode, flash_attn_backend.paged_decode)
         moved = kv_bytes([context] * batch) + 2 * batch * HEADS * HEAD_DIM * DTYPE.itemsize
         row.update(bytes=moved, triton_bytes_per_s=moved / (row["triton_ms"] * 1e-3))
         row["triton_fraction_of_copy"] = row["triton_bytes_per_s"] / copy_rate
         decode_rows.append(row)
     for name, (new_lens, context_lens) in PREFILL_SHAPES.items():
-        row = compare(f"prefill {name}", lambda fn: time_prefill(fn, new_lens, context_lens),
+        row = compare(f"prefill {name}", time_prefill, prefill_inputs(new_lens, context_lens),
                       triton_prefill.paged_prefill, flash_attn_backend.paged_prefill)
         row.update(flops=prefill_flops(new_lens, context_lens))
         row["triton_flops_per_s"] = row["flops"] / (row["triton_ms"] * 1e-3)
         prefill_rows.append(row)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
+                            text=True).stdout.strip() or None  # None: a copy of the tree, not a checkout
     return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 commit=commit, copy_bytes_per_s=copy_rate, decode=decode_rows, prefill=prefill_rows)
@@ -141,10 +151,12 @@ def run() -> dict:
 
 def print_table(result: dict) -> None:
     print(f"{result['device']}, copy {result['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write)")
-    print(f"{'case':38} {'triton ms':>10} {'flash ms':>9} {'ratio':>6} {'rate':>12} {'% copy':>7}")
+    print(f"{'case':38} {'triton ms':>10} {'flash ms':>9} {'ratio':>6} {'diff':>7} {'rate':>12} {'% copy':>7}")
     for row in result["decode"] + result["prefill"]:
-        flash = f"{row['flash_attn_ms']:9.4f} {row['triton_over_flash_attn']:6.2f}" if "flash_attn_ms" in row \
-            else f"{'-':>9} {'-':>6}"
+        flash = f"{'-':>9} {'-':>6} {'-':>7}"
+        if "flash_attn_ms" in row:
+            flash = (f"{row['flash_attn_ms']:9.4f} {row['triton_over_flash_attn']:6.2f} "
+                     f"{row['relative_difference']:7.1e}")
         if "triton_bytes_per_s" in row:
             rate = f"{row['triton_bytes_per_s'] / 1e12:8.2f} TB/s"
             share = f"{100 * row['triton_fraction_of_copy']:6.1f}%"

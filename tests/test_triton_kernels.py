@@ -48,27 +48,26 @@ def make_paged_batch(case: Case, device: str, seed: int) -> PagedBatch:
     """Random queries and a paged cache whose sequences own shuffled, scattered blocks. Every
     cache slot outside the sequences' contexts (spare blocks, tails of last blocks) holds NaN,
     so a kernel that reads one poisons its output."""
-    gen = torch.Generator().manual_seed(seed)
-    size = (case.block_size, case.kv_heads, case.head_dim)
+    gen = torch.Generator(device).manual_seed(seed)
+    like = dict(dtype=case.dtype, device=device)
+    row = (case.kv_heads, case.head_dim)
     counts = [-(-length // case.block_size) for length in case.context_lens]
     num_blocks = sum(counts) + 2
-    k_cache = torch.full((num_blocks, *size), float("nan"))
-    v_cache = torch.full((num_blocks, *size), float("nan"))
-    block_tables = torch.full((len(counts), max(counts) + 1), -1, dtype=torch.int32)
-    physical = torch.randperm(num_blocks, generator=gen)
+    k_cache = torch.full((num_blocks, case.block_size, *row), float("nan"), **like)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    block_tables = torch.full((len(counts), max(counts) + 1), -1, dtype=torch.int32, device=device)
+    physical = torch.randperm(num_blocks, generator=gen, device=device)
     for seq, (count, length) in enumerate(zip(counts, case.context_lens)):
         blocks, physical = physical[:count], physical[count:]
         block_tables[seq, :count] = blocks.int()
-        positions = torch.arange(length)
+        positions = torch.arange(length, device=device)
         slots = blocks[positions // case.block_size] * case.block_size + positions % case.block_size
         for cache in (k_cache, v_cache):
-            cache.view(-1, *size[1:])[slots] = torch.randn(length, *size[1:], generator=gen)
-    q = torch.randn(sum(case.new_lens), case.heads, case.head_dim, generator=gen)
-    cu_seqlens_q = torch.tensor([0, *case.new_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    context_lens = torch.tensor(case.context_lens, dtype=torch.int32)
-    tensors = (q.to(case.dtype), k_cache.to(case.dtype), v_cache.to(case.dtype), cu_seqlens_q,
-               context_lens, block_tables)
-    return PagedBatch(*(t.to(device) for t in tensors))
+            cache.view(-1, *row)[slots] = torch.randn(length, *row, generator=gen, **like)
+    q = torch.randn(sum(case.new_lens), case.heads, case.head_dim, generator=gen, **like)
+    new_lens = torch.tensor([0, *case.new_lens], device=device)
+    return PagedBatch(q, k_cache, v_cache, new_lens.cumsum(0, dtype=torch.int32),
+                      torch.tensor(case.context_lens, dtype=torch.int32, device=device), block_tables)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -79,15 +78,15 @@ def check_store(store_kvcache: Callable, case: Case, device: str, seed: int) -> 
     """New K/V, given as strided views of a packed qkv row as the model passes them, land at
     their slots bit for bit; slot -1 writes nothing."""
     batch = make_paged_batch(case, device, seed)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device).manual_seed(seed)
     num_tokens, kv_size = sum(case.new_lens), case.kv_heads * case.head_dim
-    qkv = torch.randn(num_tokens, case.heads * case.head_dim + 2 * kv_size, generator=gen)
-    qkv = qkv.to(device=device, dtype=case.dtype)
+    qkv = torch.randn(num_tokens, case.heads * case.head_dim + 2 * kv_size, generator=gen,
+                      dtype=case.dtype, device=device)
     k = qkv[:, -2 * kv_size:-kv_size].view(num_tokens, case.kv_heads, case.head_dim)
     v = qkv[:, -kv_size:].view(num_tokens, case.kv_heads, case.head_dim)
-    slots = torch.randperm(batch.k_cache.shape[0] * case.block_size, generator=gen)[:num_tokens]
-    slots[::3] = -1
-    slot_mapping = slots.to(device)
+    slot_mapping = torch.randperm(batch.k_cache.shape[0] * case.block_size, generator=gen,
+                                  device=device)[:num_tokens]
+    slot_mapping[::3] = -1
     expected_k, expected_v = batch.k_cache.clone(), batch.v_cache.clone()
     reference.store_kvcache(k, v, expected_k, expected_v, slot_mapping)
     store_kvcache(k, v, batch.k_cache, batch.v_cache, slot_mapping)
@@ -119,26 +118,27 @@ STORE_CASES = [
     Case(new_lens=(20,), context_lens=(40,), heads=4, kv_heads=2),
     Case(new_lens=(9,), context_lens=(30,), heads=6, kv_heads=3, head_dim=32, dtype=torch.float16),
 ]
-# The CPU kernels tile prefill by 64 queries x 32 keys and decode by 64 keys; block sizes 16 and
-# 32 put several cache blocks in one key tile, 64 several tiles in one block.
+# The kernels tile prefill by 64 queries x 64 keys and decode by 64 keys; block sizes 16 and 32
+# put several cache blocks in one key tile, 128 several key tiles in one block.
 PREFILL_CASES = [
     # first prefills, GQA 1, crossing blocks and query/key tiles
     Case(new_lens=(37, 5, 70), context_lens=(37, 5, 70), heads=2, kv_heads=2),
     # prefix-cache hits (context > new tokens), GQA 2
     Case(new_lens=(10, 33, 1), context_lens=(48, 97, 17), heads=4, kv_heads=2, block_size=32),
     # chunked prefill continuing mid-block, GQA 8, fp16
-    Case(new_lens=(64, 20), context_lens=(130, 51), heads=8, kv_heads=1, block_size=64,
+    Case(new_lens=(64, 20), context_lens=(130, 51), heads=8, kv_heads=1, block_size=128,
          dtype=torch.float16),
     Case(new_lens=(3, 40), context_lens=(3, 99), heads=4, kv_heads=2, head_dim=32),
 ]
-# The interpreter stands in for a 2-multiprocessor GPU: fewer than 8 (sequence, KV head) pairs
-# split the context, 8 or more run unsplit.
+# The interpreter stands in for a small GPU (triton_decode.num_splits): fewer than 8
+# (sequence, KV head) pairs split the context, 8 or more run unsplit.
 DECODE_CASES = [
     Case(new_lens=(1,) * 3, context_lens=(37, 0, 150), heads=2, kv_heads=2),  # 2 splits
     Case(new_lens=(1,) * 5, context_lens=(17, 0, 64, 65, 1), heads=4, kv_heads=2),  # unsplit
     Case(new_lens=(1,) * 2, context_lens=(200, 1), heads=8, kv_heads=1, block_size=32,
          dtype=torch.float16),  # 4 splits, one sequence too short to fill them
-    Case(new_lens=(1,), context_lens=(300,), heads=4, kv_heads=2, head_dim=32, block_size=64),
+    Case(new_lens=(1,), context_lens=(300,), heads=4, kv_heads=2, head_dim=32,
+         block_size=128),  # 4 splits of 128 keys, the last one empty
 ]
 
 
@@ -154,6 +154,10 @@ def run_interpreted_cases(kernel: str) -> None:
     }[kernel]
     for seed, case in enumerate(cases):
         check(function, case, "cpu", seed)
+    if kernel == "decode":  # both launch paths ran
+        from kernels.triton_decode import num_splits
+        splits = {num_splits(len(c.new_lens), c.kv_heads, torch.device("cpu")) for c in cases}
+        assert 1 in splits and max(splits) > 1, splits
 
 
 def _fix_interpreter_for_numpy_2_4() -> None:

@@ -22,9 +22,11 @@ PREFILL_CASES = [
     Case(new_lens=(1024, 100), context_lens=(2048, 612), heads=16, kv_heads=8, block_size=256, **BF16),
     # chunked prefill continuing mid-block, GQA 8
     Case(new_lens=(512, 300), context_lens=(1536, 701), heads=16, kv_heads=2, block_size=16, **BF16),
-    # GQA 1, smaller power-of-two head_dim
+    # GQA 1, other power-of-two head_dims
     Case(new_lens=(200, 77), context_lens=(200, 300), heads=8, kv_heads=8, head_dim=64,
          block_size=32, dtype=torch.bfloat16),
+    Case(new_lens=(150, 9), context_lens=(300, 9), heads=4, kv_heads=4, head_dim=256,
+         block_size=16, dtype=torch.bfloat16),
 ]
 _LENGTHS = torch.randint(0, 2048, (64,), generator=torch.Generator().manual_seed(0)).tolist()
 DECODE_CASES = [
@@ -36,9 +38,11 @@ DECODE_CASES = [
     # GQA 8
     Case(new_lens=(1,) * 7, context_lens=(1, 16, 17, 300, 999, 1024, 2500), heads=16, kv_heads=2,
          block_size=16, **BF16),
-    # GQA 1, smaller power-of-two head_dim
+    # GQA 1, other power-of-two head_dims
     Case(new_lens=(1,) * 5, context_lens=(5, 50, 500, 0, 1234), heads=8, kv_heads=8, head_dim=64,
          block_size=32, dtype=torch.bfloat16),
+    Case(new_lens=(1,) * 2, context_lens=(700, 33), heads=4, kv_heads=4, head_dim=256,
+         block_size=16, dtype=torch.bfloat16),
 ]
 needs_flash_attn = pytest.mark.skipif(not flash_attn_backend.AVAILABLE, reason="flash_attn not importable")
 
