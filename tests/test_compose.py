@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from tests.compose_model import Deployment, cli_args, compose_clis, compose_config, deployments, resolved_model
+from tests.compose_model import (Deployment, cli_args, compose_clis, compose_config, deployments,
+                                  resolved_model)
 
 CLIS = compose_clis()
 MODEL_DIR = "/srv/models/Qwen3-0.6B"

@@ -136,8 +136,9 @@ def test_scheduler_image_builds_and_checks_itself_without_torch(tmp_path):
                     (app / dest).mkdir(parents=True, exist_ok=True)
                     shutil.copy(REPO / source, app / dest)
     scheduler_site_packages(site)
-    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                              "--target", str(site), str(app)], capture_output=True, text=True, timeout=300)
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                              "--no-build-isolation", "--target", str(site), str(app)],
+                             capture_output=True, text=True, timeout=300)
     assert install.returncode == 0, f"the scheduler image's `pip install .` fails:\n{install.stderr}"
 
     checks = [code for instruction, args in steps if instruction == "RUN"
