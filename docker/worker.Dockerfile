@@ -11,7 +11,7 @@ FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu24.04 AS flash-attn
 ARG FLASH_ATTN_VERSION=2.8.3
 ARG FLASH_ATTN_CUDA_ARCHS=90
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3.12-dev python3.12-venv \
+ && apt-get install -y --no-install-recommends python3.12-dev python3.12-venv g++ \
  && rm -rf /var/lib/apt/lists/*
 RUN python3.12 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
