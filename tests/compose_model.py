@@ -4,6 +4,7 @@ import argparse
 import os
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
@@ -29,11 +30,14 @@ def compose_clis() -> list[list[str]]:
 
 
 def compose_config(cli: list[str], variables: dict[str, str]) -> subprocess.CompletedProcess:
-    """`config` over compose.yaml with every profile on, seeing only `variables` from the host."""
+    """`config` over compose.yaml with every profile on, seeing only `variables` (no shell
+    variables, no .env file)."""
     profiles = [arg for name in PROFILES for arg in ("--profile", name)]
     env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), **variables}
-    return subprocess.run([*cli, "--project-directory", str(REPO), "-f", str(COMPOSE_FILE), *profiles,
-                           "config"], env=env, capture_output=True, text=True, timeout=60)
+    with tempfile.NamedTemporaryFile(suffix=".env") as no_env_file:
+        return subprocess.run([*cli, "--project-directory", str(REPO), "--env-file", no_env_file.name,
+                               "-f", str(COMPOSE_FILE), *profiles, "config"],
+                              env=env, capture_output=True, text=True, timeout=60)
 
 
 def resolved_model(cli: list[str], variables: dict[str, str]) -> dict:
