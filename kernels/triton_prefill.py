@@ -100,9 +100,9 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, cu_seqlens_q, context_lens
 
 def _launch_config(head_dim: int) -> dict:
     """Tile shapes and pipelining, tuned on an H100 for head_dim 128 (bench/NOTES-kernels.md);
-    larger heads take narrower key tiles and one stage less, or their registers spill."""
+    larger heads take narrower key tiles, or their registers spill."""
     if head_dim <= 128:
-        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
     return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
 
 
