@@ -14,7 +14,11 @@ install: $(VENV)/.installed tests/node/node_modules/.installed
 
 # torch==2.13.0 resolves to the machine's local CPU wheel; installing it first keeps the
 # other requirements from pulling a CUDA build.
+# Compose files are validated by a real Compose parser: Debian's docker-compose when no
+# `docker compose` plugin is there.
 $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
+	docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null || \
+	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends docker-compose >/dev/null)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check torch==2.13.0
 	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements-dev.txt
