@@ -113,6 +113,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _, block_size, kv_heads, _ = k_cache.shape
     assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     group = heads // kv_heads
+    group_pad = max(16, triton.next_power_of_2(group))  # tl.dot takes 16 rows at least
     splits = num_splits(num_seqs, kv_heads, q.device)
     out = torch.empty_like(q)
     part_out = torch.empty(num_seqs, heads, splits, head_dim, dtype=torch.float32, device=q.device)
@@ -122,7 +123,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, context_lens, block_tables, out, part_out, part_max, part_sum,
         scale * LOG2_E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(1), block_tables.stride(0), GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        GROUP_PAD=group_pad, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_N=BLOCK_N, SPLITS=splits, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if splits > 1:
         _merge_kernel[(num_seqs, heads)](
