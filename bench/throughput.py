@@ -80,7 +80,7 @@ def main() -> None:
 
     model = Path(args.model)
     if not (model / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "model.random_checkpoint", str(model), "--shape", "qwen3-0.6b"],
+        subprocess.run([sys.executable, "-m", "model.tiny", str(model), "--shape", "qwen3-0.6b"],
                        check=True, cwd=REPO)
     port = free_port()
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'proto'}"}

