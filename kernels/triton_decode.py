@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_prefill import LOG2_E, attend_block
+from kernels.triton_prefill import LOG2_E, attend_block, dot_precision
 
 BLOCK_N = 64
 NUM_WARPS = 4
@@ -35,7 +35,7 @@ def _decode_kernel(q_ptr, k_cache, v_cache, context_lens, block_tables, out_ptr,
                    part_max, part_sum, qk_scale, stride_q_seq, stride_q_head, stride_o_seq,
                    stride_o_head, stride_slot, stride_table, GROUP: tl.constexpr,
                    GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -59,7 +59,7 @@ def _decode_kernel(q_ptr, k_cache, v_cache, context_lens, block_tables, out_ptr,
     for block_start in range(start, end, BLOCK_N):
         m_i, l_i, acc = attend_block(q, q_pos, m_i, l_i, acc, k_cache + kv_offset, v_cache + kv_offset,
                                      table, block_start, end, qk_scale, stride_slot, BLOCK_SIZE,
-                                     HEAD_DIM, BLOCK_N, True)
+                                     HEAD_DIM, BLOCK_N, True, PRECISION)
     if SPLITS == 1:
         out = acc / tl.maximum(l_i, 1e-30)[:, None]  # an empty row (length 0) gives zeros
         tl.store(out_ptr + seq * stride_o_seq + heads * stride_o_head + dims,
@@ -124,7 +124,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         scale * LOG2_E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(1), block_tables.stride(0), GROUP=group,
         GROUP_PAD=group_pad, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        BLOCK_N=BLOCK_N, SPLITS=splits, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        BLOCK_N=BLOCK_N, SPLITS=splits, PRECISION=dot_precision(q.dtype), num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES)
     if splits > 1:
         _merge_kernel[(num_seqs, heads)](
             context_lens, part_out, part_max, part_sum, out, out.stride(0), out.stride(1),

@@ -14,10 +14,15 @@ from kernels.triton_kv_store import cache_rows
 LOG2_E = 1.4426950408889634
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 models get full-precision dots (Triton would round them to tf32); others are exact."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 @triton.jit
 def attend_block(q, q_pos, m_i, l_i, acc, k_base, v_base, block_table_row, start, length,
                  qk_scale, stride_slot, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
     """Folds keys [start, start + BLOCK_N) of one sequence and KV head into the running softmax of
     queries q [M, HEAD_DIM] (base-2 scores). Keys at or past `length` are never read; with MASKED,
     keys after a row's position q_pos are hidden from it (which hides keys >= length from every
@@ -27,7 +32,7 @@ def attend_block(q, q_pos, m_i, l_i, acc, k_base, v_base, block_table_row, start
     rows = cache_rows(block_table_row, positions, valid, BLOCK_SIZE)
     offsets = rows[:, None] * stride_slot + tl.arange(0, HEAD_DIM)[None, :]
     k = tl.load(k_base + offsets, mask=valid[:, None], other=0.0)
-    scores = tl.dot(q, tl.trans(k)) * qk_scale
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     if MASKED:
         scores = tl.where(positions[None, :] <= q_pos[:, None], scores, float("-inf"))
     v = tl.load(v_base + offsets, mask=valid[:, None], other=0.0)
@@ -35,7 +40,7 @@ def attend_block(q, q_pos, m_i, l_i, acc, k_base, v_base, block_table_row, start
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -58,7 +63,8 @@ def _find_sequence(cu_seqlens_q, num_seqs, slot, BLOCK_M: tl.constexpr):
 def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, cu_seqlens_q, context_lens, block_tables,
                     num_seqs, qk_scale, stride_q_token, stride_q_head, stride_o_token, stride_o_head,
                     stride_slot, stride_table, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PRECISION: tl.constexpr):
     # Reversed, so the last tiles of each sequence (the most keys under the mask) start first.
     slot = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
@@ -88,11 +94,11 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, cu_seqlens_q, context_lens
     unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     for start in range(0, unmasked_end, BLOCK_N):
         m_i, l_i, acc = attend_block(q, q_pos, m_i, l_i, acc, k_base, v_base, table, start, length,
-                                     qk_scale, stride_slot, BLOCK_SIZE, HEAD_DIM, BLOCK_N, False)
+                                     qk_scale, stride_slot, BLOCK_SIZE, HEAD_DIM, BLOCK_N, False, PRECISION)
     end = tl.minimum(length, first_pos + BLOCK_M)
     for start in range(unmasked_end, end, BLOCK_N):
         m_i, l_i, acc = attend_block(q, q_pos, m_i, l_i, acc, k_base, v_base, table, start, length,
-                                     qk_scale, stride_slot, BLOCK_SIZE, HEAD_DIM, BLOCK_N, True)
+                                     qk_scale, stride_slot, BLOCK_SIZE, HEAD_DIM, BLOCK_N, True, PRECISION)
     out = acc / l_i[:, None]
     tl.store(out_ptr + tokens * stride_o_token + head * stride_o_head + dims,
              out.to(out_ptr.dtype.element_ty), mask=row_valid)
@@ -123,5 +129,6 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,
         num_seqs, scale * LOG2_E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(1), block_tables.stride(0),
-        GROUP=heads // kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, **config)
+        GROUP=heads // kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        PRECISION=dot_precision(q.dtype), **config)
     return out

@@ -93,16 +93,16 @@ def random_weights(tied: bool, shape: dict = SHAPE, std: float = WEIGHT_STD,
 
 
 def build_tiny_model(outdir: Path, tied: bool = False) -> Path:
-    return _write_checkpoint(outdir, config_json(tied), random_weights(tied))
+    return write_checkpoint(outdir, config_json(tied), random_weights(tied))
 
 
 def build_bench_model(outdir: Path) -> Path:
     """Qwen3-0.6B's shape (tied embeddings), random bf16 weights at a trained model's scale."""
-    return _write_checkpoint(outdir, config_json(True, QWEN3_06B, "bfloat16"),
+    return write_checkpoint(outdir, config_json(True, QWEN3_06B, "bfloat16"),
                              random_weights(True, QWEN3_06B, BENCH_STD, torch.bfloat16))
 
 
-def _write_checkpoint(outdir: Path, config: dict, weights: dict[str, torch.Tensor]) -> Path:
+def write_checkpoint(outdir: Path, config: dict, weights: dict[str, torch.Tensor]) -> Path:
     """Writes the checkpoint; model.safetensors comes last and whole, so its presence means done."""
     outdir.mkdir(parents=True, exist_ok=True)
     tokenizer = cache_dir() / "tokenizer-qwen3"

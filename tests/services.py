@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
+DEVICE = os.environ.get("NANOSERVE_TEST_DEVICE", "cpu")  # cuda runs the same suite on a GPU
 ENV = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'proto'}", "PYTHONUNBUFFERED": "1"}
 CLI = [sys.executable, "-m", "nanoserve.cli"]
 
@@ -24,7 +25,7 @@ def free_port() -> int:
 
 def start_worker(model_dir: Path, port: int, *flags: str, log: Path) -> subprocess.Popen:
     return subprocess.Popen(CLI + ["worker", "--model", str(model_dir), "--host", "127.0.0.1",
-                                   "--port", str(port), "--device", "cpu", *flags],
+                                   "--port", str(port), "--device", DEVICE, *flags],
                             env=ENV, stdout=log.open("ab"), stderr=subprocess.STDOUT)
 
 

@@ -1,6 +1,8 @@
 """The model runner of one worker rank: loads its shard of the model, owns the KV cache, and turns
 each step message into one forward pass and, on rank 0, sampled tokens."""
 import hashlib
+import logging
+import time
 from pathlib import Path
 
 import torch
@@ -13,9 +15,12 @@ from model.sampler import Sampler, SamplingRow
 from nanoserve.v1 import worker_pb2
 from worker_svc.config import WorkerConfig
 from worker_svc.context import step_context
+from worker_svc.cuda_graphs import DecodeGraphs
 from worker_svc.distributed import uses_cuda
 from worker_svc.seq_state import SequenceTable
 from worker_svc.step_inputs import build_step_inputs
+
+log = logging.getLogger("nanoserve.worker")
 
 
 def model_fingerprint(path: Path, dtype: torch.dtype) -> str:
@@ -46,9 +51,12 @@ class ModelRunner:
         self.model = load_model(path, self.model_config, self.dtype, self.device)
         self.sampler = Sampler(self.device, config.seed)
         self.fingerprint = model_fingerprint(path, self.dtype)
-        self.max_kv_blocks = self._max_kv_blocks()
         self.kv_cache: torch.Tensor | None = None
         self.seqs: SequenceTable | None = None  # exists once the KV cache does
+        self.graphs: DecodeGraphs | None = None
+        self.max_kv_blocks = self._max_kv_blocks()
+        log.info("rank %d: %s in %s, %s attention, room for %d KV blocks of %d tokens", config.rank,
+                 path.name, self.dtype, self.backend.name, self.max_kv_blocks, config.block_size)
 
     def _kv_block_bytes(self) -> int:
         attn = self.model.attention_layers()[0]
@@ -56,16 +64,45 @@ class ModelRunner:
         return len(self.model.attention_layers()) * self.config.block_size * per_token
 
     def _max_kv_blocks(self) -> int:
-        """KV blocks this rank can hold: forced by the config, else from the CPU budget or the GPU's
-        free memory under gpu_memory_utilization."""
+        """KV blocks this rank can hold: forced by the config, else from the CPU budget, else what
+        gpu_memory_utilization of the GPU leaves after the weights and the largest step's activations."""
         if self.config.num_kv_blocks > 0:
             return self.config.num_kv_blocks
         if self.device.type == "cpu":
-            budget = self.config.cpu_kv_cache_gb * 2**30
-        else:
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * self.config.gpu_memory_utilization - (total - free)
+            return int(self.config.cpu_kv_cache_gb * 2**30 // self._kv_block_bytes())
+        activations = self._warm_up()
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = total * self.config.gpu_memory_utilization - (total - free) - activations
         return max(0, int(budget // self._kv_block_bytes()))
+
+    @torch.inference_mode()
+    def _warm_up(self) -> int:
+        """Runs the largest prefill step and the largest sampling batch once on a scratch cache;
+        returns the activation memory they peaked at, which the KV pool must leave free."""
+        started = time.perf_counter()
+        size = self.config.block_size
+        seq_len = min(self.max_model_len - 1, self.config.max_num_batched_tokens)
+        num_seqs = max(1, min(self.config.max_num_seqs, self.config.max_num_batched_tokens // seq_len))
+        blocks = -(-seq_len // size)
+        self._allocate(num_seqs * blocks)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        step = worker_pb2.StepRequest(seqs=[
+            worker_pb2.SeqStep(seq_id=i, token_ids=[0] * seq_len, new_block_ids=range(i * blocks, (i + 1) * blocks),
+                               reset=True, sample=True) for i in range(num_seqs)])
+        self.step(step)
+        hidden = torch.zeros(self.config.max_num_seqs, self.model_config.hidden_size, dtype=self.dtype,
+                             device=self.device)
+        logits = self.model.compute_logits(hidden)
+        if logits is not None:
+            self.sampler(logits, [SamplingRow(1.0, None, 0)] * len(hidden))
+        del hidden, logits
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        self.kv_cache = self.seqs = None
+        torch.cuda.empty_cache()
+        log.info("rank %d: warm-up of %d x %d tokens took %.1fs, peak activations %.2f GiB", self.config.rank,
+                 num_seqs, seq_len, time.perf_counter() - started, peak / 2**30)
+        return peak
 
     def info(self) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(
@@ -78,9 +115,21 @@ class ModelRunner:
             model_fingerprint=self.fingerprint)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """(Re)allocates the cache; any sequence state refers to the old one and is dropped."""
+        """(Re)allocates the cache and, on CUDA, captures the decode graphs over it; any sequence
+        state refers to the old cache and is dropped."""
         if not 0 < num_blocks <= self.max_kv_blocks:
             raise ValueError(f"cannot allocate {num_blocks} KV blocks: this rank holds 1 to {self.max_kv_blocks}")
+        self.graphs = None
+        self._allocate(num_blocks)
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            started = time.perf_counter()
+            self.graphs = DecodeGraphs(self._run_model, self.backend, self.config.max_num_seqs,
+                                       -(-self.max_model_len // self.config.block_size),
+                                       self.model_config.hidden_size, self.dtype, self.device)
+            log.info("rank %d: captured %d decode graphs in %.1fs", self.config.rank, len(self.graphs.buckets),
+                     time.perf_counter() - started)
+
+    def _allocate(self, num_blocks: int) -> None:
         self.kv_cache = self.seqs = None  # release the old cache before taking memory for the new one
         layers = self.model.attention_layers()
         self.kv_cache = torch.empty(2, len(layers), num_blocks, self.config.block_size, layers[0].num_kv_heads,
@@ -113,8 +162,11 @@ class ModelRunner:
         if not work:
             return None, []
         inputs = build_step_inputs(work, self.config.block_size, self.backend, self.device)
-        with step_context(inputs.context):
-            hidden = self._run_model(inputs.input_ids, inputs.positions)
+        if self.graphs is not None and not inputs.context.is_prefill:
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.context)
+        else:
+            with step_context(inputs.context):
+                hidden = self._run_model(inputs.input_ids, inputs.positions)
         if not inputs.sampling:
             return None, []
         return self.model.compute_logits(hidden[inputs.sample_indices]), inputs.sampling

@@ -1,0 +1,100 @@
+"""The worker on a GPU against transformers: our kernels and CUDA graphs must not change the model.
+
+Runs only where CUDA is present (the lent H100/H200), from the repo root:
+    PYTHONPATH=.:proto python3 -m pytest tests/gpu -q
+"""
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kernels import flash_attn_backend
+from model.tiny import SHAPE, config_json, random_weights, write_checkpoint
+from tests.worker_steps import StepWriter, generate
+from worker_svc.config import WorkerConfig
+from worker_svc.runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# head_dim 128 so that the minimal flash-attn build serves it too
+SHAPE_128 = {**SHAPE, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128}
+BACKENDS = ["triton"] + (["flash-attn"] if flash_attn_backend.AVAILABLE else [])
+
+
+@pytest.fixture(scope="module")
+def bf16_model_dir(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("bf16"), config_json(False, SHAPE_128, "bfloat16"),
+                            random_weights(False, SHAPE_128, 0.05, torch.bfloat16))
+
+
+def gpu_runner(model_dir, backend: str, eager: bool, dtype: str, num_blocks: int = 64) -> ModelRunner:
+    block_size = 256 if backend == "flash-attn" else 16
+    runner = ModelRunner(WorkerConfig(model=str(model_dir), device="cuda", dtype=dtype, block_size=block_size,
+                                      num_kv_blocks=num_blocks, max_num_seqs=32, attention_backend=backend,
+                                      enforce_eager=eager, max_model_len=2048))
+    runner.allocate_kv_cache(num_blocks)
+    return runner
+
+
+def prompts(count: int, seed: int = 0) -> dict[int, list[int]]:
+    rng = random.Random(seed)
+    return {i: [rng.randrange(151_643) for _ in range(rng.randrange(5, 200))] for i in range(count)}
+
+
+def hf_greedy(model_dir, prompt: list[int], n: int, dtype: torch.dtype) -> list[int]:
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_greedy_fp32_matches_transformers(tiny_model_dir, eager):
+    runner = gpu_runner(tiny_model_dir, "triton", eager, "float32")
+    batch = prompts(4)
+    ours = generate(runner, StepWriter(runner.config.block_size), batch, 16)
+    for seq_id, prompt in batch.items():
+        assert ours[seq_id] == hf_greedy(tiny_model_dir, prompt, 16, torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_teacher_forced_bf16_logits_close_to_transformers(bf16_model_dir, backend):
+    """Prefill then decode steps fed transformers' own next tokens; every step's logits close."""
+    runner = gpu_runner(bf16_model_dir, backend, False, "bfloat16")
+    hf = AutoModelForCausalLM.from_pretrained(bf16_model_dir, dtype=torch.float32).cuda().eval()
+    batch = prompts(3, seed=1)
+    full = {i: p + [random.Random(i).randrange(151_643) for _ in range(20)] for i, p in batch.items()}
+    writer = StepWriter(runner.config.block_size)
+    steps = [runner.step_logits(writer.request(*(writer.entry(i, p, reset=True) for i, p in batch.items())))]
+    for t in range(20):
+        steps.append(runner.step_logits(writer.request(*(
+            writer.entry(i, [full[i][len(p) + t]], len(p) + t, num_generated=t + 1) for i, p in batch.items()))))
+    with torch.no_grad():
+        for row, (i, p) in enumerate(batch.items()):
+            ref = hf(torch.tensor([full[i]], device="cuda")).logits[0, len(p) - 1:len(p) + 20].float()
+            ours = torch.stack([s[row].float() for s in steps])
+            error = ((ours - ref).norm() / ref.norm()).item()
+            assert error < 2e-2, f"sequence {i}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("batch_size", [4, 16])
+def test_cuda_graph_decode_gives_the_eager_tokens(bf16_model_dir, backend, batch_size):
+    batch = prompts(batch_size, seed=2)
+    tokens = {}
+    for eager in (True, False):
+        runner = gpu_runner(bf16_model_dir, backend, eager, "bfloat16", num_blocks=256 if backend == "triton" else 64)
+        assert (runner.graphs is None) == eager
+        tokens[eager] = generate(runner, StepWriter(runner.config.block_size), batch, 32)
+        del runner
+    assert tokens[False] == tokens[True]
+
+
+def test_kv_pool_sized_from_gpu_memory(tiny_model_dir):
+    """No forced block count: the warm-up sizes the pool under gpu_memory_utilization."""
+    runner = ModelRunner(WorkerConfig(model=str(tiny_model_dir), device="cuda", block_size=16,
+                                      gpu_memory_utilization=0.5, max_model_len=2048))
+    free, total = torch.cuda.mem_get_info()
+    budget = runner.max_kv_blocks * runner._kv_block_bytes()
+    assert 0 < budget < 0.5 * total
+    assert runner.info().max_kv_blocks == runner.max_kv_blocks
