@@ -83,7 +83,8 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "model.tiny", str(model), "--shape", "qwen3-0.6b"],
                        check=True, cwd=REPO)
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'proto'}"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(REPO / "proto"),
+                                                                    os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "nanoserve.cli", "up", "--model", str(model), "--port", str(port),
            "--worker-base-port", str(free_port()), "--tensor-parallel-size", str(args.tensor_parallel_size),
            "--attention-backend", args.attention_backend, *args.extra.split()]

@@ -13,7 +13,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 DEVICE = os.environ.get("NANOSERVE_TEST_DEVICE", "cpu")  # cuda runs the same suite on a GPU
-ENV = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'proto'}", "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(REPO / "proto"),
+                                                                 os.environ.get("PYTHONPATH")])),
+       "PYTHONUNBUFFERED": "1"}
 CLI = [sys.executable, "-m", "nanoserve.cli"]
 
 

@@ -1,6 +1,11 @@
-"""Joins this worker process to its tensor-parallel group (NCCL on GPU, gloo on CPU)."""
+"""Joins this worker process to its tensor-parallel group (NCCL on GPU, gloo on CPU), and leaves
+the process when that group breaks."""
 import logging
+import os
+import threading
+import time
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -8,6 +13,14 @@ import torch.distributed as dist
 from worker_svc.config import WorkerConfig
 
 log = logging.getLogger("nanoserve.worker")
+
+# How long ranks wait for each other: to meet at start-up (containers start at different times) and
+# inside one collective. A peer that dies is noticed at once (its sockets close); this only bounds a
+# peer that hangs, so it is long enough for a slow start and short enough to end a stuck service.
+GROUP_TIMEOUT = timedelta(minutes=10)
+# The heartbeat notices a dead peer while no step runs; a hung one within its timeout.
+HEARTBEAT_SECONDS = 1.0
+HEARTBEAT_TIMEOUT = timedelta(seconds=60)
 
 
 def uses_cuda(config: WorkerConfig) -> bool:
@@ -25,7 +38,38 @@ def init_distributed(config: WorkerConfig) -> None:
         torch.cuda.set_device(config.rank % torch.cuda.device_count())
     log.info("rank %d waiting for %d ranks at %s", config.rank, config.tensor_parallel_size,
              config.dist_init_addr)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{config.dist_init_addr}",
-                            rank=config.rank, world_size=config.tensor_parallel_size,
-                            timeout=timedelta(minutes=10))
+    try:
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{config.dist_init_addr}",
+                                rank=config.rank, world_size=config.tensor_parallel_size, timeout=GROUP_TIMEOUT)
+    except dist.DistError as err:
+        raise SystemExit(f"rank {config.rank}: the {config.tensor_parallel_size} ranks did not meet at "
+                         f"{config.dist_init_addr}: {err}") from None
+    _start_heartbeat(config.rank)
     log.info("rank %d joined its group", config.rank)
+
+
+def _start_heartbeat(rank: int) -> None:
+    """A rank learns that a peer died only in its next collective, which may never come: the scheduler
+    stops stepping a group it saw lose a rank, and a restarted peer would join this rank's stale
+    rendezvous and look whole. So a barrier on a side group (gloo, apart from the steps' collectives)
+    runs every second, and the rank exits when it fails; restarted, all ranks meet afresh."""
+    group = dist.new_group(backend="gloo", timeout=HEARTBEAT_TIMEOUT)
+
+    def beat() -> None:
+        while True:
+            try:
+                dist.barrier(group=group)
+            except RuntimeError as err:
+                exit_broken_rank(f"rank {rank} lost a peer of its tensor-parallel group: {err}")
+            time.sleep(HEARTBEAT_SECONDS)
+
+    threading.Thread(target=beat, name="tp-heartbeat", daemon=True).start()
+
+
+def exit_broken_rank(reason: str) -> NoReturn:
+    """Ends the process at once: a broken process group (or device) cannot be repaired in place, so
+    the rank must stop serving and be restarted. os._exit, because a normal exit would tear down the
+    process group and may block on the dead peer, and sys.exit only ends the calling thread."""
+    log.critical("%s; exiting", reason)
+    logging.shutdown()
+    os._exit(1)

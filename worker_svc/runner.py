@@ -54,6 +54,7 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.seqs: SequenceTable | None = None  # exists once the KV cache does
         self.graphs: DecodeGraphs | None = None
+        self.max_blocks_per_seq = -(-self.max_model_len // config.block_size)
         self.max_kv_blocks = self._max_kv_blocks()
         log.info("rank %d: %s in %s, %s attention, room for %d KV blocks of %d tokens", config.rank,
                  path.name, self.dtype, self.backend.name, self.max_kv_blocks, config.block_size)
@@ -124,7 +125,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not self.config.enforce_eager:
             started = time.perf_counter()
             self.graphs = DecodeGraphs(self._run_model, self.backend, self.config.max_num_seqs,
-                                       -(-self.max_model_len // self.config.block_size),
+                                       self.max_blocks_per_seq,
                                        self.model_config.hidden_size, self.dtype, self.device)
             log.info("rank %d: captured %d decode graphs in %.1fs", self.config.rank, len(self.graphs.buckets),
                      time.perf_counter() - started)
@@ -161,7 +162,8 @@ class ModelRunner:
         work = self.seqs.apply(request)
         if not work:
             return None, []
-        inputs = build_step_inputs(work, self.config.block_size, self.backend, self.device)
+        inputs = build_step_inputs(work, self.config.block_size, self.backend, self.device,
+                                   self.max_blocks_per_seq)
         if self.graphs is not None and not inputs.context.is_prefill:
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.context)
         else:

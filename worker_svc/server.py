@@ -10,6 +10,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.config import WorkerConfig
+from worker_svc.distributed import exit_broken_rank, init_distributed
 
 log = logging.getLogger("nanoserve.worker")
 
@@ -28,6 +29,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 self.runner.allocate_kv_cache(request.num_blocks)
             except ValueError as err:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            except Exception as err:  # on CUDA, graph capture runs collectives too
+                exit_broken_rank(f"allocating the KV cache failed: {err!r}")
         log.info("KV cache allocated: %d blocks", request.num_blocks)
         return worker_pb2.AllocateKVCacheResponse(num_blocks=request.num_blocks)
 
@@ -42,6 +45,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 except ValueError as err:  # a bad step: report it, keep serving
                     log.warning("step %d refused: %s", request.step_id, err)
                     reply = worker_pb2.StepResponse(step_id=request.step_id, error=str(err))
+                except Exception as err:  # a collective whose peer is gone, a device fault: unrecoverable
+                    exit_broken_rank(f"step {request.step_id} failed: {err!r}")
             replied, reply.idle_seconds = time.perf_counter(), started - replied
             reply.busy_seconds = replied - started
             yield reply
@@ -50,12 +55,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
 def serve_worker(config: WorkerConfig, host: str, port: int) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from worker_svc.distributed import init_distributed
     from worker_svc.runner import ModelRunner
 
     init_distributed(config)
     log.info("rank %d/%d loading %s", config.rank, config.tensor_parallel_size, config.model)
-    runner = ModelRunner(config)
+    try:
+        runner = ModelRunner(config)
+    except ValueError as err:  # e.g. a tensor-parallel size that does not divide the model
+        log.error("rank %d cannot serve %s: %s", config.rank, config.model, err)
+        return 1
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
                          options=[("grpc.max_receive_message_length", 64 << 20),
                                   ("grpc.max_send_message_length", 64 << 20)])

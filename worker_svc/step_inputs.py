@@ -19,7 +19,10 @@ class StepInputs:
 
 
 def build_step_inputs(work: list[SeqWork], block_size: int, backend: AttentionBackend,
-                      device: torch.device) -> StepInputs:
+                      device: torch.device, decode_table_width: int = 0) -> StepInputs:
+    """`decode_table_width` pads decode block tables to a fixed width, the CUDA graphs' own, so a
+    decode computes the same numbers eager or replayed, whatever its batch-mates' lengths (a kernel
+    such as flash-attn's picks its split of the context from the table width)."""
     input_ids, positions, slots, cu_seqlens_q = [], [], [], [0]
     sample_indices, sampling = [], []
     for seq in work:
@@ -31,7 +34,10 @@ def build_step_inputs(work: list[SeqWork], block_size: int, backend: AttentionBa
         if seq.sampling is not None:
             sample_indices.append(cu_seqlens_q[-1] - 1)  # the sequence's last new token
             sampling.append(seq.sampling)
+    is_prefill = any(len(seq.token_ids) != 1 for seq in work)
     width = max(len(seq.block_table) for seq in work)
+    if not is_prefill:
+        width = max(width, decode_table_width)
     block_tables = [list(seq.block_table) + [-1] * (width - len(seq.block_table)) for seq in work]
 
     def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -40,7 +46,7 @@ def build_step_inputs(work: list[SeqWork], block_size: int, backend: AttentionBa
     context = StepContext(
         backend=backend,
         # Decode kernels take one query per sequence; any longer entry makes the step a prefill.
-        is_prefill=any(len(seq.token_ids) != 1 for seq in work),
+        is_prefill=is_prefill,
         slot_mapping=tensor(slots, torch.int64),
         context_lens=tensor([seq.context_len for seq in work], torch.int32),
         block_tables=tensor(block_tables, torch.int32),
