@@ -4,7 +4,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from model.parallel import all_reduce, check_shape, divide, tp_rank, tp_world_size
+from model.parallel import CheckpointTensor, all_reduce, check_shape, divide, tp_rank, tp_world_size
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -17,9 +17,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, hidden_size))
         self.weight.weight_loader = self.load_weight
 
-    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def load_weight(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
         check_shape(loaded, self.full_shape)
-        param.data.copy_(loaded[self.vocab_start:self.vocab_end])
+        param.data.copy_(loaded.narrow(0, self.vocab_start, self.vocab_end - self.vocab_start))
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:

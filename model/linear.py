@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.parallel import all_reduce, check_shape, divide, tp_rank, tp_world_size
+from model.parallel import CheckpointTensor, all_reduce, check_shape, divide, tp_rank, tp_world_size
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(offset, input_size))
         self.weight.weight_loader = self.load_weight
 
-    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str) -> None:
+    def load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | str) -> None:
         part = self.parts[shard_id]
         check_shape(loaded, (part.full_rows, self.input_size))
         param.data.narrow(0, self.offsets[shard_id], part.rows).copy_(loaded.narrow(0, part.start, part.rows))
@@ -65,8 +65,11 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = divide(total_kv_heads, world_size, "KV heads")
             kv_start = rank * self.num_kv_heads
         else:
+            if world_size % total_kv_heads:
+                raise ValueError(f"the tensor-parallel size ({world_size}) is not a multiple of the KV heads "
+                                 f"({total_kv_heads}): they cannot be replicated evenly across the ranks")
             self.num_kv_heads = 1
-            kv_start = rank // divide(world_size, total_kv_heads, "ranks (replicating KV heads)")
+            kv_start = rank // (world_size // total_kv_heads)
         q_rows, kv_rows = self.num_heads * head_dim, self.num_kv_heads * head_dim
         kv = PackedPart(total_kv_heads * head_dim, kv_start * head_dim, kv_rows)
         super().__init__(hidden_size, {"q": PackedPart(total_heads * head_dim, rank * q_rows, q_rows),
@@ -84,7 +87,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, divide(input_size, tp_world_size(), "input features")))
         self.weight.weight_loader = self.load_weight
 
-    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def load_weight(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
         check_shape(loaded, self.full_shape)
         columns = param.shape[1]
         param.data.copy_(loaded.narrow(1, self.rank * columns, columns))

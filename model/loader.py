@@ -1,5 +1,5 @@
 """Builds a Qwen3 model on a device and fills it from a checkpoint's *.safetensors files, each rank
-keeping only its shard; checkpoint names that do not match the model one to one are errors."""
+reading only its shard; checkpoint names that do not match the model one to one are errors."""
 import contextlib
 from pathlib import Path
 from typing import Iterator
@@ -8,10 +8,23 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from model.parallel import CheckpointTensor
 from model.qwen3 import Qwen3ForCausalLM
 from model.qwen3_config import Qwen3Config
 
 ShardId = int | str | None
+
+
+class StoredTensor:
+    """A tensor still in its safetensors file: a rank's weight loader narrows it to its shard and only
+    those bytes are read (safe_open's get_slice), so no rank holds a whole sharded tensor."""
+
+    def __init__(self, stored):  # safetensors' slice handle
+        self.stored = stored
+        self.shape = torch.Size(stored.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self.stored[(slice(None),) * dim + (slice(start, start + length),)]
 
 
 @contextlib.contextmanager
@@ -48,6 +61,15 @@ def expected_tensors(model: Qwen3ForCausalLM) -> dict[str, tuple[nn.Parameter, S
     return expected
 
 
+def _read(tensors, name: str, param: nn.Parameter, shard_id: ShardId) -> CheckpointTensor:
+    """The tensor itself when the parameter keeps it whole (norms; everything unpacked at world size
+    1); otherwise a StoredTensor that the parameter's loader narrows to this rank's part."""
+    stored = tensors.get_slice(name)
+    if shard_id is None and stored.get_shape() == list(param.shape):
+        return tensors.get_tensor(name)
+    return StoredTensor(stored)
+
+
 def load_weights(model: Qwen3ForCausalLM, path: str | Path) -> None:
     """ValueError naming the tensor when one is missing, unexpected, or of the wrong shape."""
     path = Path(path)
@@ -65,7 +87,7 @@ def load_weights(model: Qwen3ForCausalLM, path: str | Path) -> None:
                 param, shard_id = expected[name]
                 shard = () if shard_id is None else (shard_id,)
                 try:
-                    param.weight_loader(param, tensors.get_tensor(name), *shard)
+                    param.weight_loader(param, _read(tensors, name, param, shard_id), *shard)
                 except ValueError as err:
                     raise ValueError(f"{file.name}: tensor {name!r}: {err}") from None
                 loaded.add(name)

@@ -1,5 +1,7 @@
 """This process's place in the tensor-parallel group. The group itself is joined elsewhere
 (worker_svc.distributed); without it every layer is a plain, unsharded layer."""
+from typing import Protocol
+
 import torch
 import torch.distributed as dist
 
@@ -25,7 +27,15 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def check_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+class CheckpointTensor(Protocol):
+    """What a sharded layer's weight loader reads: a whole tensor, or one still in its file that
+    reads only the part narrowed to (model.loader.StoredTensor); `shape` is the full shape."""
+    shape: torch.Size
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor: ...
+
+
+def check_shape(loaded: CheckpointTensor, expected: tuple[int, ...]) -> None:
     """Checkpoint tensors are checked against the full (unsharded) shape before a rank slices them."""
     if tuple(loaded.shape) != tuple(expected):
         raise ValueError(f"shape {tuple(loaded.shape)} in the checkpoint, expected {tuple(expected)}")
