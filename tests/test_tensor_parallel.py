@@ -29,7 +29,7 @@ from tests.worker_steps import StepWriter
 from worker_svc.config import WorkerConfig
 from worker_svc.runner import ModelRunner
 
-SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 BLOCK_SIZE, NUM_KV_BLOCKS = 16, 64
 WORKER_FLAGS = ("--block-size", str(BLOCK_SIZE), "--num-kv-blocks", str(NUM_KV_BLOCKS))
 # Prompts of more than 64 tokens are prefilled in chunks.
@@ -63,14 +63,14 @@ def hf(models) -> dict[str, torch.nn.Module]:
             for name, path in models.items()}
 
 
-def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+def hf_logits(hf_model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
-        return model(torch.tensor([token_ids])).logits[0]
+        return hf_model(torch.tensor([token_ids])).logits[0]
 
 
-def hf_greedy(model: torch.nn.Module, token_ids: list[int], n: int) -> list[int]:
+def hf_greedy(hf_model: torch.nn.Module, token_ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([token_ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        out = hf_model.generate(torch.tensor([token_ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
     return out[0, len(token_ids):].tolist()
 
 
@@ -195,9 +195,9 @@ def test_two_rank_logits_match_transformers(models, hf, tmp_path):
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     # 3 layers x block x K and V x 1 KV head per rank (2 split in two, or 1 replicated) x 16 dims x 4 bytes
     own_heads_blocks = int(KV_BUDGET_GB * 2**30 // (3 * BLOCK_SIZE * 2 * 1 * 16 * 4))
-    for name, reference_model in hf.items():
+    for name, hf_model in hf.items():
         for i, (seq_id, prompt) in enumerate(PROMPTS.items()):
-            reference = hf_logits(reference_model, prompt + [NEXT_TOKENS[seq_id]])
+            reference = hf_logits(hf_model, prompt + [NEXT_TOKENS[seq_id]])
             for step, position in (("prefill", -2), ("decode", -1)):
                 ours = ranks[0][name][step][i]
                 error = ((ours - reference[position]).abs().max() / reference[position].abs().max()).item()
