@@ -1,13 +1,12 @@
 """Next-token sampling: greedy at temperature 0, otherwise the exponential race (Gumbel-max):
 argmax(logits / T - log E) with E ~ Exp(1) draws exactly from softmax(logits / T)."""
 import hashlib
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 
-@dataclass(frozen=True)
-class SamplingRow:
+class SamplingRow(NamedTuple):  # a tuple: built once per sampled sequence per step, so cheap
     temperature: float
     seed: int | None     # per-request seed; None draws from the worker's own stream
     num_generated: int   # tokens this request has produced so far

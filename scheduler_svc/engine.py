@@ -60,6 +60,12 @@ class Totals:
             self.prefill_busy_seconds += reply.busy_seconds
 
 
+def _wake(streams: list[RequestStream]) -> list[RequestStream]:
+    for stream in streams:
+        stream.wakeup.set()
+    return []
+
+
 def _log_crash(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.critical("engine loop crashed", exc_info=task.exception())
@@ -105,20 +111,26 @@ class Engine:
             self.work.set()
 
     async def _loop(self) -> None:
+        delivered: list[RequestStream] = []  # streams with new tokens, woken once the next step is out
         while True:
             self._apply_aborts()
             batch = self.scheduler.schedule() if self.scheduler.has_work() else None
             try:
                 if batch is None:  # nothing runnable: wait for a change, watching the workers meanwhile
+                    delivered = _wake(delivered)
                     await self._idle()
                     continue
-                reply = await self.group.step(batch.request)
+                await self.group.send(batch.request)
+                # The handlers stream their tokens while the workers compute this step.
+                delivered = _wake(delivered)
+                reply = await self.group.receive(batch.request.step_id)
             except WorkerUnavailable as err:
+                delivered = _wake(delivered)
                 await self._fail_all(str(err))
                 continue
             self.totals.record_step(batch.request, reply)
-            for seq in self.scheduler.postprocess(batch, list(reply.token_ids)):
-                self._deliver(seq)
+            delivered = [stream for seq in self.scheduler.postprocess(batch, list(reply.token_ids))
+                         if (stream := self._deliver(seq)) is not None]
 
     async def _idle(self, ping_every: float = 2.0) -> None:
         self.work.clear()
@@ -133,17 +145,18 @@ class Engine:
                 self.scheduler.abort(seq_id)
         self.pending_aborts.clear()
 
-    def _deliver(self, seq: Sequence) -> None:
+    def _deliver(self, seq: Sequence) -> RequestStream | None:
+        """Hands a sequence's new token to its request stream (woken later by the loop)."""
         stream = self.streams.get(seq.seq_id)
         if stream is None:
-            return
+            return None
         stream.new_tokens.append(seq.completion_token_ids[-1])
         self.totals.generated_tokens += 1
         if seq.finish_reason is not None:
             stream.finished = True
             self.totals.requests_finished += 1
             del self.streams[seq.seq_id]
-        stream.wakeup.set()
+        return stream
 
     async def _fail_all(self, reason: str) -> None:
         """A rank failed: every request in flight ends UNAVAILABLE, then the group is rebuilt."""

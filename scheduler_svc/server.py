@@ -93,12 +93,17 @@ class LLMService(llm_pb2_grpc.LLMServicer):
 
 
 def _scheduler_config(args: argparse.Namespace, group: WorkerGroup) -> SchedulerConfig:
-    info = group.infos[0]
-    max_model_len = min(info.max_model_len, args.max_model_len or info.max_model_len)
-    return SchedulerConfig(num_kv_blocks=group.num_blocks, block_size=info.block_size,
-                           max_model_len=max_model_len, eos_token_ids=tuple(info.eos_token_ids),
-                           max_num_seqs=min(args.max_num_seqs, info.max_num_seqs),
-                           max_num_batched_tokens=min(args.max_num_batched_tokens, info.max_num_batched_tokens),
+    """The scheduler's limits: its own flags, narrowed to what every rank can take."""
+    infos = group.infos
+
+    def narrowest(flag: int, field: str) -> int:
+        return min([flag] * bool(flag) + [getattr(info, field) for info in infos])
+
+    return SchedulerConfig(num_kv_blocks=group.num_blocks, block_size=infos[0].block_size,
+                           max_model_len=narrowest(args.max_model_len, "max_model_len"),
+                           eos_token_ids=tuple(infos[0].eos_token_ids),
+                           max_num_seqs=narrowest(args.max_num_seqs, "max_num_seqs"),
+                           max_num_batched_tokens=narrowest(args.max_num_batched_tokens, "max_num_batched_tokens"),
                            enable_prefix_caching=args.enable_prefix_caching)
 
 

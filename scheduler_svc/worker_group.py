@@ -31,18 +31,30 @@ class WorkerGroup:
 
     async def connect(self, timeout: float) -> None:
         """Waits for every rank, checks they form one deployment, allocates the agreed KV pool."""
-        self.infos = [await self._describe(rank, timeout) for rank in range(len(self.stubs))]
+        # All ranks at once: a rank may only answer once its whole group has met.
+        found = await asyncio.gather(*(self._describe(r, timeout) for r in range(len(self.stubs))),
+                                     return_exceptions=True)
+        missing = [str(f) for f in found if isinstance(f, WorkerUnavailable)]
+        if missing:
+            raise WorkerUnavailable("; ".join(missing))
+        self.infos = found
         self._check_agreement()
         self.num_blocks = min(info.max_kv_blocks for info in self.infos)
-        for rank, stub in enumerate(self.stubs):
-            try:
-                await stub.AllocateKVCache(worker_pb2.AllocateKVCacheRequest(num_blocks=self.num_blocks))
-            except grpc.aio.AioRpcError as err:
-                raise WorkerUnavailable(f"{self.name(rank)} failed to allocate its KV cache: "
-                                        f"{err.details()}") from err
+        # Together too: on a GPU each rank's graph capture runs collectives with the others.
+        allocated = await asyncio.gather(*(self._allocate(r) for r in range(len(self.stubs))),
+                                         return_exceptions=True)
+        failed = [str(a) for a in allocated if isinstance(a, WorkerUnavailable)]
+        if failed:
+            raise WorkerUnavailable("; ".join(failed))
         self.streams = [stub.Step() for stub in self.stubs]
         log.info("connected to %d worker rank(s); KV pool %d blocks of %d tokens",
                  len(self.stubs), self.num_blocks, self.infos[0].block_size)
+
+    async def _allocate(self, rank: int) -> None:
+        try:
+            await self.stubs[rank].AllocateKVCache(worker_pb2.AllocateKVCacheRequest(num_blocks=self.num_blocks))
+        except grpc.aio.AioRpcError as err:
+            raise WorkerUnavailable(f"{self.name(rank)} failed to allocate its KV cache: {err.details()}") from err
 
     async def _describe(self, rank: int, timeout: float) -> worker_pb2.WorkerInfo:
         deadline = time.monotonic() + timeout
@@ -75,10 +87,16 @@ class WorkerGroup:
             if problems:
                 raise WorkerUnavailable(f"{self.name(rank)} does not match the group: " + "; ".join(problems))
 
-    async def step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
-        """Sends one step to every rank; returns rank 0's reply (its sampled tokens and timings)."""
+    async def send(self, request: worker_pb2.StepRequest) -> None:
+        """Sends one step to every rank; `receive` collects the replies."""
         try:
             await asyncio.gather(*(s.write(request) for s in self.streams))
+        except grpc.aio.AioRpcError as err:
+            raise WorkerUnavailable(self._which_failed(err)) from err
+
+    async def receive(self, step_id: int) -> worker_pb2.StepResponse:
+        """Every rank's reply to the step sent last; returns rank 0's (its tokens and timings)."""
+        try:
             replies = await asyncio.gather(*(s.read() for s in self.streams))
         except grpc.aio.AioRpcError as err:
             raise WorkerUnavailable(self._which_failed(err)) from err
@@ -86,7 +104,7 @@ class WorkerGroup:
             if reply is grpc.aio.EOF:
                 raise WorkerUnavailable(f"{self.name(rank)} closed its step stream")
             if reply.error:
-                raise WorkerUnavailable(f"{self.name(rank)} failed step {request.step_id}: {reply.error}")
+                raise WorkerUnavailable(f"{self.name(rank)} failed step {step_id}: {reply.error}")
         return replies[0]
 
     async def ping(self) -> None:

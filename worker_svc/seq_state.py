@@ -2,21 +2,20 @@
 delta entries of each step (worker.proto, SeqStep). A step is validated whole before any state
 changes, so a bad request is refused without disturbing the others."""
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from model.sampler import SamplingRow
 from nanoserve.v1 import worker_pb2
 
 
-@dataclass(frozen=True)
-class SeqState:
+# NamedTuples, not dataclasses: a decode step builds one of each per sequence, and tuples are cheap.
+class SeqState(NamedTuple):
     block_table: tuple[int, ...]
     temperature: float
     seed: int | None
 
 
-@dataclass(frozen=True)
-class SeqWork:
+class SeqWork(NamedTuple):
     """One sequence's part of a validated step."""
     token_ids: list[int]
     num_computed: int               # position of token_ids[0]
@@ -74,9 +73,9 @@ class SequenceTable:
         seq = f"sequence {entry.seq_id}"
         if not entry.token_ids:
             raise ValueError(f"{seq}: no tokens to compute")
-        bad = [t for t in entry.token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"{seq}: token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        if max(entry.token_ids) >= self.vocab_size:
+            raise ValueError(f"{seq}: token id {max(entry.token_ids)} is outside the vocabulary "
+                             f"(size {self.vocab_size})")
         work = SeqWork(list(entry.token_ids), entry.num_computed, state.block_table,
                        SamplingRow(state.temperature, state.seed, entry.num_generated) if entry.sample else None)
         if work.context_len > self.max_model_len:
