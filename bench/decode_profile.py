@@ -1,0 +1,80 @@
+"""Where a decode step's time goes on the worker: host preparation, the replayed forward pass,
+logits + sampling, and the whole step, for the benchmark model at batch B x context C.
+
+    python3 bench/decode_profile.py [--batch 256] [--context 1024] [--attention-backend triton]
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "proto")]
+
+from model.tiny import build_bench_model  # noqa: E402
+from nanoserve.v1 import llm_pb2, worker_pb2  # noqa: E402
+from worker_svc.config import WorkerConfig  # noqa: E402
+from worker_svc.runner import ModelRunner  # noqa: E402
+from worker_svc.step_inputs import build_step_inputs  # noqa: E402
+
+
+def timed(fn, repeat: int = 20) -> float:
+    """Median wall milliseconds of fn() with the GPU drained after each call."""
+    times = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - start))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default=str(REPO / ".cache" / "qwen3-0.6b-random"))
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--attention-backend", default="triton")
+    args = p.parse_args()
+    if not (Path(args.model) / "config.json").exists():
+        build_bench_model(Path(args.model))
+    bs, blocks = 256, -(-(args.context + 64) // 256)
+    runner = ModelRunner(WorkerConfig(model=args.model, block_size=bs, num_kv_blocks=args.batch * blocks + 8,
+                                      attention_backend=args.attention_backend, max_num_seqs=args.batch))
+    runner.allocate_kv_cache(args.batch * blocks + 8)
+    sampling = llm_pb2.SamplingParams(temperature=0.6)
+    per_step = max(1, runner.config.max_num_batched_tokens // args.context)
+    for first in range(0, args.batch, per_step):  # prefill every sequence to the context length
+        runner.step(worker_pb2.StepRequest(seqs=[
+            worker_pb2.SeqStep(seq_id=i, token_ids=[i % 1000 + 1] * args.context, reset=True, sample=True,
+                               new_block_ids=range(i * blocks, (i + 1) * blocks), sampling=sampling)
+            for i in range(first, min(args.batch, first + per_step))]))
+    step = worker_pb2.StepRequest(seqs=[worker_pb2.SeqStep(seq_id=i, token_ids=[7], num_computed=args.context,
+                                                           sample=True, num_generated=1)
+                                        for i in range(args.batch)])
+    work = runner.seqs.apply(step)
+    inputs = build_step_inputs(work, bs, runner.backend, runner.device, runner.max_blocks_per_seq)
+    hidden = runner.graphs.run(inputs.input_ids, inputs.positions, inputs.context)
+    result = {
+        "host_apply_ms": timed(lambda: runner.seqs.apply(step)),
+        "host_inputs_ms": timed(lambda: build_step_inputs(work, bs, runner.backend, runner.device,
+                                                          runner.max_blocks_per_seq)),
+        "graph_forward_ms": timed(lambda: runner.graphs.run(inputs.input_ids, inputs.positions, inputs.context)),
+        "logits_and_sample_ms": timed(lambda: runner.sampler(runner.model.compute_logits(hidden),
+                                                             inputs.sampling)),
+        "whole_step_ms": timed(lambda: runner.step(step)),
+    }
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        runner.step(step)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+    result.update(batch=args.batch, context=args.context, backend=runner.backend.name)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
