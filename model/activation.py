@@ -1,12 +1,12 @@
 """The gated activation of the Qwen3 MLP."""
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from model.fused import silu_and_mul
 
 
 class SiluAndMul(nn.Module):
     """[.., 2 * d] packed as (gate, up) -> silu(gate) * up, [.., d]."""
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(gate_up)

@@ -2,6 +2,7 @@
 import torch
 from torch import nn
 
+from model.fused import add_rms_norm, rms_norm
 from model.parallel import check_shape
 
 
@@ -16,16 +17,9 @@ class RMSNorm(nn.Module):
         check_shape(loaded, param.shape)
         param.data.copy_(loaded)
 
-    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in float32; the scale is applied in the model dtype, as transformers does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); or, given the residual stream, (norm(x + residual), x + residual)."""
         if residual is None:
-            return self._normalize(x)
-        residual = x + residual
-        return self._normalize(residual), residual
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)

@@ -2,6 +2,8 @@
 import torch
 from torch import nn
 
+from model.fused import rotate
+
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float):
@@ -17,9 +19,4 @@ class RotaryEmbedding(nn.Module):
         """q [N, heads, head_dim] and k [N, kv_heads, head_dim] rotated by their token's position."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        return rotate(q, cos, sin), rotate(k, cos, sin)

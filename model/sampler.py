@@ -5,6 +5,8 @@ from typing import NamedTuple
 
 import torch
 
+from model.fused import race_scores
+
 
 class SamplingRow(NamedTuple):  # a tuple: built once per sampled sequence per step, so cheap
     temperature: float
@@ -25,13 +27,9 @@ class Sampler:
         self.generator = torch.Generator(device).manual_seed(seed)
 
     def _noise(self, rows: list[SamplingRow], vocab_size: int) -> torch.Tensor:
-        """Exp(1) noise [len(rows), vocab]; seeded rows each from their own generator, greedy rows
-        all ones (no noise after the log)."""
-        noise = torch.ones(len(rows), vocab_size, device=self.device)
-        unseeded = [i for i, row in enumerate(rows) if row.temperature > 0 and row.seed is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), vocab_size, device=self.device).exponential_(
-                generator=self.generator)
+        """Exp(1) noise [len(rows), vocab]: the worker's own stream, then each seeded row redrawn
+        from its own generator (greedy rows ignore theirs)."""
+        noise = torch.empty(len(rows), vocab_size, device=self.device).exponential_(generator=self.generator)
         for i, row in enumerate(rows):
             if row.temperature > 0 and row.seed is not None:
                 own = torch.Generator(self.device).manual_seed(seeded_noise_seed(row.seed, row.num_generated))
@@ -40,9 +38,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         """One token per row of logits [len(rows), vocab]; temperature is applied in float32."""
-        logits = logits.float()
         if all(row.temperature == 0 for row in rows):
             return logits.argmax(dim=-1).tolist()
-        # Greedy rows divide by 1 and get no noise: the same argmax.
-        temperatures = torch.tensor([row.temperature or 1.0 for row in rows], device=self.device)
-        return (logits / temperatures[:, None] - self._noise(rows, logits.shape[-1]).log()).argmax(dim=-1).tolist()
+        temperatures = torch.tensor([row.temperature for row in rows], device=self.device)
+        return race_scores(logits, temperatures, self._noise(rows, logits.shape[-1])).argmax(dim=-1).tolist()
