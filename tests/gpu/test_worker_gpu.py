@@ -78,16 +78,16 @@ def test_teacher_forced_bf16_logits_close_to_transformers(bf16_model_dir, backen
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("batch_size", [4, 16])
+@pytest.mark.parametrize("batch_size", [3, 16])
 def test_cuda_graph_decode_gives_the_eager_tokens(bf16_model_dir, backend, batch_size):
+    """One runner, so weights and compiled kernels are shared: decode by graph replay, then the
+    same steps eagerly (batch 3 pads to the bucket of 4)."""
+    runner = gpu_runner(bf16_model_dir, backend, False, "bfloat16", num_blocks=256 if backend == "triton" else 64)
     batch = prompts(batch_size, seed=2)
-    tokens = {}
-    for eager in (True, False):
-        runner = gpu_runner(bf16_model_dir, backend, eager, "bfloat16", num_blocks=256 if backend == "triton" else 64)
-        assert (runner.graphs is None) == eager
-        tokens[eager] = generate(runner, StepWriter(runner.config.block_size), batch, 32)
-        del runner
-    assert tokens[False] == tokens[True]
+    replayed = generate(runner, StepWriter(runner.config.block_size), batch, 32)
+    graphs, runner.graphs = runner.graphs, None
+    eager = generate(runner, StepWriter(runner.config.block_size), batch, 32)
+    assert graphs is not None and replayed == eager
 
 
 def test_kv_pool_sized_from_gpu_memory(tiny_model_dir):
