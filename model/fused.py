@@ -11,6 +11,12 @@ import torch
 import torch.nn.functional as F
 
 
+# Every (dtype, layout, size-1 batch) variant is one recompile; past the limit dynamo would quietly
+# run the function uncompiled, and CUDA-graph replay (compiled at capture) would then disagree with
+# eager steps. One worker sees a handful of variants; tests with several models see more.
+torch._dynamo.config.recompile_limit = 64
+
+
 def fused_on_cuda(fn: Callable) -> Callable:
     compiled = torch.compile(fn, dynamic=True)  # compiles lazily, on the first CUDA call
 
