@@ -55,8 +55,7 @@ class DecodeGraphs:
             with step_context(self._context(backend, bs)):
                 self.output[:bs] = run_model(self.input_ids[:bs], self.positions[:bs])  # warm-up
                 graph = torch.cuda.CUDAGraph()
-                # thread_local: the gRPC and heartbeat threads may touch CUDA while we capture
-                with torch.cuda.graph(graph, pool, capture_error_mode="thread_local"):
+                with torch.cuda.graph(graph, pool):
                     self.output[:bs] = run_model(self.input_ids[:bs], self.positions[:bs])
             self.graphs[bs] = graph
             if i % 4 == 0 or bs == 1:
