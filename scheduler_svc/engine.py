@@ -66,11 +66,6 @@ def _wake(streams: list[RequestStream]) -> list[RequestStream]:
     return []
 
 
-def _log_crash(task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.critical("engine loop crashed", exc_info=task.exception())
-
-
 class Engine:
     def __init__(self, group: WorkerGroup, config: SchedulerConfig, reconnect_timeout: float):
         self.group = group
@@ -89,7 +84,24 @@ class Engine:
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._loop())
-        self.task.add_done_callback(_log_crash)
+        self.task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """A bug that ends the loop must not leave requests hanging: they fail, health goes down."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.critical("engine loop crashed", exc_info=task.exception())
+        self._fail_streams(f"the engine loop crashed: {task.exception()!r}")
+
+    def _fail_streams(self, reason: str) -> None:
+        """Ends every request in flight with `reason` (UNAVAILABLE) and marks the service down."""
+        self.healthy, self.failure = False, reason
+        self.on_health_change(False)
+        for stream in self.streams.values():
+            stream.error = reason
+            stream.wakeup.set()
+        self.streams.clear()
+        self.pending_aborts.clear()
 
     def add(self, seq: Sequence) -> RequestStream:
         """Admits a sequence (raises AdmissionError when it can never run)."""
@@ -161,13 +173,7 @@ class Engine:
     async def _fail_all(self, reason: str) -> None:
         """A rank failed: every request in flight ends UNAVAILABLE, then the group is rebuilt."""
         log.error("%s; failing %d request(s) and reconnecting", reason, len(self.streams))
-        self.healthy, self.failure = False, reason
-        self.on_health_change(False)
-        for stream in self.streams.values():
-            stream.error = reason
-            stream.wakeup.set()
-        self.streams.clear()
-        self.pending_aborts.clear()
+        self._fail_streams(reason)
         await self.group.close()
         while True:
             self.group = WorkerGroup(self.group.addresses)

@@ -1,7 +1,6 @@
 """Starts real nanoserve processes on free loopback ports, the way users start them."""
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -11,18 +10,15 @@ from typing import Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from nanoserve.launcher import free_port, stop_all as stop  # noqa: F401 (re-exported for the tests)
+from nanoserve.launcher import wait_serving as launcher_wait_serving
+
 REPO = Path(__file__).resolve().parent.parent
 DEVICE = os.environ.get("NANOSERVE_TEST_DEVICE", "cpu")  # cuda runs the same suite on a GPU
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(REPO / "proto"),
                                                                  os.environ.get("PYTHONPATH")])),
        "PYTHONUNBUFFERED": "1"}
 CLI = [sys.executable, "-m", "nanoserve.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_worker(model_dir: Path, port: int, *flags: str, log: Path) -> subprocess.Popen:
@@ -47,26 +43,19 @@ def health_status(address: str) -> int | None:
 
 
 def wait_serving(address: str, procs: list[subprocess.Popen], log: Path, timeout: float = 120) -> None:
+    """The launcher's wait, with the processes' log in the error."""
+    try:
+        launcher_wait_serving(address, procs, timeout)
+    except RuntimeError as err:
+        raise RuntimeError(f"{err}:\n{log.read_text()[-4000:]}") from None
+
+
+def wait_answering(address: str, timeout: float = 20) -> int | None:
+    """The health status once the server answers at all (None if it never does)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if health_status(address) == health_pb2.HealthCheckResponse.SERVING:
-            return
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError(f"a nanoserve process exited early:\n{log.read_text()[-4000:]}")
-        time.sleep(0.3)
-    raise RuntimeError(f"{address} not serving after {timeout}s:\n{log.read_text()[-4000:]}")
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    while (status := health_status(address)) is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return status
 
 
 @contextlib.contextmanager

