@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nanoserve.client import Client
@@ -171,3 +172,9 @@ def test_node_client_streams_a_generate(service, client):
                             ignore_eos=True)
     assert result["token_ids"] == again.token_ids
     assert result["text"] == again.text
+
+
+def test_reflection_and_health_are_served(service):
+    with grpc.insecure_channel(service["address"]) as channel:
+        services = ProtoReflectionDescriptorDatabase(channel).get_services()
+    assert {"nanoserve.v1.LLM", "grpc.health.v1.Health"} <= set(services)
