@@ -1,4 +1,5 @@
 """Faults: workers that are missing at start-up or die mid-run never leave a request hanging."""
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -54,3 +55,24 @@ def test_worker_dying_mid_run_fails_in_flight_requests_then_recovers(tiny_model_
         wait_serving(svc["address"], [svc["scheduler"], restarted], log)
         done = client.generate([1, 2, 3], max_tokens=3, temperature=0, ignore_eos=True)
         assert len(done.token_ids) == 3
+
+
+def test_a_full_waiting_queue_refuses_with_resource_exhausted(tiny_model_dir, tmp_path: Path):
+    """One sequence runs at a time and one may wait: a burst of 12 gets some refusals, clearly
+    worded, and every admitted request still completes in full."""
+    flags = ("--block-size", "16", "--num-kv-blocks", "64", "--max-num-seqs", "1")
+    with running_service(Path(tiny_model_dir), tmp_path / "services.log", worker_flags=flags,
+                         scheduler_flags=("--max-waiting", "1")) as svc, Client(svc["address"]) as client:
+        def run(i: int):
+            try:
+                return client.generate([i + 1] * 8, max_tokens=20, temperature=0, ignore_eos=True)
+            except grpc.RpcError as err:
+                return err
+
+        with ThreadPoolExecutor(12) as pool:
+            results = list(pool.map(run, range(12)))
+    refused = [r for r in results if isinstance(r, grpc.RpcError)]
+    done = [r for r in results if not isinstance(r, grpc.RpcError)]
+    assert refused and done
+    assert all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "already waiting" in r.details() for r in refused)
+    assert all(len(r.token_ids) == 20 for r in done)
