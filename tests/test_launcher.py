@@ -1,0 +1,41 @@
+"""`nanoserve up` and `nanoserve generate` as a user runs them: start, answer, stop cleanly."""
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from nanoserve.launcher import free_port
+from tests.services import CLI, ENV, health_status, wait_serving
+
+
+def test_up_serves_generate_streams_and_sigterm_stops_everything(tiny_model_dir, tmp_path: Path):
+    port, worker_port = free_port(), free_port()
+    log = tmp_path / "up.log"
+    up = subprocess.Popen(CLI + ["up", "--model", str(tiny_model_dir), "--port", str(port), "--worker-base-port",
+                                 str(worker_port), "--device", "cpu", "--block-size", "16"],
+                          env=ENV, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_serving(address, [up], log)
+        announced = f"serving {tiny_model_dir} on {address}"
+        deadline = time.monotonic() + 10  # `up` polls the same health check a moment later
+        while announced not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert announced in log.read_text()
+        out = subprocess.run(CLI + ["generate", "Hello there", "--address", address, "--max-tokens", "6"],
+                             env=ENV, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip()
+        assert "FINISH_REASON_LENGTH" in out.stderr and "6 generated" in out.stderr
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=30) == 0
+    assert health_status(address) is None
+    assert health_status(f"127.0.0.1:{worker_port}") is None  # the worker went with it
+
+
+def test_generate_reports_an_unreachable_server(tmp_path: Path):
+    out = subprocess.run(CLI + ["generate", "hi", "--address", f"127.0.0.1:{free_port()}"], env=ENV,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert "UNAVAILABLE" in out.stderr
