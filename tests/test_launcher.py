@@ -4,20 +4,24 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from nanoserve.launcher import free_port
 from tests.services import CLI, ENV, health_status, wait_serving
 
 
-def test_up_serves_generate_streams_and_sigterm_stops_everything(tiny_model_dir, tmp_path: Path):
-    port, worker_port = free_port(), free_port()
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_up_serves_generate_streams_and_sigterm_stops_everything(tiny_model_dir, tmp_path: Path, ranks: int):
+    port, worker_port = free_port(), free_port()  # ranks listen on worker_port + rank
     log = tmp_path / "up.log"
     up = subprocess.Popen(CLI + ["up", "--model", str(tiny_model_dir), "--port", str(port), "--worker-base-port",
-                                 str(worker_port), "--device", "cpu", "--block-size", "16"],
+                                 str(worker_port), "--tensor-parallel-size", str(ranks), "--device", "cpu",
+                                 "--block-size", "16"],
                           env=ENV, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     address = f"127.0.0.1:{port}"
     try:
         wait_serving(address, [up], log)
-        announced = f"serving {tiny_model_dir} on {address}"
+        announced = f"serving {tiny_model_dir} on {address} ({ranks} worker rank"
         deadline = time.monotonic() + 10  # `up` polls the same health check a moment later
         while announced not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -31,7 +35,7 @@ def test_up_serves_generate_streams_and_sigterm_stops_everything(tiny_model_dir,
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=30) == 0
     assert health_status(address) is None
-    assert health_status(f"127.0.0.1:{worker_port}") is None  # the worker went with it
+    assert all(health_status(f"127.0.0.1:{worker_port + r}") is None for r in range(ranks))  # workers too
 
 
 def test_generate_reports_an_unreachable_server(tmp_path: Path):
