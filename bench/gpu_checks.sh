@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a lent GPU machine, from the repo root: builds the minimal flash-attn (when .fa/ is carried),
 # runs tests/gpu and the service integration suite on CUDA, then the throughput benchmark.
-#   bench/gpu_checks.sh [tests|bench|all]   (results under $OUT, default bench/out)
+#   bench/gpu_checks.sh [tests|bench|all|tp]   (results under $OUT, default bench/out)
+# `tp` (on nvidia-h200-x2): the tensor-parallel service tests on CUDA, then throughput at 1 and 2 ranks.
 set -uo pipefail
 mode=${1:-all}
 out=${OUT:-bench/out}; mkdir -p "$out"
@@ -15,6 +16,15 @@ if [ -f .fa/flash_attn-2.8.3.tar.gz ] && [ ! -d .fa/fa_pkg ]; then
 fi
 [ -d .fa/fa_pkg ] && export PYTHONPATH=$PYTHONPATH:$PWD/.fa/fa_pkg
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+if [ "$mode" = tp ]; then
+  NANOSERVE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py \
+    -k "two_ranks_generate or client_against" 2>&1 | tee "$out/tp_tests.log" | tail -8
+  for tp in 1 2; do
+    python3 bench/throughput.py --tensor-parallel-size "$tp" --attention-backend triton \
+      --out "$out/throughput_tp$tp.json" 2>&1 | tee "$out/throughput_tp$tp.log" | grep -v " INFO " | tail -18
+  done
+  exit
+fi
 if [ "$mode" != bench ]; then
   python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/gpu_tests.log" | tail -15
   NANOSERVE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_integration.py 2>&1 \
