@@ -32,23 +32,25 @@ class WorkerGroup:
     async def connect(self, timeout: float) -> None:
         """Waits for every rank, checks they form one deployment, allocates the agreed KV pool."""
         # All ranks at once: a rank may only answer once its whole group has met.
-        found = await asyncio.gather(*(self._describe(r, timeout) for r in range(len(self.stubs))),
-                                     return_exceptions=True)
-        missing = [str(f) for f in found if isinstance(f, WorkerUnavailable)]
-        if missing:
-            raise WorkerUnavailable("; ".join(missing))
-        self.infos = found
+        self.infos = await self._on_every_rank(lambda rank: self._describe(rank, timeout))
         self._check_agreement()
         self.num_blocks = min(info.max_kv_blocks for info in self.infos)
         # Together too: on a GPU each rank's graph capture runs collectives with the others.
-        allocated = await asyncio.gather(*(self._allocate(r) for r in range(len(self.stubs))),
-                                         return_exceptions=True)
-        failed = [str(a) for a in allocated if isinstance(a, WorkerUnavailable)]
-        if failed:
-            raise WorkerUnavailable("; ".join(failed))
+        await self._on_every_rank(self._allocate)
         self.streams = [stub.Step() for stub in self.stubs]
         log.info("connected to %d worker rank(s); KV pool %d blocks of %d tokens",
                  len(self.stubs), self.num_blocks, self.infos[0].block_size)
+
+    async def _on_every_rank(self, call) -> list:
+        """call(rank) on all ranks concurrently; every rank that failed is named in one error."""
+        results = await asyncio.gather(*(call(rank) for rank in range(len(self.stubs))), return_exceptions=True)
+        failed = [str(r) for r in results if isinstance(r, WorkerUnavailable)]
+        if failed:
+            raise WorkerUnavailable("; ".join(failed))
+        unexpected = next((r for r in results if isinstance(r, BaseException)), None)
+        if unexpected is not None:
+            raise unexpected
+        return results
 
     async def _allocate(self, rank: int) -> None:
         try:

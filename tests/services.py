@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Iterator
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from nanoserve.healthcheck import serving_status
 from nanoserve.launcher import free_port, stop_all as stop  # noqa: F401 (re-exported for the tests)
 from nanoserve.launcher import wait_serving as launcher_wait_serving
 
@@ -33,13 +33,12 @@ def start_scheduler(workers: list[str], port: int, *flags: str, log: Path) -> su
                             env=ENV, stdout=log.open("ab"), stderr=subprocess.STDOUT)
 
 
-def health_status(address: str) -> int | None:
-    """The server's grpc.health.v1 status, or None when it does not answer."""
-    with grpc.insecure_channel(address) as channel:
-        try:
-            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status
-        except grpc.RpcError:
-            return None
+def health_status(address: str) -> str | None:
+    """The server's grpc.health.v1 status name ("SERVING", "NOT_SERVING"), or None when it does not answer."""
+    try:
+        return serving_status(address, timeout=1)
+    except grpc.RpcError:
+        return None
 
 
 def wait_serving(address: str, procs: list[subprocess.Popen], log: Path, timeout: float = 120) -> None:
@@ -50,7 +49,7 @@ def wait_serving(address: str, procs: list[subprocess.Popen], log: Path, timeout
         raise RuntimeError(f"{err}:\n{log.read_text()[-4000:]}") from None
 
 
-def wait_answering(address: str, timeout: float = 20) -> int | None:
+def wait_answering(address: str, timeout: float = 20) -> str | None:
     """The health status once the server answers at all (None if it never does)."""
     deadline = time.monotonic() + timeout
     while (status := health_status(address)) is None and time.monotonic() < deadline:

@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from grpc_health.v1 import health_pb2
 from safetensors import safe_open
 
 import model.embedding
@@ -30,7 +29,7 @@ from tests.worker_steps import StepWriter
 from worker_svc.config import WorkerConfig
 from worker_svc.runner import ModelRunner
 
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+NOT_SERVING = "NOT_SERVING"
 BLOCK_SIZE, NUM_KV_BLOCKS = 16, 64
 WORKER_FLAGS = ("--block-size", str(BLOCK_SIZE), "--num-kv-blocks", str(NUM_KV_BLOCKS))
 # Prompts of more than 64 tokens are prefilled in chunks.

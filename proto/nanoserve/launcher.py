@@ -9,9 +9,8 @@ import time
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from nanoserve.cli import forward_flags
+from nanoserve.healthcheck import SERVING, serving_status
 
 _LAUNCHER_SET = {"model", "host", "port", "rank", "workers"}
 
@@ -35,18 +34,16 @@ def free_port() -> int:
 def wait_serving(address: str, procs: list[subprocess.Popen], timeout: float) -> None:
     """Blocks until the scheduler's health check says SERVING; fails fast if a process exits."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            dead = [p for p in procs if p.poll() is not None]
-            if dead:
-                raise RuntimeError(f"{' '.join(dead[0].args[2:5])} exited with code {dead[0].returncode}")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.5)
+    while time.monotonic() < deadline:
+        dead = [p for p in procs if p.poll() is not None]
+        if dead:
+            raise RuntimeError(f"{' '.join(dead[0].args[2:5])} exited with code {dead[0].returncode}")
+        try:
+            if serving_status(address, timeout=1) == SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.5)
     raise RuntimeError(f"the scheduler at {address} was not serving after {timeout:.0f}s")
 
 
