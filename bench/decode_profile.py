@@ -1,5 +1,7 @@
 """Where a decode step's time goes on the worker: host preparation, the replayed forward pass,
-logits + sampling, and the whole step, for the benchmark model at batch B x context C.
+logits + sampling, and the whole step, for the benchmark model at batch B x context C; then
+the step time when each step is launched before the previous one is read back, as the
+pipelined worker runs them.
 
     python3 bench/decode_profile.py [--batch 256] [--context 1024] [--attention-backend triton]
 """
@@ -33,6 +35,19 @@ def timed(fn, repeat: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def pipelined(runner: ModelRunner, step: worker_pb2.StepRequest, count: int = 20) -> float:
+    """Wall milliseconds per step over `count` steps, each launched before the previous reply."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    launched = runner.launch(step)
+    for _ in range(count - 1):
+        following = runner.launch(step)
+        launched.reply(step.step_id)
+        launched = following
+    launched.reply(step.step_id)
+    return 1e3 * (time.perf_counter() - start) / count
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default=str(REPO / ".cache" / "qwen3-0.6b-random"))
@@ -57,16 +72,21 @@ def main() -> None:
                                                            sample=True, num_generated=1)
                                         for i in range(args.batch)])
     work = runner.seqs.apply(step)
-    inputs = build_step_inputs(work, bs, runner.backend, runner.device, runner.max_blocks_per_seq)
+
+    def build():
+        return build_step_inputs(work, runner.seqs.block_tables, bs, runner.backend, runner.last_tokens,
+                                 runner.max_blocks_per_seq)
+
+    inputs = build()
     hidden = runner.graphs.run(inputs.input_ids, inputs.positions, inputs.context)
     result = {
         "host_apply_ms": timed(lambda: runner.seqs.apply(step)),
-        "host_inputs_ms": timed(lambda: build_step_inputs(work, bs, runner.backend, runner.device,
-                                                          runner.max_blocks_per_seq)),
+        "host_inputs_ms": timed(build),
         "graph_forward_ms": timed(lambda: runner.graphs.run(inputs.input_ids, inputs.positions, inputs.context)),
         "logits_and_sample_ms": timed(lambda: runner.sampler(runner.model.compute_logits(hidden),
                                                              inputs.sampling)),
         "whole_step_ms": timed(lambda: runner.step(step)),
+        "pipelined_step_ms": pipelined(runner, step),
     }
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         runner.step(step)

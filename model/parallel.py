@@ -27,6 +27,13 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def broadcast_from_first_rank(x: torch.Tensor) -> torch.Tensor:
+    """Every rank ends with rank 0's x, in place."""
+    if tp_world_size() > 1:
+        dist.broadcast(x, src=0)
+    return x
+
+
 class CheckpointTensor(Protocol):
     """What a sharded layer's weight loader reads: a whole tensor, or one still in its file that
     reads only the part narrowed to (model.loader.StoredTensor); `shape` is the full shape."""

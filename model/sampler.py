@@ -36,9 +36,13 @@ class Sampler:
                 noise[i].exponential_(generator=own)
         return noise
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-        """One token per row of logits [len(rows), vocab]; temperature is applied in float32."""
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """One token id per row of logits [len(rows), vocab], on the device (int64, no host sync);
+        temperature is applied in float32."""
         if all(row.temperature == 0 for row in rows):
-            return logits.argmax(dim=-1).tolist()
-        temperatures = torch.tensor([row.temperature for row in rows], device=self.device)
-        return race_scores(logits, temperatures, self._noise(rows, logits.shape[-1])).argmax(dim=-1).tolist()
+            return logits.argmax(dim=-1)
+        temperatures = torch.tensor([row.temperature for row in rows])
+        if self.device.type == "cuda":  # pinned, so the copy does not wait for the work queued before it
+            temperatures = temperatures.pin_memory()
+        temperatures = temperatures.to(self.device, non_blocking=True)
+        return race_scores(logits, temperatures, self._noise(rows, logits.shape[-1])).argmax(dim=-1)

@@ -1,16 +1,20 @@
 """The engine loop: schedule -> step every rank -> post-process -> wake the request streams.
 
 Runs as one asyncio task beside the gRPC handlers; handlers only enqueue requests and read
-their RequestStream, so a slow client never blocks a step.
+their RequestStream, so a slow client never blocks a step. Two steps are in flight: step N+1
+is scheduled and sent before step N's tokens come back, so the workers always have the next
+step queued and the GPU does not wait on this process or the network between steps.
 """
 import asyncio
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 
 from nanoserve.v1 import worker_pb2
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import Sequence
+from scheduler_svc.step_batch import StepBatch
 from scheduler_svc.worker_group import WorkerGroup, WorkerUnavailable
 
 log = logging.getLogger("nanoserve.scheduler")
@@ -45,18 +49,17 @@ class Totals:
     decode_busy_seconds: float = 0.0
     decode_idle_seconds: float = 0.0
 
-    def record_step(self, request: worker_pb2.StepRequest, reply: worker_pb2.StepResponse) -> None:
-        if not request.seqs:
+    def record_step(self, batch: StepBatch, reply: worker_pb2.StepResponse) -> None:
+        if not batch.seqs:
             return
-        first = request.seqs[0]
-        if not first.reset and len(first.token_ids) == 1:  # decode steps are never mixed with prefill
+        if batch.is_decode:
             self.decode_steps += 1
-            self.decode_tokens += len(request.seqs)
+            self.decode_tokens += len(batch.seqs)
             self.decode_busy_seconds += reply.busy_seconds
             self.decode_idle_seconds += reply.idle_seconds
         else:
             self.prefill_steps += 1
-            self.prefill_tokens += sum(len(s.token_ids) for s in request.seqs)
+            self.prefill_tokens += sum(batch.num_tokens)
             self.prefill_busy_seconds += reply.busy_seconds
 
 
@@ -122,26 +125,34 @@ class Engine:
             self.pending_aborts.append(seq_id)
             self.work.set()
 
-    async def _loop(self) -> None:
+    async def _loop(self, depth: int = 2) -> None:
+        in_flight: deque[StepBatch] = deque()  # sent, in step order
         delivered: list[RequestStream] = []  # streams with new tokens, woken once the next step is out
         while True:
             self._apply_aborts()
-            batch = self.scheduler.schedule() if self.scheduler.has_work() else None
+            batch = None
+            if len(in_flight) < depth and self.scheduler.has_work():
+                batch = self.scheduler.schedule()
             try:
-                if batch is None:  # nothing runnable: wait for a change, watching the workers meanwhile
-                    delivered = _wake(delivered)
+                if batch is not None:
+                    await self.group.send(batch.request)
+                    in_flight.append(batch)
+                # The handlers stream their tokens while the workers compute.
+                delivered = _wake(delivered)
+                if not in_flight:  # nothing runnable: wait for a change, watching the workers meanwhile
                     await self._idle()
                     continue
-                await self.group.send(batch.request)
-                # The handlers stream their tokens while the workers compute this step.
-                delivered = _wake(delivered)
-                reply = await self.group.receive(batch.request.step_id)
+                if batch is not None and len(in_flight) < depth:
+                    continue  # queue another step before waiting for this one
+                done = in_flight.popleft()
+                reply = await self.group.receive(done.request.step_id)
             except WorkerUnavailable as err:
+                in_flight.clear()
                 delivered = _wake(delivered)
                 await self._fail_all(str(err))
                 continue
-            self.totals.record_step(batch.request, reply)
-            delivered = [stream for seq in self.scheduler.postprocess(batch, list(reply.token_ids))
+            self.totals.record_step(done, reply)
+            delivered = [stream for seq in self.scheduler.postprocess(done, list(reply.token_ids))
                          if (stream := self._deliver(seq)) is not None]
 
     async def _idle(self, ping_every: float = 2.0) -> None:

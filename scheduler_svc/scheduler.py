@@ -6,8 +6,11 @@ and the free blocks allow; a prompt longer than the budget left is split across 
 nothing can be prefilled, every running sequence decodes one token; if one needs a new block
 and none is free, the most recently admitted sequence is preempted and later recomputed.
 
-Call postprocess() for each batch before the next schedule(): computed-token counts and the
-prefix cache advance only once the workers have done the work.
+Steps are pipelined: a batch advances its sequences when it is built, so the next one can be
+scheduled while it runs, its sampled tokens pending. Call postprocess() for every batch, in
+order, with at most one batch unprocessed when schedule() is called. A pending token is decoded
+by the workers from their own copy; a sequence that will reach its length limit with it is not
+scheduled again, and one whose pending token turns out to stop it wastes one decode at most.
 """
 from collections import deque
 
@@ -87,27 +90,28 @@ class Scheduler:
         """Applies a step's sampled tokens (one per entry with `sample` set, in entry order).
 
         Returns the sequences that received a token; finished ones have released their blocks.
-        Sequences aborted while the step ran are skipped.
+        Tokens of sequences aborted or finished since the step was built are dropped.
         """
         if len(token_ids) != len(batch.sampled):
             raise ValueError(f"step {batch.request.step_id} sampled {len(batch.sampled)} sequences "
                              f"but {len(token_ids)} tokens came back")
-        running, block_size = SequenceStatus.RUNNING, self.config.block_size
-        for seq, count in zip(batch.seqs, batch.num_tokens):
-            if seq.status is running:
-                start = seq.num_computed_tokens
-                seq.num_computed_tokens = start + count
-                if (start + count) // block_size > start // block_size:  # rare in decode: skip the call
-                    self.block_manager.cache_full_blocks(seq, start, start + count)
+        running, finished, block_size = SequenceStatus.RUNNING, SequenceStatus.FINISHED, self.config.block_size
+        for seq, count, entry in zip(batch.seqs, batch.num_tokens, batch.request.seqs):
+            start = entry.num_computed
+            if seq.status is running and (start + count) // block_size > start // block_size:  # rare in decode
+                self.block_manager.cache_full_blocks(seq, start, start + count)
         served = []
         any_finished = False
         for seq, token_id in zip(batch.sampled, token_ids):
-            if seq.status is not running:
+            if seq.status is finished:
                 continue
-            seq.append_token(token_id)
+            seq.num_pending_tokens -= 1
+            seq.append_token(token_id)  # also when preempted meanwhile: it is recomputed with it
             reason = self._finish_reason(seq, token_id)
             if reason is not None:
                 seq.finish_reason = reason
+                if seq.status is SequenceStatus.WAITING:
+                    self.waiting.remove(seq)
                 self._release(seq)
                 any_finished = True
             served.append(seq)
@@ -137,7 +141,9 @@ class Scheduler:
             seqs.append(self.running[-1])
             num_tokens.append(min(seqs[-1].num_uncomputed_tokens, budget))
             budget -= num_tokens[-1]
-        while self.waiting and budget and len(self.running) < self.config.max_num_seqs:
+        # A sequence preempted with a token in flight waits for it: its recompute must include it.
+        while (self.waiting and budget and len(self.running) < self.config.max_num_seqs
+               and not self.waiting[0].num_pending_tokens):
             cached = self.block_manager.cached_prefix(self.waiting[0])
             if not self.block_manager.can_allocate(self.waiting[0], cached):
                 break
@@ -161,12 +167,21 @@ class Scheduler:
         while index < len(running):
             seq = running[index]
             has_slot = seq.num_computed_tokens < len(seq.block_table) * block_size  # for the token to compute
-            if has_slot or self.block_manager.append_block(seq):
+            if has_slot or self._ends_in_flight(seq) or self.block_manager.append_block(seq):
                 index += 1
             else:
                 self._preempt(running.pop())  # may be seq itself, which ends the loop
-        # A copy: the batch must not change when running does (an abort while the step runs).
-        return self._build(list(running), [1] * len(running)) if running else None
+        # A new list: the batch must not change when running does (an abort while the step runs).
+        seqs = [seq for seq in running if not self._ends_in_flight(seq)]
+        return self._build(seqs, [1] * len(seqs)) if seqs else None
+
+    def _ends_in_flight(self, seq: Sequence) -> bool:
+        """Its pending token brings it to its length limit: nothing more to compute."""
+        if not seq.num_pending_tokens:
+            return False
+        max_tokens = seq.sampling.max_tokens
+        return (len(seq.token_ids) + seq.num_pending_tokens >= self.max_seq_len
+                or (max_tokens is not None and seq.num_completion_tokens >= max_tokens))
 
     def _build(self, seqs: list[Sequence], num_tokens: list[int]) -> StepBatch:
         batch = StepBatch.build(self.next_step_id, seqs, num_tokens, self.forget_seq_ids)

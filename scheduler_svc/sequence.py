@@ -28,7 +28,7 @@ class SamplingOptions:
 class Sequence:
     __slots__ = ("seq_id", "sampling", "status", "prompt_token_ids", "completion_token_ids", "token_ids",
                  "block_table", "num_computed_tokens", "num_cached_prompt_tokens", "num_blocks_on_workers",
-                 "finish_reason")
+                 "num_pending_tokens", "finish_reason")
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int], sampling: SamplingOptions):
         self.seq_id = seq_id
@@ -40,11 +40,14 @@ class Sequence:
         # parts so that slicing it for blocks and steps never concatenates.
         self.token_ids = list(prompt_token_ids)
         self.block_table: list[int] = []
-        self.num_computed_tokens = 0         # while running: tokens whose KV the workers hold
+        self.num_computed_tokens = 0         # while running: tokens whose KV the workers hold or are computing
         self.num_cached_prompt_tokens = 0    # prompt tokens the prefix cache served at the latest admission
         # Leading block_table entries the workers have been sent; 0 while they do not know
         # the sequence (not yet admitted, or preempted), so its next entry resets them.
         self.num_blocks_on_workers = 0
+        # Tokens sampled by steps still in flight: they exist on the workers (which feed them into
+        # the next decode themselves) but their values are not known here yet.
+        self.num_pending_tokens = 0
         self.finish_reason: str | None = None  # "stop" or "length" once finished (None when aborted)
 
     def __len__(self) -> int:
@@ -56,7 +59,12 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens
+
+    @property
+    def num_completion_tokens(self) -> int:
+        """Generated so far, counting the tokens still in flight."""
+        return len(self.completion_token_ids) + self.num_pending_tokens
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -62,13 +62,17 @@ def test_forget_then_reuse_of_a_seq_id_needs_reset(runner):
     ("unknown", "sequence 7 is unknown"),
     ("too few blocks", "10 tokens need 3 blocks, its block table has 2"),
     ("duplicate", "appears twice"),
+    ("nothing to feed in", "no token sampled by this worker at position 6"),
 ])
 def test_a_bad_step_is_refused_whole_and_disturbs_nothing(runner, problem, message):
     """A step with a good entry, a bad one and a forget: ValueError naming the problem, and no
     sequence state changed, the forget included; the good entry then runs as if nothing happened."""
     writer = StepWriter(BLOCK_SIZE)
     out = runner.step(writer.request(*(writer.entry(i, PROMPT[:3 + i], reset=True) for i in (1, 2, 3))))
-    before = dict(runner.seqs.states)
+    def snapshot():
+        return dict(runner.seqs.states), runner.seqs.block_tables.copy(), list(runner.seqs.free_slots)
+
+    before = snapshot()
     good, bad = writer.entry(1, out[:1], 4), writer.entry(2, out[1:2], 5)
     if problem == "block":
         bad.new_block_ids.append(64)
@@ -78,11 +82,15 @@ def test_a_bad_step_is_refused_whole_and_disturbs_nothing(runner, problem, messa
         bad.seq_id = 7
     elif problem == "too few blocks":
         bad.token_ids.extend([5] * 4)
+    elif problem == "nothing to feed in":
+        bad.num_computed += 1
+        del bad.token_ids[:]
     else:
         bad.seq_id = 1
     with pytest.raises(ValueError, match=message):
         runner.step(writer.request(good, bad, forget=(3,)))
-    assert runner.seqs.states == before
+    after = snapshot()
+    assert after[0] == before[0] and (after[1] == before[1]).all() and after[2] == before[2]
     assert runner.step(writer.request(good)) == cpu_runner_continuation(runner.config.model, out[0])
 
 
@@ -130,3 +138,15 @@ def test_bfloat16_runner_stays_close_to_float32(tiny_model_dir):
     logits = bf16.step_logits(request)
     assert logits.dtype == torch.bfloat16
     assert ((logits.float() - fp32).abs().max() / fp32.abs().max()).item() < 0.05
+
+
+def test_pipelined_decode_feeds_in_its_own_tokens(runner):
+    """The scheduler's pipelined protocol: each decode launched before the step before it has
+    replied, sending no token; the runner feeds in the token it sampled itself. Greedy and seeded
+    sampled sequences give exactly the tokens of the plain protocol."""
+    prompts = {1: PROMPT, 2: PROMPT[:5], 3: [11, 22, 33]}
+    sampling = {2: {"temperature": 0.9, "seed": 4}, 3: {"temperature": 1.0, "seed": 5}}
+    plain = generate(runner, StepWriter(BLOCK_SIZE), prompts, 10, sampling)
+    pipelined = generate(runner, StepWriter(BLOCK_SIZE), prompts, 10, sampling, pipelined=True)
+    assert pipelined == plain
+    assert len(set(plain[3])) > 3

@@ -12,7 +12,7 @@ CPU = torch.device("cpu")
 def test_temperature_zero_is_argmax_even_beside_sampled_rows():
     logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0))
     rows = [SamplingRow(0.0, None, 0), SamplingRow(1.5, None, 0), SamplingRow(0.0, 3, 0)] * 2
-    tokens = Sampler(CPU, seed=0)(logits, rows)
+    tokens = Sampler(CPU, seed=0)(logits, rows).tolist()
     argmax = logits.argmax(dim=-1).tolist()
     assert [tokens[i] for i in (0, 2, 3, 5)] == [argmax[i] for i in (0, 2, 3, 5)]
 
@@ -22,7 +22,7 @@ def test_draws_follow_softmax_of_scaled_logits(temperature):
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
     draws = 20_000
     tokens = Sampler(CPU, seed=1)(logits.expand(draws, -1), [SamplingRow(temperature, None, 0)] * draws)
-    frequencies = torch.bincount(torch.tensor(tokens), minlength=5).float() / draws
+    frequencies = torch.bincount(tokens, minlength=5).float() / draws
     expected = torch.softmax(logits / temperature, dim=-1)
     # Binomial standard error is at most 0.0036 here; 4.5 sigma.
     assert (frequencies - expected).abs().max().item() < 0.016
@@ -31,12 +31,16 @@ def test_draws_follow_softmax_of_scaled_logits(temperature):
 def test_seeded_row_depends_only_on_seed_and_position():
     logits = torch.zeros(3, 50_000)  # uniform: every token equally likely, the draw is all noise
     sampler = Sampler(CPU, seed=0)
-    alone = sampler(logits[:1], [SamplingRow(1.0, 42, 5)])
-    crowded = sampler(logits, [SamplingRow(1.0, None, 0), SamplingRow(0.7, 9, 5), SamplingRow(1.0, 42, 5)])
+
+    def draw(sampler: Sampler, rows: list[SamplingRow]) -> list[int]:
+        return sampler(logits[:len(rows)], rows).tolist()
+
+    alone = draw(sampler, [SamplingRow(1.0, 42, 5)])
+    crowded = draw(sampler, [SamplingRow(1.0, None, 0), SamplingRow(0.7, 9, 5), SamplingRow(1.0, 42, 5)])
     assert crowded[2] == alone[0]
-    assert Sampler(CPU, seed=123)(logits[:1], [SamplingRow(1.0, 42, 5)]) == alone  # worker seed irrelevant
-    assert sampler(logits[:1], [SamplingRow(1.0, 42, 6)]) != alone      # next position, new draw
-    assert sampler(logits[:1], [SamplingRow(1.0, 43, 5)]) != alone      # other seed, other draw
+    assert draw(Sampler(CPU, seed=123), [SamplingRow(1.0, 42, 5)]) == alone  # worker seed irrelevant
+    assert draw(sampler, [SamplingRow(1.0, 42, 6)]) != alone      # next position, new draw
+    assert draw(sampler, [SamplingRow(1.0, 43, 5)]) != alone      # other seed, other draw
 
 
 def test_seeded_generation_is_reproducible_in_any_batch_company(tiny_model_dir):

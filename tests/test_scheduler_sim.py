@@ -47,6 +47,7 @@ class WireStats:
     recomputes: int = 0            # reset entries for a sequence the worker knew before
     partial_chunks: int = 0        # prefill entries that do not sample
     cross_request_hits: int = 0    # first admissions that start past cached tokens
+    fed_tokens: int = 0            # decode entries without a token: the worker's own sample fed in
     seen: set[int] = field(default_factory=set)
 
 
@@ -54,6 +55,7 @@ class PagedFakeWorker:
     def __init__(self, num_blocks: int):
         self.slots: list[tuple[int, int] | None] = [None] * (num_blocks * BLOCK_SIZE)
         self.tables: dict[int, list[int]] = {}
+        self.last_sampled: dict[int, tuple[int, int]] = {}  # seq id -> (position, token) of its last sample
         self.stats = WireStats()
 
     def _slot(self, table: list[int], position: int) -> int:
@@ -62,14 +64,21 @@ class PagedFakeWorker:
     def step(self, request: worker_pb2.StepRequest) -> list[int]:
         for seq_id in request.forget_seq_ids:
             del self.tables[seq_id]
+            self.last_sampled.pop(seq_id, None)
         # Like a forward pass: every entry's KV is stored before any attention reads it.
         for entry in request.seqs:
             self._apply_delta(entry)
             table = self.tables[entry.seq_id]
-            for offset, token in enumerate(entry.token_ids):
+            for offset, token in enumerate(entry.token_ids or self._fed_token(entry)):
                 position = entry.num_computed + offset
                 self.slots[self._slot(table, position)] = (position, token)
         return [self._sample(entry) for entry in request.seqs if entry.sample]
+
+    def _fed_token(self, entry: worker_pb2.SeqStep) -> list[int]:
+        position, token = self.last_sampled[entry.seq_id]
+        assert position == entry.num_computed and not entry.reset
+        self.stats.fed_tokens += 1
+        return [token]
 
     def _apply_delta(self, entry: worker_pb2.SeqStep) -> None:
         stats = self.stats
@@ -88,11 +97,13 @@ class PagedFakeWorker:
     def _sample(self, entry: worker_pb2.SeqStep) -> int:
         table = self.tables[entry.seq_id]
         history = []
-        for position in range(entry.num_computed + len(entry.token_ids)):
+        for position in range(entry.num_computed + max(1, len(entry.token_ids))):
             stored_position, token = self.slots[self._slot(table, position)]
             assert stored_position == position
             history.append(token)
-        return next_token(history)
+        token = next_token(history)
+        self.last_sampled[entry.seq_id] = (len(history), token)
+        return token
 
 
 def make_requests(rng: random.Random, count: int) -> list[tuple[list[int], SamplingOptions]]:
@@ -106,12 +117,15 @@ def make_requests(rng: random.Random, count: int) -> list[tuple[list[int], Sampl
     return requests
 
 
-def run(config: SchedulerConfig, requests, rng: random.Random, arrivals_per_step: int,
-        abort_rate: float = 0.0) -> tuple[dict[int, Sequence], set[int], Scheduler, PagedFakeWorker]:
-    """Feeds the requests in over time, with some aborted part-way; returns every sequence."""
+def run(config: SchedulerConfig, requests, rng: random.Random, arrivals_per_step: int, abort_rate: float = 0.0,
+        pipelined: bool = False) -> tuple[dict[int, Sequence], set[int], Scheduler, PagedFakeWorker]:
+    """Feeds the requests in over time, with some aborted part-way; returns every sequence.
+    `pipelined`: as the engine runs it, each step is scheduled (and computed by the worker, which
+    works in order) before the step before it is post-processed."""
     scheduler, worker = Scheduler(config), PagedFakeWorker(config.num_kv_blocks)
     seqs = {seq_id: Sequence(seq_id, prompt, sampling) for seq_id, (prompt, sampling) in enumerate(requests)}
     pending, aborted = list(seqs.values()), set()
+    previous = None  # pipelined: a step computed whose tokens the scheduler has not seen yet
     while pending or scheduler.has_work():
         for seq in pending[:arrivals_per_step]:
             scheduler.add(seq)
@@ -121,14 +135,21 @@ def run(config: SchedulerConfig, requests, rng: random.Random, arrivals_per_step
             assert scheduler.abort(victim.seq_id) is victim
             aborted.add(victim.seq_id)
         batch = scheduler.schedule()
-        if batch is None:
-            continue
-        assert scheduler.postprocess(batch, worker.step(batch.request)) == batch.sampled
+        current = None if batch is None else (batch, worker.step(batch.request))
+        if not pipelined:
+            previous, current = current, None
+        if previous is not None:
+            served = scheduler.postprocess(*previous)
+            assert set(served) <= set(previous[0].sampled)
+            assert pipelined or served == previous[0].sampled
+        previous = current
+    if previous is not None:
+        scheduler.postprocess(*previous)
     return seqs, aborted, scheduler, worker
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_constrained_schedule_gives_the_unconstrained_tokens(seed):
+@pytest.mark.parametrize("seed, pipelined", [(0, False), (1, False), (2, True), (3, True)])
+def test_constrained_schedule_gives_the_unconstrained_tokens(seed, pipelined):
     rng = random.Random(seed)
     requests = make_requests(rng, 300)
     tight = SchedulerConfig(num_kv_blocks=48, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
@@ -137,8 +158,10 @@ def test_constrained_schedule_gives_the_unconstrained_tokens(seed):
                             max_model_len=MAX_MODEL_LEN, eos_token_ids=(EOS,), max_num_seqs=len(requests),
                             max_num_batched_tokens=100_000, enable_prefix_caching=False)
 
-    tight_seqs, aborted, scheduler, worker = run(tight, requests, rng, arrivals_per_step=2, abort_rate=0.003)
-    roomy_seqs, _, roomy_scheduler, roomy_worker = run(roomy, requests, rng, arrivals_per_step=len(requests))
+    tight_seqs, aborted, scheduler, worker = run(tight, requests, rng, arrivals_per_step=2, abort_rate=0.003,
+                                                 pipelined=pipelined)
+    roomy_seqs, _, roomy_scheduler, roomy_worker = run(roomy, requests, rng, arrivals_per_step=len(requests),
+                                                       pipelined=pipelined)
 
     assert roomy_worker.stats.recomputes == roomy_worker.stats.partial_chunks == 0
     assert roomy_scheduler.prefix_cache_hit_tokens == 0
@@ -155,6 +178,7 @@ def test_constrained_schedule_gives_the_unconstrained_tokens(seed):
 
     stats = worker.stats
     assert stats.recomputes > 10 and stats.partial_chunks > 10 and stats.cross_request_hits > 10
+    assert (stats.fed_tokens > 100) == pipelined
     assert scheduler.prefix_cache_hit_tokens > 0
     assert scheduler.num_free_blocks == scheduler.num_total_blocks
     assert not scheduler.has_work() and scheduler.live == {}

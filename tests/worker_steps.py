@@ -31,7 +31,7 @@ class StepWriter:
         if reset:
             self.tables[seq_id] = list(shared_blocks)
         table = self.tables[seq_id]
-        needed = math.ceil((num_computed + len(token_ids)) / self.block_size) - len(table)
+        needed = math.ceil((num_computed + max(1, len(token_ids))) / self.block_size) - len(table)
         new_blocks = list(range(self.next_block, self.next_block + max(0, needed)))
         self.next_block += len(new_blocks)
         table += new_blocks
@@ -48,17 +48,31 @@ class StepWriter:
 
 
 def generate(runner: ModelRunner, writer: StepWriter, prompts: dict[int, list[int]], num_tokens: int,
-             sampling: dict[int, dict] | None = None) -> dict[int, list[int]]:
+             sampling: dict[int, dict] | None = None, pipelined: bool = False) -> dict[int, list[int]]:
     """Prefills every prompt in one step, decodes them together to `num_tokens` tokens each, then
-    tells the runner to forget them. `sampling` maps a seq id to entry() keyword arguments."""
+    tells the runner to forget them. `sampling` maps a seq id to entry() keyword arguments.
+    `pipelined` drives it as the scheduler does: each decode is launched before the previous
+    step's tokens are read, and sends no token (the runner feeds in the one it sampled)."""
     sampling = sampling or {}
-    first = runner.step(writer.request(*(writer.entry(seq_id, prompt, reset=True, **sampling.get(seq_id, {}))
-                                         for seq_id, prompt in prompts.items())))
-    out = {seq_id: [token] for seq_id, token in zip(prompts, first)}
-    for _ in range(num_tokens - 1):
-        entries = [writer.entry(seq_id, out[seq_id][-1:], len(prompts[seq_id]) + len(out[seq_id]) - 1,
-                                num_generated=len(out[seq_id])) for seq_id in prompts]
-        for seq_id, token in zip(prompts, runner.step(writer.request(*entries))):
-            out[seq_id].append(token)
+    request = writer.request(*(writer.entry(seq_id, prompt, reset=True, **sampling.get(seq_id, {}))
+                               for seq_id, prompt in prompts.items()))
+    launched, replies = runner.launch(request), []
+    out = {seq_id: [] for seq_id in prompts}
+    for index in range(num_tokens - 1):
+        if not pipelined:
+            replies.append(launched.reply(request.step_id))
+            for seq_id, token in zip(prompts, replies[-1].token_ids):
+                out[seq_id].append(token)
+        entries = [writer.entry(seq_id, [] if pipelined else out[seq_id][-1:], len(prompts[seq_id]) + index,
+                                num_generated=index + 1) for seq_id in prompts]
+        request = writer.request(*entries)
+        following = runner.launch(request)
+        if pipelined:
+            replies.append(launched.reply(request.step_id - 1))
+            for seq_id, token in zip(prompts, replies[-1].token_ids):
+                out[seq_id].append(token)
+        launched = following
+    for seq_id, token in zip(prompts, launched.reply(request.step_id).token_ids):
+        out[seq_id].append(token)
     runner.step(writer.request(forget=tuple(prompts)))
     return out

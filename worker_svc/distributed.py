@@ -39,8 +39,11 @@ def init_distributed(config: WorkerConfig) -> None:
     log.info("rank %d waiting for %d ranks at %s", config.rank, config.tensor_parallel_size,
              config.dist_init_addr)
     try:
+        # device_id binds NCCL to this rank's GPU and sets its communicator up now, not inside
+        # the first collective (which may be the one a CUDA graph is capturing).
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{config.dist_init_addr}",
-                                rank=config.rank, world_size=config.tensor_parallel_size, timeout=GROUP_TIMEOUT)
+                                rank=config.rank, world_size=config.tensor_parallel_size, timeout=GROUP_TIMEOUT,
+                                device_id=torch.device("cuda", torch.cuda.current_device()) if cuda else None)
     except dist.DistError as err:
         raise SystemExit(f"rank {config.rank}: the {config.tensor_parallel_size} ranks did not meet at "
                          f"{config.dist_init_addr}: {err}") from None

@@ -1,5 +1,9 @@
 """The model runner of one worker rank: loads its shard of the model, owns the KV cache, and turns
-each step message into one forward pass and, on rank 0, sampled tokens."""
+each step message into one forward pass and, on rank 0, sampled tokens.
+
+Steps are launched, not run: the device work is queued and the call returns, so the worker can
+queue the next step before this one's tokens are read back. Sampled tokens stay on the device
+as well, where the next decode of their sequence reads them (every rank gets rank 0's)."""
 import hashlib
 import logging
 import time
@@ -9,7 +13,7 @@ import torch
 
 from kernels.backend import select_backend
 from model.loader import load_model
-from model.parallel import tp_rank, tp_world_size
+from model.parallel import broadcast_from_first_rank, tp_rank, tp_world_size
 from model.qwen3_config import Qwen3Config, resolve_dtype
 from model.sampler import Sampler, SamplingRow
 from nanoserve.v1 import worker_pb2
@@ -17,8 +21,9 @@ from worker_svc.config import WorkerConfig
 from worker_svc.context import step_context
 from worker_svc.cuda_graphs import DecodeGraphs
 from worker_svc.distributed import uses_cuda
+from worker_svc.launched_step import LaunchedStep, StepClock
 from worker_svc.seq_state import SequenceTable
-from worker_svc.step_inputs import build_step_inputs
+from worker_svc.step_inputs import StepInputs, build_step_inputs
 
 log = logging.getLogger("nanoserve.worker")
 
@@ -51,8 +56,10 @@ class ModelRunner:
         self.model = load_model(path, self.model_config, self.dtype, self.device)
         self.sampler = Sampler(self.device, config.seed)
         self.fingerprint = model_fingerprint(path, self.dtype)
+        self.clock = StepClock(self.device)
         self.kv_cache: torch.Tensor | None = None
         self.seqs: SequenceTable | None = None  # exists once the KV cache does
+        self.last_tokens: torch.Tensor | None = None  # [max_num_seqs] each slot's last sampled token
         self.graphs: DecodeGraphs | None = None
         self.max_blocks_per_seq = -(-self.max_model_len // config.block_size)
         self.max_kv_blocks = self._max_kv_blocks()
@@ -121,6 +128,7 @@ class ModelRunner:
         if not 0 < num_blocks <= self.max_kv_blocks:
             raise ValueError(f"cannot allocate {num_blocks} KV blocks: this rank holds 1 to {self.max_kv_blocks}")
         self.graphs = None
+        self._bind_device()
         self._allocate(num_blocks)
         if self.device.type == "cuda" and not self.config.enforce_eager:
             started = time.perf_counter()
@@ -137,41 +145,62 @@ class ModelRunner:
                                     layers[0].head_dim, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(layers):
             layer.bind_kv_cache(self.kv_cache[0, i], self.kv_cache[1, i])
-        self.seqs = SequenceTable(num_blocks, self.config.block_size, self.model_config.vocab_size,
-                                  self.max_model_len)
+        self.seqs = SequenceTable(self.config.max_num_seqs, num_blocks, self.config.block_size,
+                                  self.model_config.vocab_size, self.max_model_len)
+        self.last_tokens = torch.zeros(self.config.max_num_seqs, dtype=torch.int64, device=self.device)
+
+    def _bind_device(self) -> None:
+        """gRPC calls arrive on pool threads, and the current CUDA device is per thread: kernels,
+        streams and graph captures must all land on this rank's GPU."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
     @torch.inference_mode()
+    def launch(self, request: worker_pb2.StepRequest) -> LaunchedStep:
+        """Queues the step's work and returns; its reply() waits for the work and carries the
+        sampled tokens: one per entry with `sample` set, in entry order, on rank 0 ([] elsewhere)."""
+        self._bind_device()
+        start = self.clock.mark()
+        logits, inputs = self._forward(request)
+        tokens = None
+        if inputs is not None and inputs.sampling:
+            tokens = (self.sampler(logits, inputs.sampling) if logits is not None else
+                      torch.empty(len(inputs.sampling), dtype=torch.int64, device=self.device))
+            broadcast_from_first_rank(tokens)
+            self.last_tokens[inputs.sampled_slots] = tokens
+        return LaunchedStep(self.clock, start, tokens if logits is not None else None)
+
     def step(self, request: worker_pb2.StepRequest) -> list[int]:
-        """One sampled token per entry with `sample` set, in entry order (rank 0); [] on other ranks."""
-        logits, sampling = self._forward(request)
-        return [] if logits is None else self.sampler(logits, sampling)
+        """launch() and wait: the step's sampled tokens."""
+        return list(self.launch(request).reply(request.step_id).token_ids)
 
     @torch.inference_mode()
     def step_logits(self, request: worker_pb2.StepRequest) -> torch.Tensor | None:
         """Runs the step like step() but returns the logits [sampled entries, vocab] instead."""
+        self._bind_device()
         return self._forward(request)[0]
 
-    def _forward(self, request: worker_pb2.StepRequest) -> tuple[torch.Tensor | None, list[SamplingRow]]:
+    def _forward(self, request: worker_pb2.StepRequest) -> tuple[torch.Tensor | None, StepInputs | None]:
         if self.seqs is None:
             raise ValueError("step before the KV cache was allocated")
-        num_tokens = sum(len(entry.token_ids) for entry in request.seqs)
+        num_tokens = sum(max(1, len(entry.token_ids)) for entry in request.seqs)
         if len(request.seqs) > self.config.max_num_seqs or num_tokens > self.config.max_num_batched_tokens:
             raise ValueError(f"step of {len(request.seqs)} sequences and {num_tokens} tokens exceeds this "
                              f"worker's limits ({self.config.max_num_seqs} sequences, "
                              f"{self.config.max_num_batched_tokens} tokens)")
         work = self.seqs.apply(request)
-        if not work:
-            return None, []
-        inputs = build_step_inputs(work, self.config.block_size, self.backend, self.device,
-                                   self.max_blocks_per_seq)
+        if work is None:
+            return None, None
+        inputs = build_step_inputs(work, self.seqs.block_tables, self.config.block_size, self.backend,
+                                   self.last_tokens, self.max_blocks_per_seq)
         if self.graphs is not None and not inputs.context.is_prefill:
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.context)
         else:
             with step_context(inputs.context):
                 hidden = self._run_model(inputs.input_ids, inputs.positions)
         if not inputs.sampling:
-            return None, []
-        return self.model.compute_logits(hidden[inputs.sample_indices]), inputs.sampling
+            return None, inputs
+        return self.model.compute_logits(hidden[inputs.sample_indices]), inputs
 
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The forward pass under the current step context (the seam for CUDA-graph replay)."""

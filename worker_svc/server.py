@@ -1,7 +1,8 @@
 """The Worker gRPC service: one process per tensor-parallel rank, around a ModelRunner."""
 import logging
+import queue
 import threading
-import time
+from collections import deque
 from concurrent import futures
 from typing import Iterator
 
@@ -19,6 +20,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def __init__(self, runner):
         self.runner = runner
         self.lock = threading.Lock()  # the runner is driven by one request at a time
+        self.depth = 2  # steps launched and not yet replied to: the scheduler keeps two in flight
 
     def Describe(self, request, context) -> worker_pb2.WorkerInfo:
         return self.runner.info()
@@ -35,22 +37,74 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.AllocateKVCacheResponse(num_blocks=request.num_blocks)
 
     def Step(self, requests: Iterator[worker_pb2.StepRequest], context) -> Iterator[worker_pb2.StepResponse]:
+        """Replies in order, one per request. A step is launched as soon as it arrives, even while
+        the one before is still computing: the scheduler sends step N+1 before it has step N's
+        tokens, and queuing it first keeps the device busy while this process replies."""
         log.info("step stream opened by %s", context.peer())
-        replied = time.perf_counter()
-        for request in requests:
-            started = time.perf_counter()
-            with self.lock:
-                try:
-                    reply = worker_pb2.StepResponse(step_id=request.step_id, token_ids=self.runner.step(request))
-                except ValueError as err:  # a bad step: report it, keep serving
-                    log.warning("step %d refused: %s", request.step_id, err)
-                    reply = worker_pb2.StepResponse(step_id=request.step_id, error=str(err))
-                except Exception as err:  # a collective whose peer is gone, a device fault: unrecoverable
-                    exit_broken_rank(f"step {request.step_id} failed: {err!r}")
-            replied, reply.idle_seconds = time.perf_counter(), started - replied
-            reply.busy_seconds = replied - started
-            yield reply
+        inbox = _Inbox(requests)
+        launched: deque[tuple[int, object]] = deque()  # (step id, LaunchedStep or the error to report)
+        while True:
+            request = inbox.next(wait=not launched, until=launched[0][1] if launched else None)
+            if request is _END:
+                break
+            if request is not None:
+                launched.append((request.step_id, self._launch(request)))
+                if len(launched) < self.depth:
+                    continue
+            yield self._reply(*launched.popleft())
+        for step_id, step in launched:  # the client left: finish the device work, reply to no one
+            self._reply(step_id, step)
         log.info("step stream closed")
+
+    def _launch(self, request: worker_pb2.StepRequest):
+        with self.lock:
+            try:
+                return self.runner.launch(request)
+            except ValueError as err:  # a bad step: report it, keep serving
+                log.warning("step %d refused: %s", request.step_id, err)
+                return err
+            except Exception as err:  # a collective whose peer is gone, a device fault: unrecoverable
+                exit_broken_rank(f"step {request.step_id} failed: {err!r}")
+
+    def _reply(self, step_id: int, step) -> worker_pb2.StepResponse:
+        if isinstance(step, ValueError):
+            return worker_pb2.StepResponse(step_id=step_id, error=str(step))
+        try:
+            return step.reply(step_id)
+        except Exception as err:  # a device fault surfaces when the step's work is waited for
+            exit_broken_rank(f"step {step_id} failed: {err!r}")
+
+
+_END = object()
+
+
+class _Inbox:
+    """The step requests of one stream, read on their own thread so the step loop can look for
+    the next request without blocking while the device works."""
+
+    def __init__(self, requests: Iterator[worker_pb2.StepRequest]):
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._read, args=(requests,), name="step-inbox", daemon=True).start()
+
+    def _read(self, requests: Iterator[worker_pb2.StepRequest]) -> None:
+        try:
+            for request in requests:
+                self.queue.put(request)
+        except Exception:  # the stream broke (client gone); the loop ends as for a clean close
+            pass
+        self.queue.put(_END)
+
+    def next(self, wait: bool, until, poll_seconds: float = 2e-4):
+        """The next request; with `wait` unset, None instead once `until` (a launched step) is
+        ready, so its reply is not held back by a request that is not coming."""
+        if wait:
+            return self.queue.get()
+        while True:
+            try:
+                return self.queue.get(timeout=poll_seconds)
+            except queue.Empty:
+                if isinstance(until, ValueError) or until.ready():
+                    return None
 
 
 def serve_worker(config: WorkerConfig, host: str, port: int) -> int:

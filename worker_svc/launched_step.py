@@ -1,0 +1,52 @@
+"""A step whose work is queued on the device: the runner returns it before the work is done, so
+the worker can queue the next step first, and turns it into its reply once it is.
+
+Timings come from the device itself: on CUDA, events around the step's work, so `busy` is the
+time the GPU spent on this step and `idle` the gap it sat empty since the step before (the work
+a host falls behind on); on CPU, where work runs as it is issued, the host's clock.
+"""
+import time
+
+import torch
+
+from nanoserve.v1 import worker_pb2
+
+
+class StepClock:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.last_end = None  # the previous step's end mark
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        if start is None:
+            return 0.0
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
+
+
+class LaunchedStep:
+    def __init__(self, clock: StepClock, start, tokens: torch.Tensor | None):
+        self.clock, self.start, self.previous_end = clock, start, clock.last_end
+        self.tokens = tokens
+        if tokens is not None and clock.cuda:  # start the copy home now; ready() tells when it landed
+            self.tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.tokens.copy_(tokens, non_blocking=True)
+        self.end = clock.last_end = clock.mark()
+
+    def ready(self) -> bool:
+        return not self.clock.cuda or self.end.query()
+
+    def reply(self, step_id: int) -> worker_pb2.StepResponse:
+        """Waits for the step's work, then its sampled tokens (rank 0) and timings."""
+        if self.clock.cuda:
+            self.end.synchronize()
+        return worker_pb2.StepResponse(
+            step_id=step_id, token_ids=[] if self.tokens is None else self.tokens.tolist(),
+            busy_seconds=self.clock.seconds(self.start, self.end),
+            idle_seconds=self.clock.seconds(self.previous_end, self.start))
