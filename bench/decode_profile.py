@@ -54,12 +54,14 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--attention-backend", default="triton")
+    p.add_argument("--max-model-len", type=int, default=4096)
     args = p.parse_args()
     if not (Path(args.model) / "config.json").exists():
         build_bench_model(Path(args.model))
     bs, blocks = 256, -(-(args.context + 64) // 256)
     runner = ModelRunner(WorkerConfig(model=args.model, block_size=bs, num_kv_blocks=args.batch * blocks + 8,
-                                      attention_backend=args.attention_backend, max_num_seqs=args.batch))
+                                      attention_backend=args.attention_backend, max_num_seqs=args.batch,
+                                      max_model_len=args.max_model_len))
     runner.allocate_kv_cache(args.batch * blocks + 8)
     sampling = llm_pb2.SamplingParams(temperature=0.6)
     per_step = max(1, runner.config.max_num_batched_tokens // args.context)
@@ -91,7 +93,7 @@ def main() -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         runner.step(step)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
     result.update(batch=args.batch, context=args.context, backend=runner.backend.name)
     print(json.dumps(result, indent=2))
 

@@ -74,6 +74,7 @@ def main() -> None:
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--max-input-len", type=int, default=1024)
     p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, default=4096, help="as the nano-vllm anchor's bench.py")
     p.add_argument("--extra", default="", help="more `nanoserve up` flags, space separated")
     p.add_argument("--out", default=str(REPO / "bench" / "out" / "throughput.json"))
     args = p.parse_args()
@@ -87,7 +88,8 @@ def main() -> None:
                                                                     os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "nanoserve.cli", "up", "--model", str(model), "--port", str(port),
            "--worker-base-port", str(free_port()), "--tensor-parallel-size", str(args.tensor_parallel_size),
-           "--attention-backend", args.attention_backend, *args.extra.split()]
+           "--attention-backend", args.attention_backend, "--max-model-len", str(args.max_model_len),
+           *args.extra.split()]
     proc = subprocess.Popen(cmd, env=env)
     try:
         wait_serving(f"127.0.0.1:{port}", [proc], timeout=900)

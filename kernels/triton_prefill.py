@@ -59,7 +59,9 @@ def _find_sequence(cu_seqlens_q, num_seqs, slot, BLOCK_M: tl.constexpr):
     return lo - 1
 
 
-@triton.jit(do_not_specialize=["num_seqs"])  # one compiled kernel for every batch size
+# One compiled kernel for every batch size and block-table width (both change from step to step,
+# and Triton would otherwise specialise on their divisibility and compile again mid-service).
+@triton.jit(do_not_specialize=["num_seqs", "stride_table"])
 def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, cu_seqlens_q, context_lens, block_tables,
                     num_seqs, qk_scale, stride_q_token, stride_q_head, stride_o_token, stride_o_head,
                     stride_slot, stride_table, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,

@@ -22,7 +22,7 @@ from worker_svc.context import step_context
 from worker_svc.cuda_graphs import DecodeGraphs
 from worker_svc.distributed import uses_cuda
 from worker_svc.launched_step import LaunchedStep, StepClock
-from worker_svc.seq_state import SequenceTable
+from worker_svc.seq_state import SequenceTable, StepWork
 from worker_svc.step_inputs import StepInputs, build_step_inputs
 
 log = logging.getLogger("nanoserve.worker")
@@ -160,8 +160,9 @@ class ModelRunner:
         """Queues the step's work and returns; its reply() waits for the work and carries the
         sampled tokens: one per entry with `sample` set, in entry order, on rank 0 ([] elsewhere)."""
         self._bind_device()
-        start = self.clock.mark()
-        logits, inputs = self._forward(request)
+        work = self._apply(request)
+        start = self.clock.mark()  # after the host-only part: a device that waits for it shows idle
+        logits, inputs = self._compute(work)
         tokens = None
         if inputs is not None and inputs.sampling:
             tokens = (self.sampler(logits, inputs.sampling) if logits is not None else
@@ -178,9 +179,10 @@ class ModelRunner:
     def step_logits(self, request: worker_pb2.StepRequest) -> torch.Tensor | None:
         """Runs the step like step() but returns the logits [sampled entries, vocab] instead."""
         self._bind_device()
-        return self._forward(request)[0]
+        return self._compute(self._apply(request))[0]
 
-    def _forward(self, request: worker_pb2.StepRequest) -> tuple[torch.Tensor | None, StepInputs | None]:
+    def _apply(self, request: worker_pb2.StepRequest) -> StepWork | None:
+        """Validates the step and updates the sequence table (host only); ValueError if refused."""
         if self.seqs is None:
             raise ValueError("step before the KV cache was allocated")
         num_tokens = sum(max(1, len(entry.token_ids)) for entry in request.seqs)
@@ -188,7 +190,10 @@ class ModelRunner:
             raise ValueError(f"step of {len(request.seqs)} sequences and {num_tokens} tokens exceeds this "
                              f"worker's limits ({self.config.max_num_seqs} sequences, "
                              f"{self.config.max_num_batched_tokens} tokens)")
-        work = self.seqs.apply(request)
+        return self.seqs.apply(request)
+
+    def _compute(self, work: StepWork | None) -> tuple[torch.Tensor | None, StepInputs | None]:
+        """Queues the forward pass; the logits of the sampled rows on rank 0."""
         if work is None:
             return None, None
         inputs = build_step_inputs(work, self.seqs.block_tables, self.config.block_size, self.backend,

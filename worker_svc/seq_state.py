@@ -17,13 +17,10 @@ from model.sampler import SamplingRow
 from nanoserve.v1 import worker_pb2
 
 
-# NamedTuples, not dataclasses: a decode step builds one per sequence, and tuples are cheap.
-class SeqState(NamedTuple):
+class SeqState(NamedTuple):  # made once per sequence, when it is reset
     slot: int
-    num_blocks: int
     temperature: float
     seed: int | None
-    sampled_position: int  # where the token this worker last sampled for it goes; -1 if none
 
 
 @dataclass
@@ -46,10 +43,14 @@ class StepWork:
 
 class SequenceTable:
     def __init__(self, capacity: int, num_blocks: int, block_size: int, vocab_size: int, max_model_len: int):
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_kv_blocks, self.block_size = num_blocks, block_size
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
+        # Per slot: the block table, its length, and the position of the token this worker last
+        # sampled for the sequence (-1: none), which a decode entry without tokens computes.
         self.block_tables = np.full((capacity, self.max_blocks_per_seq), -1, np.int32)
+        self.num_blocks = np.zeros(capacity, np.int64)
+        self.sampled_positions = np.full(capacity, -1, np.int64)
         self.free_slots = list(range(capacity - 1, -1, -1))
         self.states: dict[int, SeqState] = {}
 
@@ -58,53 +59,60 @@ class SequenceTable:
 
     def apply(self, request: worker_pb2.StepRequest) -> StepWork | None:
         """Forgets, then applies every entry; ValueError (and no change at all) on a bad entry.
-        None when the step computes nothing."""
+        None when the step computes nothing. One pass over the entries gathers columns; the
+        checks then run on whole columns."""
         released = set(request.forget_seq_ids)
         # A copy: nothing changes before the step is valid; afterwards it is the new free list.
         spare_slots = self.free_slots + [self.states[seq_id].slot for seq_id in released if seq_id in self.states]
-        updated: dict[int, SeqState] = {}
-        appends: list[tuple[SeqState, int, list[int]]] = []  # (state, first index, block ids)
-        columns = _Columns()
-        for entry in request.seqs:
-            seq_id = entry.seq_id
-            if seq_id in updated:
-                raise ValueError(f"sequence {seq_id} appears twice in one step")
-            previous = None if seq_id in released else self.states.get(seq_id)
+        entries = request.seqs
+        reset: dict[int, SeqState] = {}  # by entry index
+        appends: list[tuple[int, list[int]]] = []  # (entry index, new block ids)
+        slots, num_new, num_computed, token_ids = [], [], [], []
+        fed_rows, fed_entries, sampled, sampling = [], [], [], []
+        for index, entry in enumerate(entries):
             if entry.reset:
-                if previous is not None:
-                    spare_slots.append(previous.slot)
-                previous = None
-            state, first = self._next_state(entry, previous, spare_slots)
-            self._check_entry(entry, state)
+                state = reset[index] = self._reset_state(entry, released, spare_slots)
+            else:
+                state = None if entry.seq_id in released else self.states.get(entry.seq_id)
+                if state is None:
+                    raise ValueError(f"sequence {entry.seq_id} is unknown to this worker (forgotten or never "
+                                     "seen): its first step must set reset")
             if entry.new_block_ids:
-                appends.append((state, first, list(entry.new_block_ids)))
-            updated[seq_id] = state = state._replace(
-                sampled_position=entry.num_computed + max(1, len(entry.token_ids)) if entry.sample else -1)
-            columns.add(entry, state)
-        # Valid: commit.
-        for seq_id in released:
-            self.states.pop(seq_id, None)
-        self.free_slots = spare_slots
-        for state, first, block_ids in appends:
-            row = self.block_tables[state.slot]
-            if first == 0:
-                row[:] = -1
-            row[first:first + len(block_ids)] = block_ids
-        self.states.update(updated)
-        return columns.finish() if request.seqs else None
+                appends.append((index, list(entry.new_block_ids)))
+            tokens = entry.token_ids
+            if tokens:
+                token_ids.extend(tokens)
+                num_new.append(len(tokens))
+            else:
+                fed_rows.append(len(token_ids))
+                fed_entries.append(index)
+                token_ids.append(0)
+                num_new.append(1)
+            if entry.sample:
+                sampled.append(index)
+                sampling.append(SamplingRow(state.temperature, state.seed, entry.num_generated))
+            slots.append(state.slot)
+            num_computed.append(entry.num_computed)
+        if not entries:
+            self._commit(released, spare_slots, {}, [], None)
+            return None
+        work = StepWork(np.array(slots, np.int64), np.array(num_new, np.int64), np.array(num_computed, np.int64),
+                        np.zeros(len(slots), np.int64), token_ids, fed_rows, [slots[i] for i in fed_entries],
+                        sampled, sampling)
+        is_reset = np.zeros(len(slots), bool)
+        is_reset[list(reset)] = True
+        work.num_blocks = np.where(is_reset, 0, self.num_blocks[work.slots])
+        for index, block_ids in appends:
+            work.num_blocks[index] += len(block_ids)
+        self._check(entries, work, is_reset, appends, fed_entries)
+        self._commit(released, spare_slots, {entries[i].seq_id: s for i, s in reset.items()}, appends, work)
+        return work
 
-    def _next_state(self, entry: worker_pb2.SeqStep, previous: SeqState | None,
-                    spare_slots: list[int]) -> tuple[SeqState, int]:
-        """The entry's state after its new blocks, and the table index they start at."""
-        new_blocks = len(entry.new_block_ids)
-        if new_blocks and max(entry.new_block_ids) >= self.num_blocks:
-            raise ValueError(f"sequence {entry.seq_id}: block id {max(entry.new_block_ids)} is out of range "
-                             f"(the KV cache has {self.num_blocks} blocks)")
+    def _reset_state(self, entry: worker_pb2.SeqStep, released: set[int], spare_slots: list[int]) -> SeqState:
+        """A fresh state for a reset entry; its old slot, if any, goes back to the spares."""
+        previous = None if entry.seq_id in released else self.states.get(entry.seq_id)
         if previous is not None:
-            return previous._replace(num_blocks=previous.num_blocks + new_blocks), previous.num_blocks
-        if not entry.reset:
-            raise ValueError(f"sequence {entry.seq_id} is unknown to this worker (forgotten or never "
-                             "seen): its first step must set reset")
+            spare_slots.append(previous.slot)
         if not spare_slots:
             raise ValueError(f"sequence {entry.seq_id}: more live sequences than this worker's "
                              f"{len(self.block_tables)} (max_num_seqs)")
@@ -112,64 +120,57 @@ class SequenceTable:
         temperature = sampling.temperature if sampling.HasField("temperature") else 1.0
         if not (math.isfinite(temperature) and temperature >= 0):
             raise ValueError(f"sequence {entry.seq_id}: temperature {temperature} is not a finite number >= 0")
-        return SeqState(spare_slots.pop(), new_blocks, temperature,
-                        sampling.seed if sampling.HasField("seed") else None, -1), 0
+        return SeqState(spare_slots.pop(), temperature, sampling.seed if sampling.HasField("seed") else None)
 
-    def _check_entry(self, entry: worker_pb2.SeqStep, state: SeqState) -> None:
-        seq = f"sequence {entry.seq_id}"
-        if entry.token_ids:
-            if max(entry.token_ids) >= self.vocab_size:
-                raise ValueError(f"{seq}: token id {max(entry.token_ids)} is outside the vocabulary "
-                                 f"(size {self.vocab_size})")
-        elif entry.reset or entry.num_computed != state.sampled_position:
-            raise ValueError(f"{seq}: no tokens to compute, and no token sampled by this worker at "
-                             f"position {entry.num_computed} to feed in")
-        context_len = entry.num_computed + max(1, len(entry.token_ids))
-        if context_len > self.max_model_len:
-            raise ValueError(f"{seq}: {context_len} tokens exceed the model length limit {self.max_model_len}")
-        if state.num_blocks > self.max_blocks_per_seq:
-            raise ValueError(f"{seq}: {state.num_blocks} blocks exceed the {self.max_blocks_per_seq} "
-                             f"a sequence of the model length limit can use")
-        needed = -(-context_len // self.block_size)
-        if needed > state.num_blocks:
-            raise ValueError(f"{seq}: {context_len} tokens need {needed} blocks, "
-                             f"its block table has {state.num_blocks}")
+    def _check(self, entries, work: StepWork, is_reset: np.ndarray, appends: list[tuple[int, list[int]]],
+               fed_entries: list[int]) -> None:
+        def fail(index: int, problem: str) -> None:
+            raise ValueError(f"sequence {entries[int(index)].seq_id}: {problem}")
 
+        if len({entry.seq_id for entry in entries}) < len(entries):
+            seen = set()
+            for entry in entries:
+                if entry.seq_id in seen:
+                    raise ValueError(f"sequence {entry.seq_id} appears twice in one step")
+                seen.add(entry.seq_id)
+        for index, block_ids in appends:
+            if max(block_ids) >= self.num_kv_blocks:
+                fail(index, f"block id {max(block_ids)} is out of range (the KV cache has "
+                            f"{self.num_kv_blocks} blocks)")
+        if max(work.token_ids) >= self.vocab_size:
+            row = next(i for i, t in enumerate(work.token_ids) if t >= self.vocab_size)
+            fail(np.searchsorted(np.cumsum(work.num_new), row, side="right"),
+                 f"token id {work.token_ids[row]} is outside the vocabulary (size {self.vocab_size})")
+        if fed_entries:
+            fed = np.array(fed_entries)
+            expected = np.where(is_reset[fed], -1, self.sampled_positions[work.slots[fed]])
+            for index in fed[expected != work.num_computed[fed]]:
+                fail(index, f"no tokens to compute, and no token sampled by this worker at position "
+                            f"{work.num_computed[index]} to feed in")
+        context_lens = work.context_lens
+        for index in np.flatnonzero(context_lens > self.max_model_len)[:1]:
+            fail(index, f"{context_lens[index]} tokens exceed the model length limit {self.max_model_len}")
+        for index in np.flatnonzero(work.num_blocks > self.max_blocks_per_seq)[:1]:
+            fail(index, f"{work.num_blocks[index]} blocks exceed the {self.max_blocks_per_seq} a sequence "
+                        f"of the model length limit can use")
+        needed = -(-context_lens // self.block_size)
+        for index in np.flatnonzero(needed > work.num_blocks)[:1]:
+            fail(index, f"{context_lens[index]} tokens need {needed[index]} blocks, its block table has "
+                        f"{work.num_blocks[index]}")
 
-class _Columns:
-    """Accumulates StepWork's columns while entries are validated."""
-
-    def __init__(self):
-        self.slots: list[int] = []
-        self.num_new: list[int] = []
-        self.num_computed: list[int] = []
-        self.num_blocks: list[int] = []
-        self.token_ids: list[int] = []
-        self.fed_rows: list[int] = []
-        self.fed_slots: list[int] = []
-        self.sampled: list[int] = []
-        self.sampling: list[SamplingRow] = []
-
-    def add(self, entry: worker_pb2.SeqStep, state: SeqState) -> None:
-        tokens = entry.token_ids
-        if tokens:
-            self.token_ids.extend(tokens)
-        else:
-            self.fed_rows.append(len(self.token_ids))
-            self.fed_slots.append(state.slot)
-            self.token_ids.append(0)
-        if entry.sample:
-            self.sampled.append(len(self.slots))
-            self.sampling.append(SamplingRow(state.temperature, state.seed, entry.num_generated))
-        self.slots.append(state.slot)
-        self.num_new.append(max(1, len(tokens)))
-        self.num_computed.append(entry.num_computed)
-        self.num_blocks.append(state.num_blocks)
-
-    def finish(self) -> StepWork:
-        def column(values: list[int]) -> np.ndarray:
-            return np.array(values, np.int64)
-
-        return StepWork(column(self.slots), column(self.num_new), column(self.num_computed),
-                        column(self.num_blocks), self.token_ids, self.fed_rows, self.fed_slots,
-                        self.sampled, self.sampling)
+    def _commit(self, released: set[int], spare_slots: list[int], reset: dict[int, SeqState],
+                appends: list[tuple[int, list[int]]], work: StepWork | None) -> None:
+        for seq_id in released:
+            self.states.pop(seq_id, None)
+        self.states.update(reset)
+        self.free_slots = spare_slots
+        if work is None:
+            return
+        self.block_tables[[state.slot for state in reset.values()]] = -1  # a reused row starts empty
+        for index, block_ids in appends:
+            end = work.num_blocks[index]
+            self.block_tables[work.slots[index], end - len(block_ids):end] = block_ids
+        self.num_blocks[work.slots] = work.num_blocks
+        positions = np.full(len(work.slots), -1, np.int64)
+        positions[work.sampled] = work.context_lens[work.sampled]
+        self.sampled_positions[work.slots] = positions
