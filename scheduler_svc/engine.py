@@ -20,7 +20,7 @@ from scheduler_svc.worker_group import WorkerGroup, WorkerUnavailable
 log = logging.getLogger("nanoserve.scheduler")
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: the waker keeps a set of them
 class RequestStream:
     """What the engine has produced for one request and not yet handed to its handler."""
     seq: Sequence
@@ -63,10 +63,33 @@ class Totals:
             self.prefill_busy_seconds += reply.busy_seconds
 
 
-def _wake(streams: list[RequestStream]) -> list[RequestStream]:
-    for stream in streams:
-        stream.wakeup.set()
-    return []
+class Waker:
+    """Wakes request streams a slice at a time. Woken all at once, a few hundred handlers would
+    queue ahead of the engine's own callbacks (the workers' reply) and the GPU would wait for
+    them; a slice at a time, the engine runs between slices. When the handlers fall behind, a
+    stream's tokens gather until its turn and go out in one message."""
+
+    def __init__(self, slice_size: int = 16):
+        self.slice_size = slice_size
+        self.pending: dict[RequestStream, None] = {}  # an ordered set: first come, first woken
+        self.has_pending = asyncio.Event()
+
+    def add(self, streams: list[RequestStream]) -> list[RequestStream]:
+        self.pending.update(dict.fromkeys(streams))
+        if self.pending:
+            self.has_pending.set()
+        return []
+
+    async def run(self) -> None:
+        while True:
+            await self.has_pending.wait()
+            self.has_pending.clear()
+            while self.pending:
+                for _ in range(min(self.slice_size, len(self.pending))):
+                    stream = next(iter(self.pending))
+                    del self.pending[stream]
+                    stream.wakeup.set()
+                await asyncio.sleep(0)  # the woken handlers run, then whatever became ready meanwhile
 
 
 class Engine:
@@ -84,9 +107,13 @@ class Engine:
         self.work = asyncio.Event()
         self.next_seq_id = 0
         self.task: asyncio.Task | None = None
+        self.waker = Waker()
+        self.waker_task: asyncio.Task | None = None
 
     def start(self) -> None:
-        self.task = asyncio.get_running_loop().create_task(self._loop())
+        loop = asyncio.get_running_loop()
+        self.waker_task = loop.create_task(self.waker.run())
+        self.task = loop.create_task(self._loop())
         self.task.add_done_callback(self._loop_ended)
 
     def _loop_ended(self, task: asyncio.Task) -> None:
@@ -138,7 +165,7 @@ class Engine:
                     await self.group.send(batch.request)
                     in_flight.append(batch)
                 # The handlers stream their tokens while the workers compute.
-                delivered = _wake(delivered)
+                delivered = self.waker.add(delivered)
                 if not in_flight:  # nothing runnable: wait for a change, watching the workers meanwhile
                     await self._idle()
                     continue
@@ -148,7 +175,7 @@ class Engine:
                 reply = await self.group.receive(done.request.step_id)
             except WorkerUnavailable as err:
                 in_flight.clear()
-                delivered = _wake(delivered)
+                delivered = self.waker.add(delivered)
                 await self._fail_all(str(err))
                 continue
             self.totals.record_step(done, reply)

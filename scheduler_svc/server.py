@@ -53,13 +53,16 @@ class LLMService(llm_pb2_grpc.LLMServicer):
             await context.abort(code, str(err))
         detokenizer = self.tokenizer.new_detokenizer()
         try:
-            while not stream.finished:
+            finished = False
+            while not finished:
                 await stream.wakeup.wait()
                 if stream.error:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, stream.error)
+                # Read before taking: the final token may land while the previous message is sent.
+                finished = stream.finished
                 tokens = stream.take()
                 text = detokenizer.push(tokens)
-                if stream.finished:
+                if finished:
                     text += detokenizer.flush()
                     usage = llm_pb2.Usage(prompt_tokens=len(ids), completion_tokens=len(seq.completion_token_ids),
                                           cached_prompt_tokens=seq.num_cached_prompt_tokens)

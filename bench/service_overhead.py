@@ -1,0 +1,81 @@
+"""The scheduler service's own ceiling: the DESIGN §8 workload through a real scheduler process
+and real gRPC clients, against a null worker that answers every step at once. Whatever time a
+step takes here is host time (scheduling, protobuf, streaming tokens to the clients) that the
+GPU must hide; above the GPU's own step time, the scheduler is the bottleneck.
+
+    python bench/service_overhead.py [--num-seqs 256] [--extra "--stream-interval 2"]
+"""
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "proto"), str(REPO / "bench")]
+
+from nanoserve.launcher import free_port, stop_all, wait_serving  # noqa: E402
+from nanoserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
+from throughput import drive, workload  # noqa: E402
+
+
+class NullWorker(worker_pb2_grpc.WorkerServicer):
+    """One rank that computes nothing: token 5 for every sampled entry, at once."""
+
+    def __init__(self, tokenizer_dir: str):
+        self.info = worker_pb2.WorkerInfo(
+            model=tokenizer_dir, rank=0, world_size=1, dtype="bfloat16", block_size=256, max_kv_blocks=2446,
+            vocab_size=151936, max_model_len=4096, eos_token_ids=[151645], attention_backend="none",
+            device="none", max_num_seqs=256, max_num_batched_tokens=16384, model_fingerprint="null")
+
+    def Describe(self, request, context):
+        return self.info
+
+    def AllocateKVCache(self, request, context):
+        return worker_pb2.AllocateKVCacheResponse(num_blocks=request.num_blocks)
+
+    def Step(self, requests, context):
+        for request in requests:
+            started = time.perf_counter()
+            tokens = [5] * sum(1 for entry in request.seqs if entry.sample)
+            yield worker_pb2.StepResponse(step_id=request.step_id, token_ids=tokens,
+                                          busy_seconds=time.perf_counter() - started)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--tokenizer", default=str(REPO / ".cache" / "tokenizer-qwen3"))
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--extra", default="", help="more `nanoserve scheduler` flags, space separated")
+    args = p.parse_args()
+    if not (Path(args.tokenizer) / "tokenizer.json").exists():
+        subprocess.run([sys.executable, "-m", "model.tiny", str(REPO / ".cache" / "tiny-qwen3")], check=True,
+                       cwd=REPO)
+    worker = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    worker_pb2_grpc.add_WorkerServicer_to_server(NullWorker(args.tokenizer), worker)
+    worker_port = worker.add_insecure_port("127.0.0.1:0")
+    worker.start()
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "proto")])}
+    scheduler = subprocess.Popen([sys.executable, "-m", "nanoserve.cli", "scheduler", "--port", str(port),
+                                  "--workers", f"127.0.0.1:{worker_port}", *args.extra.split()], env=env)
+    try:
+        wait_serving(f"127.0.0.1:{port}", [scheduler], timeout=120)
+        result = asyncio.run(drive(f"127.0.0.1:{port}", workload(args.num_seqs, 1024, 1024)))
+    finally:
+        stop_all([scheduler])
+        worker.stop(0)
+    steps = result["prefill_steps"] + result["decode_steps"]
+    summary = {"output_tokens": result["output_tokens"], "seconds": result["seconds"],
+               "tok_per_s": result["tok_per_s"], "steps": steps, "ms_per_step": 1e3 * result["seconds"] / steps}
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
