@@ -18,11 +18,11 @@ fi
 [ -d .fa/fa_pkg ] && export PYTHONPATH=$PYTHONPATH:$PWD/.fa/fa_pkg
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "$mode" = tp ]; then
-  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py 2>&1 | tee "$out/tp_gpu_test.log" | tail -15
-  NANOSERVE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py \
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py 2>&1 | tee "$out/tp_gpu_test.log" | tail -15
+  NANOSERVE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py \
     -k "two_ranks_generate or client_against" 2>&1 | tee "$out/tp_tests.log" | tail -8
   for tp in 1 2; do
-    python3 bench/throughput.py --tensor-parallel-size "$tp" --attention-backend triton \
+    timeout 240 python3 bench/throughput.py --tensor-parallel-size "$tp" --attention-backend triton \
       --out "$out/throughput_tp$tp.json" 2>&1 | tee "$out/throughput_tp$tp.log" | grep -v " INFO " | tail -18
   done
   exit
