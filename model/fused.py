@@ -49,11 +49,20 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-@fused_on_cuda
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rotary embedding of x [N, heads, head_dim] by cos/sin [N, 1, head_dim / 2]."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+@fused_on_cuda
+def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                   cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head RMSNorm of q [N, heads, head_dim] and k [N, kv_heads, head_dim], then
+    rotary by each token's row of the cos/sin tables: one pass instead of six kernels a layer."""
+    cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
+    return _rotate(_normalize(q, q_weight, eps), cos, sin), _rotate(_normalize(k, k_weight, eps), cos, sin)
 
 
 @fused_on_cuda

@@ -6,6 +6,7 @@ from torch import nn
 from model.activation import SiluAndMul
 from model.attention import Attention
 from model.embedding import ParallelLMHead, VocabParallelEmbedding
+from model.fused import qk_norm_rotary
 from model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from model.norm import RMSNorm
 from model.qwen3_config import Qwen3Config
@@ -20,7 +21,7 @@ class Qwen3Attention(nn.Module):
                                           config.num_key_value_heads)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size)
-        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)  # weights only: applied in qk_norm_rotary
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim)
@@ -29,9 +30,9 @@ class Qwen3Attention(nn.Module):
         head_dim = self.attn.head_dim
         q, k, v = self.qkv_proj(hidden).split(
             [self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim], dim=-1)
-        q = self.q_norm(q.view(-1, self.num_heads, head_dim))
-        k = self.k_norm(k.view(-1, self.num_kv_heads, head_dim))
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = qk_norm_rotary(q.view(-1, self.num_heads, head_dim), k.view(-1, self.num_kv_heads, head_dim),
+                              self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                              self.rotary_emb.cos, self.rotary_emb.sin, positions)
         out = self.attn(q, k, v.view(-1, self.num_kv_heads, head_dim))
         return self.o_proj(out.flatten(1))
 

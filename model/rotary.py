@@ -1,8 +1,7 @@
-"""Rotary position embedding (the rotate-half form Qwen3 uses), from a precomputed cos/sin table."""
+"""Rotary position embedding (the rotate-half form Qwen3 uses): the precomputed cos/sin tables.
+The rotation itself runs fused with the q/k norms (model.fused.qk_norm_rotary)."""
 import torch
 from torch import nn
-
-from model.fused import rotate
 
 
 class RotaryEmbedding(nn.Module):
@@ -13,10 +12,3 @@ class RotaryEmbedding(nn.Module):
         # [max_position, head_dim / 2] each; not a parameter, so the loader never sees it.
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [N, heads, head_dim] and k [N, kv_heads, head_dim] rotated by their token's position."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return rotate(q, cos, sin), rotate(k, cos, sin)
