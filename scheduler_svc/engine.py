@@ -1,9 +1,10 @@
 """The engine loop: schedule -> step every rank -> post-process -> wake the request streams.
 
 Runs as one asyncio task beside the gRPC handlers; handlers only enqueue requests and read
-their RequestStream, so a slow client never blocks a step. Two steps are in flight: step N+1
-is scheduled and sent before step N's tokens come back, so the workers always have the next
-step queued and the GPU does not wait on this process or the network between steps.
+their RequestStream, so a slow client never blocks a step. Up to three steps are in flight:
+steps N+1 and N+2 are scheduled and sent before step N's tokens come back, so the workers
+always have work queued and the GPU does not wait on this process or the network between
+steps, nor on a late turn of this event loop.
 """
 import asyncio
 import logging
@@ -152,7 +153,7 @@ class Engine:
             self.pending_aborts.append(seq_id)
             self.work.set()
 
-    async def _loop(self, depth: int = 2) -> None:
+    async def _loop(self, depth: int = 3) -> None:
         in_flight: deque[StepBatch] = deque()  # sent, in step order
         delivered: list[RequestStream] = []  # streams with new tokens, woken once the next step is out
         while True:

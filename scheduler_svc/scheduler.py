@@ -6,9 +6,9 @@ and the free blocks allow; a prompt longer than the budget left is split across 
 nothing can be prefilled, every running sequence decodes one token; if one needs a new block
 and none is free, the most recently admitted sequence is preempted and later recomputed.
 
-Steps are pipelined: a batch advances its sequences when it is built, so the next one can be
+Steps are pipelined: a batch advances its sequences when it is built, so the next ones can be
 scheduled while it runs, its sampled tokens pending. Call postprocess() for every batch, in
-order, with at most one batch unprocessed when schedule() is called. A pending token is decoded
+order; any number of batches may be unprocessed when schedule() is called. A pending token is decoded
 by the workers from their own copy; a sequence that will reach its length limit with it is not
 scheduled again, and one whose pending token turns out to stop it wastes one decode at most.
 """
@@ -97,6 +97,7 @@ class Scheduler:
                              f"but {len(token_ids)} tokens came back")
         running, finished, block_size = SequenceStatus.RUNNING, SequenceStatus.FINISHED, self.config.block_size
         for seq, count, entry in zip(batch.seqs, batch.num_tokens, batch.request.seqs):
+            seq.num_steps_in_flight -= 1
             start = entry.num_computed
             if seq.status is running and (start + count) // block_size > start // block_size:  # rare in decode
                 self.block_manager.cache_full_blocks(seq, start, start + count)
@@ -141,9 +142,11 @@ class Scheduler:
             seqs.append(self.running[-1])
             num_tokens.append(min(seqs[-1].num_uncomputed_tokens, budget))
             budget -= num_tokens[-1]
-        # A sequence preempted with a token in flight waits for it: its recompute must include it.
+        # A sequence preempted while a step of it is in flight waits for that step: its recompute
+        # must include a token still pending, and the old step's post-processing must not touch
+        # the blocks of its new admission.
         while (self.waiting and budget and len(self.running) < self.config.max_num_seqs
-               and not self.waiting[0].num_pending_tokens):
+               and not self.waiting[0].num_steps_in_flight):
             cached = self.block_manager.cached_prefix(self.waiting[0])
             if not self.block_manager.can_allocate(self.waiting[0], cached):
                 break

@@ -28,7 +28,7 @@ class SamplingOptions:
 class Sequence:
     __slots__ = ("seq_id", "sampling", "status", "prompt_token_ids", "completion_token_ids", "token_ids",
                  "block_table", "num_computed_tokens", "num_cached_prompt_tokens", "num_blocks_on_workers",
-                 "num_pending_tokens", "finish_reason")
+                 "num_pending_tokens", "num_steps_in_flight", "finish_reason")
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int], sampling: SamplingOptions):
         self.seq_id = seq_id
@@ -48,6 +48,7 @@ class Sequence:
         # Tokens sampled by steps still in flight: they exist on the workers (which feed them into
         # the next decode themselves) but their values are not known here yet.
         self.num_pending_tokens = 0
+        self.num_steps_in_flight = 0  # built steps with an entry for it that are not post-processed
         self.finish_reason: str | None = None  # "stop" or "length" once finished (None when aborted)
 
     def __len__(self) -> int:

@@ -45,6 +45,7 @@ class StepBatch:
                 entry.new_block_ids.extend(seq.block_table[seq.num_blocks_on_workers:])
                 seq.num_blocks_on_workers = len(seq.block_table)
             seq.num_computed_tokens = end
+            seq.num_steps_in_flight += 1
             if sample:
                 seq.num_pending_tokens += 1
                 sampled.append(seq)

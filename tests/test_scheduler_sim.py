@@ -8,6 +8,7 @@ bad recompute after preemption changes the tokens.
 """
 import random
 from array import array
+from collections import deque
 from dataclasses import dataclass, field
 
 import pytest
@@ -118,14 +119,14 @@ def make_requests(rng: random.Random, count: int) -> list[tuple[list[int], Sampl
 
 
 def run(config: SchedulerConfig, requests, rng: random.Random, arrivals_per_step: int, abort_rate: float = 0.0,
-        pipelined: bool = False) -> tuple[dict[int, Sequence], set[int], Scheduler, PagedFakeWorker]:
+        depth: int = 1) -> tuple[dict[int, Sequence], set[int], Scheduler, PagedFakeWorker]:
     """Feeds the requests in over time, with some aborted part-way; returns every sequence.
-    `pipelined`: as the engine runs it, each step is scheduled (and computed by the worker, which
-    works in order) before the step before it is post-processed."""
+    With `depth` > 1, as the engine runs it: up to depth steps are scheduled (and computed by the
+    worker, which works in order) before the oldest is post-processed."""
     scheduler, worker = Scheduler(config), PagedFakeWorker(config.num_kv_blocks)
     seqs = {seq_id: Sequence(seq_id, prompt, sampling) for seq_id, (prompt, sampling) in enumerate(requests)}
     pending, aborted = list(seqs.values()), set()
-    previous = None  # pipelined: a step computed whose tokens the scheduler has not seen yet
+    in_flight: deque = deque()  # steps computed whose tokens the scheduler has not seen yet
     while pending or scheduler.has_work():
         for seq in pending[:arrivals_per_step]:
             scheduler.add(seq)
@@ -135,21 +136,20 @@ def run(config: SchedulerConfig, requests, rng: random.Random, arrivals_per_step
             assert scheduler.abort(victim.seq_id) is victim
             aborted.add(victim.seq_id)
         batch = scheduler.schedule()
-        current = None if batch is None else (batch, worker.step(batch.request))
-        if not pipelined:
-            previous, current = current, None
-        if previous is not None:
-            served = scheduler.postprocess(*previous)
-            assert set(served) <= set(previous[0].sampled)
-            assert pipelined or served == previous[0].sampled
-        previous = current
-    if previous is not None:
-        scheduler.postprocess(*previous)
+        if batch is not None:
+            in_flight.append((batch, worker.step(batch.request)))
+        if in_flight and (batch is None or len(in_flight) == depth):
+            done, tokens = in_flight.popleft()
+            served = scheduler.postprocess(done, tokens)
+            assert set(served) <= set(done.sampled)
+            assert depth > 1 or served == done.sampled
+    while in_flight:
+        scheduler.postprocess(*in_flight.popleft())
     return seqs, aborted, scheduler, worker
 
 
-@pytest.mark.parametrize("seed, pipelined", [(0, False), (1, False), (2, True), (3, True)])
-def test_constrained_schedule_gives_the_unconstrained_tokens(seed, pipelined):
+@pytest.mark.parametrize("seed, depth", [(0, 1), (1, 1), (2, 2), (3, 2), (4, 3), (5, 3)])
+def test_constrained_schedule_gives_the_unconstrained_tokens(seed, depth):
     rng = random.Random(seed)
     requests = make_requests(rng, 300)
     tight = SchedulerConfig(num_kv_blocks=48, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
@@ -159,9 +159,9 @@ def test_constrained_schedule_gives_the_unconstrained_tokens(seed, pipelined):
                             max_num_batched_tokens=100_000, enable_prefix_caching=False)
 
     tight_seqs, aborted, scheduler, worker = run(tight, requests, rng, arrivals_per_step=2, abort_rate=0.003,
-                                                 pipelined=pipelined)
+                                                 depth=depth)
     roomy_seqs, _, roomy_scheduler, roomy_worker = run(roomy, requests, rng, arrivals_per_step=len(requests),
-                                                       pipelined=pipelined)
+                                                       depth=depth)
 
     assert roomy_worker.stats.recomputes == roomy_worker.stats.partial_chunks == 0
     assert roomy_scheduler.prefix_cache_hit_tokens == 0
@@ -178,7 +178,7 @@ def test_constrained_schedule_gives_the_unconstrained_tokens(seed, pipelined):
 
     stats = worker.stats
     assert stats.recomputes > 10 and stats.partial_chunks > 10 and stats.cross_request_hits > 10
-    assert (stats.fed_tokens > 100) == pipelined
+    assert (stats.fed_tokens > 100) == (depth > 1)
     assert scheduler.prefix_cache_hit_tokens > 0
     assert scheduler.num_free_blocks == scheduler.num_total_blocks
     assert not scheduler.has_work() and scheduler.live == {}

@@ -20,7 +20,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def __init__(self, runner):
         self.runner = runner
         self.lock = threading.Lock()  # the runner is driven by one request at a time
-        self.depth = 2  # steps launched and not yet replied to: the scheduler keeps two in flight
+        self.depth = 3  # steps launched and not yet replied to: as many as the scheduler keeps in flight
 
     def Describe(self, request, context) -> worker_pb2.WorkerInfo:
         return self.runner.info()

@@ -69,7 +69,7 @@ class WorkerServicer:
 
     def Step(self, request_iterator, context):
         """One long-lived stream: one StepResponse per StepRequest, in order. The scheduler keeps up
-        to two steps in flight; a worker starts a step as soon as it arrives.
+        to three steps in flight; a worker starts a step as soon as it arrives.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
