@@ -8,9 +8,10 @@ and none is free, the most recently admitted sequence is preempted and later rec
 
 Steps are pipelined: a batch advances its sequences when it is built, so the next ones can be
 scheduled while it runs, its sampled tokens pending. Call postprocess() for every batch, in
-order; any number of batches may be unprocessed when schedule() is called. A pending token is decoded
-by the workers from their own copy; a sequence that will reach its length limit with it is not
-scheduled again, and one whose pending token turns out to stop it wastes one decode at most.
+order; any number of batches may be unprocessed when schedule() is called. A pending token is
+decoded by the workers from their own copy; a sequence that will reach its length limit with it
+is not scheduled again, and one whose pending token turns out to stop it wastes one decode for
+each further step already in flight.
 """
 from collections import deque
 
