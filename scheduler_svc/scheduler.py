@@ -167,17 +167,22 @@ class Scheduler:
 
     def _schedule_decode(self) -> StepBatch | None:
         running, block_size = self.running, self.config.block_size
+        # A new list: the batch must not change when running does (an abort while the step runs).
+        # Preemption pops from the end of running, never a sequence already in it.
+        decoding: list[Sequence] = []
         index = 0
         while index < len(running):
             seq = running[index]
+            if self._ends_in_flight(seq):  # nothing to compute, no slot needed
+                index += 1
+                continue
             has_slot = seq.num_computed_tokens < len(seq.block_table) * block_size  # for the token to compute
-            if has_slot or self._ends_in_flight(seq) or self.block_manager.append_block(seq):
+            if has_slot or self.block_manager.append_block(seq):
+                decoding.append(seq)
                 index += 1
             else:
                 self._preempt(running.pop())  # may be seq itself, which ends the loop
-        # A new list: the batch must not change when running does (an abort while the step runs).
-        seqs = [seq for seq in running if not self._ends_in_flight(seq)]
-        return self._build(seqs, [1] * len(seqs)) if seqs else None
+        return self._build(decoding, [1] * len(decoding)) if decoding else None
 
     def _ends_in_flight(self, seq: Sequence) -> bool:
         """Its pending token brings it to its length limit: nothing more to compute."""
