@@ -10,7 +10,7 @@ PORT ?= 50051
 
 .PHONY: install proto tiny-model serve test test-python test-node bench clean
 
-install: $(VENV)/.installed tests/node/node_modules/.installed
+install: $(VENV)/.installed tests/services/node/node_modules/.installed
 
 # torch==2.13.0 resolves to the machine's local CPU wheel; installing it first keeps the
 # other requirements from pulling a CUDA build.
@@ -26,8 +26,8 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	$(VENV)/bin/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $@
 
-tests/node/node_modules/.installed: tests/node/package.json tests/node/package-lock.json
-	cd tests/node && npm ci --no-audit --no-fund --loglevel=error
+tests/services/node/node_modules/.installed: tests/services/node/package.json tests/services/node/package-lock.json
+	cd tests/services/node && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
 proto: $(VENV)/.installed
@@ -53,4 +53,4 @@ bench: install
 	$(PY) bench/throughput.py
 
 clean:
-	rm -rf $(VENV) .cache tests/node/node_modules
+	rm -rf $(VENV) .cache tests/services/node/node_modules

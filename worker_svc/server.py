@@ -14,16 +14,21 @@ from worker_svc.config import WorkerConfig
 from worker_svc.distributed import exit_broken_rank, init_distributed
 
 log = logging.getLogger("nanoserve.worker")
+# Steps launched and not yet replied to. Three keep the device fed through a late scheduler turn;
+# reported at the handshake, so the scheduler sends no more than this ahead of the replies.
+MAX_STEPS_IN_FLIGHT = 3
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
     def __init__(self, runner):
         self.runner = runner
         self.lock = threading.Lock()  # the runner is driven by one request at a time
-        self.depth = 3  # steps launched and not yet replied to: as many as the scheduler keeps in flight
+        self.depth = MAX_STEPS_IN_FLIGHT
 
     def Describe(self, request, context) -> worker_pb2.WorkerInfo:
-        return self.runner.info()
+        info = self.runner.info()
+        info.max_steps_in_flight = self.depth
+        return info
 
     def AllocateKVCache(self, request, context) -> worker_pb2.AllocateKVCacheResponse:
         with self.lock:

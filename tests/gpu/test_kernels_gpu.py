@@ -9,7 +9,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from kernels import flash_attn_backend, triton_decode, triton_kv_store, triton_prefill  # noqa: E402
-from tests.test_triton_kernels import (  # noqa: E402
+from tests.worker.test_triton_kernels import (  # noqa: E402
     Case, check_decode, check_prefill, check_store, make_paged_batch)
 
 BF16 = dict(head_dim=128, dtype=torch.bfloat16)

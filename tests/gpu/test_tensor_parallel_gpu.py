@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from model.tiny import SHAPE, config_json, random_weights, write_checkpoint
 from nanoserve.launcher import free_port
-from tests.worker_steps import StepWriter, generate
+from tests.worker.worker_steps import StepWriter, generate
 from worker_svc.config import WorkerConfig
 from worker_svc.runner import ModelRunner
 

@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "rank", "world_size", "dtype", "block_size", "max_kv_blocks", "vocab_size", "max_model_len", "eos_token_ids", "attention_backend", "device", "max_num_seqs", "max_num_batched_tokens", "model_fingerprint")
+    __slots__ = ("model", "rank", "world_size", "dtype", "block_size", "max_kv_blocks", "vocab_size", "max_model_len", "eos_token_ids", "attention_backend", "device", "max_num_seqs", "max_num_batched_tokens", "model_fingerprint", "max_steps_in_flight")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class WorkerInfo(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     model: str
     rank: int
     world_size: int
@@ -41,7 +42,8 @@ class WorkerInfo(_message.Message):
     max_num_seqs: int
     max_num_batched_tokens: int
     model_fingerprint: str
-    def __init__(self, model: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_kv_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    max_steps_in_flight: int
+    def __init__(self, model: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_kv_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_steps_in_flight: _Optional[int] = ...) -> None: ...
 
 class AllocateKVCacheRequest(_message.Message):
     __slots__ = ("num_blocks",)
@@ -86,15 +88,17 @@ class StepRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqStep, _Mapping]]] = ..., forget_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "token_ids", "error", "busy_seconds", "idle_seconds")
+    __slots__ = ("step_id", "token_ids", "error", "busy_seconds", "idle_seconds", "host_seconds")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HOST_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     error: str
     busy_seconds: float
     idle_seconds: float
-    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., busy_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ...) -> None: ...
+    host_seconds: float
+    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., busy_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., host_seconds: _Optional[float] = ...) -> None: ...

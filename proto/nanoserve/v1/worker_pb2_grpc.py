@@ -69,7 +69,8 @@ class WorkerServicer:
 
     def Step(self, request_iterator, context):
         """One long-lived stream: one StepResponse per StepRequest, in order. The scheduler keeps up
-        to three steps in flight; a worker starts a step as soon as it arrives.
+        to WorkerInfo.max_steps_in_flight steps in flight; a worker starts a step as soon as it
+        arrives.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -3,7 +3,7 @@ sequence state across delta steps, and how it refuses bad steps without disturbi
 import pytest
 import torch
 
-from tests.worker_steps import StepWriter, cpu_runner, generate
+from tests.worker.worker_steps import StepWriter, cpu_runner, generate
 from worker_svc.config import WorkerConfig
 from worker_svc.runner import ModelRunner
 

@@ -13,7 +13,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tests.compose_model import REPO
+from tests.deploy.compose_model import REPO
 
 DOCKERFILES = {"scheduler": REPO / "docker/scheduler.Dockerfile", "worker": REPO / "docker/worker.Dockerfile"}
 CODE = ("proto/", "scheduler_svc/", "worker_svc/", "kernels/", "model/")

@@ -13,7 +13,7 @@ import yaml
 
 from nanoserve.cli import build_parser
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "compose.yaml"
 PROFILES = ("one-rank",)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.worker_steps import StepWriter, cpu_runner, generate
+from tests.worker.worker_steps import StepWriter, cpu_runner, generate
 
 BLOCK_SIZE = 4
 

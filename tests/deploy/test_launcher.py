@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from nanoserve.launcher import free_port
-from tests.services import CLI, ENV, health_status, wait_serving
+from tests.services.processes import CLI, ENV, health_status, wait_serving
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

@@ -12,8 +12,8 @@ import grpc
 import pytest
 
 from nanoserve.v1 import llm_pb2, llm_pb2_grpc
-from tests.compose_model import Deployment, cli_args, deployments, raw_services
-from tests.services import ENV, free_port, stop, wait_serving
+from tests.deploy.compose_model import Deployment, cli_args, deployments, raw_services
+from tests.services.processes import ENV, free_port, stop, wait_serving
 
 pytestmark = pytest.mark.skipif(
     not (importlib.util.find_spec("worker_svc.server") and importlib.util.find_spec("scheduler_svc.server")),

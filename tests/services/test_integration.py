@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nanoserve.client import Client
-from tests.services import REPO, running_service
+from tests.services.processes import REPO, running_service
 
 NUM_KV_BLOCKS = 200
 BLOCK_SIZE = 16
@@ -162,9 +162,9 @@ def test_bad_requests_do_not_disturb_good_ones(client):
 
 def test_node_client_streams_a_generate(service, client):
     node = shutil.which("node")
-    if node is None or not (REPO / "tests/node/node_modules").exists():
-        pytest.skip("node or tests/node/node_modules missing (make install provides them)")
-    out = subprocess.run([node, str(REPO / "tests/node/generate.mjs"), service["address"]], capture_output=True,
+    if node is None or not (REPO / "tests/services/node/node_modules").exists():
+        pytest.skip("node or tests/services/node/node_modules missing (make install provides them)")
+    out = subprocess.run([node, str(REPO / "tests/services/node/generate.mjs"), service["address"]], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])

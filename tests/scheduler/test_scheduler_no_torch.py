@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # Runs in a fresh interpreter: a finder first in sys.meta_path refuses torch, then every module
 # of the package is imported.

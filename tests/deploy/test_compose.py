@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from tests.compose_model import (Deployment, cli_args, compose_clis, compose_config, deployments,
+from tests.deploy.compose_model import (Deployment, cli_args, compose_clis, compose_config, deployments,
                                   resolved_model)
 
 CLIS = compose_clis()

@@ -23,9 +23,9 @@ from model.qwen3 import Qwen3ForCausalLM
 from model.qwen3_config import Qwen3Config
 from model.tiny import SHAPE, cache_dir, config_json, random_weights, write_checkpoint
 from nanoserve.client import Client
-from tests.services import (free_port, health_status, running_service, start_scheduler, start_worker, stop,
+from tests.services.processes import (free_port, health_status, running_service, start_scheduler, start_worker, stop,
                             wait_answering, wait_serving)
-from tests.worker_steps import StepWriter
+from tests.worker.worker_steps import StepWriter
 from worker_svc.config import WorkerConfig
 from worker_svc.runner import ModelRunner
 

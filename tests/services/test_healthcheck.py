@@ -7,7 +7,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tests.services import ENV, free_port
+from tests.services.processes import ENV, free_port
 
 Status = health_pb2.HealthCheckResponse
 

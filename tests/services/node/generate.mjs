@@ -13,7 +13,7 @@ import { parseArgs } from 'node:util';
 import grpc from '@grpc/grpc-js';
 import protoLoader from '@grpc/proto-loader';
 
-const PROTO_ROOT = fileURLToPath(new URL('../../proto', import.meta.url));
+const PROTO_ROOT = fileURLToPath(new URL('../../../proto', import.meta.url));
 const REQUEST_ID = 'node-client';
 // Qwen3 tokens of "The sea is calm tonight, and"; any ids below the vocabulary size would do.
 const DEFAULT_PROMPT_IDS = '785,9396,374,19300,17913,11,323';

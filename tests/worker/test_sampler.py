@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from model.sampler import Sampler, SamplingRow
-from tests.worker_steps import StepWriter, cpu_runner, generate
+from tests.worker.worker_steps import StepWriter, cpu_runner, generate
 
 CPU = torch.device("cpu")
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GENERATED = ["llm_pb2.py", "llm_pb2.pyi", "llm_pb2_grpc.py", "worker_pb2.py", "worker_pb2.pyi", "worker_pb2_grpc.py"]
 
 

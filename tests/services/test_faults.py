@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from nanoserve.client import Client
-from tests.services import (free_port, health_status, running_service, start_scheduler, start_worker, stop,
+from tests.services.processes import (free_port, health_status, running_service, start_scheduler, start_worker, stop,
                             wait_answering, wait_serving)
 
 NOT_SERVING = "NOT_SERVING"
