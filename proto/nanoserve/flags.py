@@ -192,7 +192,7 @@ def markdown() -> str:
 
     rows = ["| flag | commands | default | meaning | environment |", "| --- | --- | --- | --- | --- |"]
     for flag in FLAGS:
-        choices = f" ({', '.join(flag.choices)})" if flag.choices else ""
+        choices = f"; one of {', '.join(f'`{choice}`' for choice in flag.choices)}" if flag.choices else ""
         rows.append(f"| `{flag.name}` | {', '.join(flag.commands)} | {shown(flag)} | {cell(flag.help)}{choices} "
                     f"| `{flag.env}` |")
     return "\n".join(rows) + "\n"
