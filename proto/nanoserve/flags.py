@@ -116,7 +116,8 @@ FLAGS = (
     Flag("--host", "127.0.0.1", "address the scheduler listens on", ("up",)),
     Flag("--worker-base-port", WORKER_PORT, "rank r listens on this port + r", ("up",)),
     # clients
-    Flag("--address", f"127.0.0.1:{SCHEDULER_PORT}", "host:port of the server to ask", ("generate", "healthcheck")),
+    Flag("--address", f"127.0.0.1:{SCHEDULER_PORT}", "host:port of the server to ask",
+         ("generate", "healthcheck")),
     Flag("--max-tokens", 64, "most tokens to generate", ("generate",)),
     Flag("--temperature", 0.0, "0 = greedy", ("generate",)),
     Flag("--seed", -1, "sampling seed; -1 = none", ("generate",)),
@@ -177,7 +178,8 @@ def to_argv(command: str, values: dict[str, Any]) -> list[str]:
     known = {flag.dest for flag in flags_of(command)}
     if unknown := set(values) - known:
         raise KeyError(f"{command} takes no flag for {sorted(unknown)}")
-    return [word for flag in flags_of(command) if flag.dest in values for word in flag.argv(values[flag.dest])]
+    return [word for flag in flags_of(command) if flag.dest in values
+            for word in flag.argv(values[flag.dest])]
 
 
 def markdown() -> str:
@@ -200,7 +202,8 @@ def markdown() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nanoserve.flags", description="nanoserve's flag table")
-    parser.add_argument("--markdown", action="store_true", required=True, help="print the README's flag table")
+    parser.add_argument("--markdown", action="store_true", required=True,
+                        help="print the README's flag table")
     parser.parse_args(argv)
     sys.stdout.write(markdown())
     return 0
