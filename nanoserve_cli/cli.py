@@ -11,10 +11,9 @@ import sys
 
 from nanoserve import flags
 from nanoserve_cli.generate import stream_to_terminal
-from nanoserve_cli.launcher import run_local
+from nanoserve_cli.launcher import SERVICE_MODULES, run_local
 
-SERVICES = {"worker": "worker_svc", "scheduler": "scheduler_svc"}  # command -> module it runs
-COMMANDS = (*SERVICES, "up", "generate")
+COMMANDS = (*SERVICE_MODULES, "up", "generate")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,8 +34,8 @@ def exec_service(module: str, argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    if args.command in SERVICES:
-        exec_service(SERVICES[args.command], argv[argv.index(args.command) + 1:])
+    if args.command in SERVICE_MODULES:
+        exec_service(SERVICE_MODULES[args.command], argv[argv.index(args.command) + 1:])
     if args.command == "up":
         return run_local(args)
     return stream_to_terminal(args)

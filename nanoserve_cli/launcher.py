@@ -19,6 +19,8 @@ from nanoserve import flags
 from nanoserve.healthcheck import SERVING, serving_status
 from nanoserve_cli.cache import demo_model_dir
 
+SERVICE_MODULES = {"worker": "worker_svc", "scheduler": "scheduler_svc"}  # command -> module it runs
+
 
 def demo_model() -> Path:
     """The built-in tiny demo model, built once into the cache."""
@@ -35,20 +37,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def service_command(command: str, module: str, args: argparse.Namespace, **given) -> list[str]:
-    """`python -m module` with the flags `up` shares with `command`, and the `given` values."""
+def service_command(command: str, args: argparse.Namespace, **given) -> list[str]:
+    """`command`'s service with the flags `up` shares with it, as `up` parsed them, and `given`."""
     shared = {flag.dest: getattr(args, flag.dest) for flag in flags.shared("up", command)}
-    return [sys.executable, "-m", module, *flags.to_argv(command, shared | given)]
+    return [sys.executable, "-m", SERVICE_MODULES[command], *flags.to_argv(command, shared | given)]
 
 
 def worker_command(args: argparse.Namespace, model: Path, rank: int, dist_init_addr: str) -> list[str]:
-    return service_command("worker", "worker_svc", args, model=model, host="127.0.0.1",
+    return service_command("worker", args, model=model, host="127.0.0.1",
                            port=args.worker_base_port + rank, rank=rank, dist_init_addr=dist_init_addr)
 
 
 def scheduler_command(args: argparse.Namespace) -> list[str]:
     workers = [f"127.0.0.1:{args.worker_base_port + r}" for r in range(args.tensor_parallel_size)]
-    return service_command("scheduler", "scheduler_svc", args, host=args.host, workers=",".join(workers))
+    return service_command("scheduler", args, host=args.host, workers=",".join(workers))
 
 
 def describe(proc: subprocess.Popen) -> str:
