@@ -19,7 +19,7 @@ install: $(VENV)/.installed tests/services/node/node_modules/.installed
 $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null || \
 	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends docker-compose >/dev/null) || \
-	  echo "warning: no Compose parser could be installed; tests/test_compose.py will report it"
+	  echo "warning: no Compose parser could be installed; tests/deploy/test_compose.py will report it"
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check torch==2.13.0
 	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements-dev.txt
@@ -34,7 +34,7 @@ proto: $(VENV)/.installed
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=proto --pyi_out=proto --grpc_python_out=proto $(PROTOS)
 
 tiny-model: $(VENV)/.installed
-	$(PY) -m model.tiny $(NANOSERVE_CACHE)/tiny-qwen3
+	$(PY) -m nanoserve_cli.demo_model
 
 # The main job: `nanoserve up` on the demo model, one real streamed request, then a clean stop.
 # (`$(VENV)/bin/nanoserve up` alone keeps serving until Ctrl-C.)

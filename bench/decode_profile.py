@@ -16,8 +16,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "proto")]
 
-from model.tiny import build_bench_model  # noqa: E402
 from nanoserve.v1 import llm_pb2, worker_pb2  # noqa: E402
+from nanoserve_cli.cache import bench_model_dir  # noqa: E402
+from nanoserve_cli.demo_model import build_bench_model  # noqa: E402
 from worker_svc.config import WorkerConfig  # noqa: E402
 from worker_svc.runner import ModelRunner  # noqa: E402
 from worker_svc.step_inputs import build_step_inputs  # noqa: E402
@@ -50,7 +51,7 @@ def pipelined(runner: ModelRunner, step: worker_pb2.StepRequest, count: int = 20
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--model", default=str(REPO / ".cache" / "qwen3-0.6b-random"))
+    p.add_argument("--model", default=str(bench_model_dir()))
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--attention-backend", default="triton")

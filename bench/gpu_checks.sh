@@ -19,7 +19,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "$mode" = tp ]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py 2>&1 | tee "$out/tp_gpu_test.log" | tail -15
-  NANOSERVE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py \
+  NANOSERVE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider tests/services/test_tensor_parallel.py \
     -k "two_ranks_generate or client_against" 2>&1 | tee "$out/tp_tests.log" | tail -8
   for tp in 1 2; do
     timeout 240 python3 bench/throughput.py --tensor-parallel-size "$tp" --attention-backend triton \
@@ -29,7 +29,7 @@ if [ "$mode" = tp ]; then
 fi
 if [ "$mode" != bench ]; then
   python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/gpu_tests.log" | tail -15
-  NANOSERVE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_integration.py 2>&1 \
+  NANOSERVE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/services/test_integration.py 2>&1 \
     | tee "$out/integration_cuda.log" | tail -8
 fi
 if [ "$mode" != tests ]; then

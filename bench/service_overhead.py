@@ -20,8 +20,9 @@ import grpc
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "proto"), str(REPO / "bench")]
 
-from nanoserve.launcher import free_port, stop_all, wait_serving  # noqa: E402
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
+from nanoserve_cli.cache import cache_dir  # noqa: E402
+from nanoserve_cli.launcher import free_port, stop_all, wait_serving  # noqa: E402
 from throughput import drive, workload  # noqa: E402
 
 
@@ -50,20 +51,19 @@ class NullWorker(worker_pb2_grpc.WorkerServicer):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--tokenizer", default=str(REPO / ".cache" / "tokenizer-qwen3"))
+    p.add_argument("--tokenizer", default=str(cache_dir() / "tokenizer-qwen3"))
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--extra", default="", help="more `nanoserve scheduler` flags, space separated")
     args = p.parse_args()
     if not (Path(args.tokenizer) / "tokenizer.json").exists():
-        subprocess.run([sys.executable, "-m", "model.tiny", str(REPO / ".cache" / "tiny-qwen3")], check=True,
-                       cwd=REPO)
+        subprocess.run([sys.executable, "-m", "nanoserve_cli.demo_model"], check=True, cwd=REPO)  # fetches it
     worker = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     worker_pb2_grpc.add_WorkerServicer_to_server(NullWorker(args.tokenizer), worker)
     worker_port = worker.add_insecure_port("127.0.0.1:0")
     worker.start()
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "proto")])}
-    scheduler = subprocess.Popen([sys.executable, "-m", "nanoserve.cli", "scheduler", "--port", str(port),
+    scheduler = subprocess.Popen([sys.executable, "-m", "scheduler_svc", "--port", str(port),
                                   "--workers", f"127.0.0.1:{worker_port}", *args.extra.split()], env=env)
     try:
         wait_serving(f"127.0.0.1:{port}", [scheduler], timeout=120)

@@ -19,8 +19,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "proto")]
 
 from nanoserve.client import make_request  # noqa: E402
-from nanoserve.launcher import free_port, stop_all, wait_serving  # noqa: E402
 from nanoserve.v1 import llm_pb2, llm_pb2_grpc  # noqa: E402
+from nanoserve_cli.cache import bench_model_dir  # noqa: E402
+from nanoserve_cli.launcher import free_port, stop_all, wait_serving  # noqa: E402
 
 
 def workload(num_seqs: int, max_input: int, max_output: int) -> list[tuple[list[int], int]]:
@@ -68,7 +69,7 @@ async def drive(address: str, jobs: list[tuple[list[int], int]]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--model", default=str(REPO / ".cache" / "qwen3-0.6b-random"))
+    p.add_argument("--model", default=str(bench_model_dir()))
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--num-seqs", type=int, default=256)
@@ -81,12 +82,12 @@ def main() -> None:
 
     model = Path(args.model)
     if not (model / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "model.tiny", str(model), "--shape", "qwen3-0.6b"],
+        subprocess.run([sys.executable, "-m", "nanoserve_cli.demo_model", str(model), "--shape", "qwen3-0.6b"],
                        check=True, cwd=REPO)
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(REPO / "proto"),
                                                                     os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "nanoserve.cli", "up", "--model", str(model), "--port", str(port),
+    cmd = [sys.executable, "-m", "nanoserve_cli", "up", "--model", str(model), "--port", str(port),
            "--worker-base-port", str(free_port()), "--tensor-parallel-size", str(args.tensor_parallel_size),
            "--attention-backend", args.attention_backend, "--max-model-len", str(args.max_model_len),
            *args.extra.split()]

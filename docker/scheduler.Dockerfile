@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1
 # nanoserve scheduler: the public nanoserve.v1.LLM API on CPU. No torch, no CUDA: only gRPC,
-# protobuf, xxhash and tokenizers, the scheduler package and the `nanoserve` CLI.
+# protobuf, xxhash and tokenizers, the contract package, the scheduler and the `nanoserve` CLI
+# (which runs the scheduler as `python -m scheduler_svc`).
 #   docker build -f docker/scheduler.Dockerfile -t nanoserve-scheduler .
 
 FROM python:3.12-slim-bookworm
@@ -17,12 +18,14 @@ RUN pip install --no-cache-dir -r docker/requirements-scheduler.txt
 COPY pyproject.toml ./
 COPY proto/ proto/
 COPY scheduler_svc/ scheduler_svc/
-# Build-time check: the scheduler, the CLI and the probe import here, where torch is absent.
+COPY nanoserve_cli/ nanoserve_cli/
+# Build-time check: the scheduler, the CLI and the probe import and start here, where torch is absent.
 RUN pip install --no-cache-dir --no-deps . \
  && pip check \
- && python -c "import scheduler_svc.server, nanoserve.healthcheck" \
+ && python -c "import scheduler_svc.server, nanoserve.healthcheck, nanoserve_cli.cli" \
  && python -c "import importlib.util; assert not importlib.util.find_spec('torch'), 'torch is here'" \
- && nanoserve scheduler --help > /dev/null
+ && nanoserve scheduler --help > /dev/null \
+ && python -m scheduler_svc --help > /dev/null
 
 USER 10001
 EXPOSE 50051

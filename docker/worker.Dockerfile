@@ -49,17 +49,18 @@ RUN --mount=type=bind,from=flash-attn,source=/wheels,target=/wheels \
 
 COPY pyproject.toml ./
 COPY proto/ proto/
-COPY scheduler_svc/ scheduler_svc/
-COPY worker_svc/ worker_svc/
 COPY kernels/ kernels/
 COPY model/ model/
-# Build-time check: consistent dependencies, the worker and the probe import, flash-attn is there
-# (found, not imported: the build has no GPU driver).
+COPY worker_svc/ worker_svc/
+COPY nanoserve_cli/ nanoserve_cli/
+# Build-time check: consistent dependencies, the worker, the CLI and the probe import, flash-attn is
+# there (found, not imported: the build has no GPU driver).
 RUN pip install --no-cache-dir --no-deps . \
  && pip check \
- && python -c "import torch, triton, worker_svc.server, nanoserve.healthcheck" \
+ && python -c "import torch, triton, worker_svc.server, nanoserve.healthcheck, nanoserve_cli.cli" \
  && python -c "import importlib.util; assert importlib.util.find_spec('flash_attn'), 'no flash-attn'" \
- && nanoserve worker --help > /dev/null
+ && nanoserve worker --help > /dev/null \
+ && python -m worker_svc --help > /dev/null
 
 USER 10001
 # 50061: the Worker gRPC service; 29500: where the ranks meet (rank 0's torch.distributed store).

@@ -1,6 +1,10 @@
 """Scheduler limits: batch sizes, token budget, KV pool shape. No torch here, ever."""
 from dataclasses import dataclass
 
+from nanoserve.flags import defaults
+
+_DEFAULT = defaults("scheduler")  # the defaults of the fields that are flags
+
 
 @dataclass
 class SchedulerConfig:
@@ -8,6 +12,6 @@ class SchedulerConfig:
     block_size: int                         # tokens per block, as the workers report it
     max_model_len: int                      # prompt + generated tokens of one sequence
     eos_token_ids: tuple[int, ...] = ()
-    max_num_seqs: int = 256                 # running sequences at once
-    max_num_batched_tokens: int = 16384     # tokens computed in one step (prefill chunks included)
-    enable_prefix_caching: bool = True
+    max_num_seqs: int = _DEFAULT["max_num_seqs"]                      # running sequences at once
+    max_num_batched_tokens: int = _DEFAULT["max_num_batched_tokens"]  # tokens computed in one step
+    enable_prefix_caching: bool = _DEFAULT["enable_prefix_caching"]

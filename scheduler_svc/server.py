@@ -9,6 +9,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from nanoserve.v1 import llm_pb2, llm_pb2_grpc
+from nanoserve.wire import GRPC_OPTIONS
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine
 from scheduler_svc.requests import BadRequest, prompt_ids, sampling_options
@@ -119,7 +120,7 @@ def _model_info(config: SchedulerConfig, group: WorkerGroup) -> llm_pb2.ModelInf
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=GRPC_OPTIONS)
     service = LLMService(args.max_waiting)
     llm_pb2_grpc.add_LLMServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()

@@ -1,14 +1,16 @@
 """Session fixtures shared by every test file: the tiny Qwen3 checkpoints (untied and tied),
-built once into the cache ($NANOSERVE_CACHE, default <repo>/.cache) and reused across runs."""
+built once into the cache ($NANOSERVE_CACHE, else ~/.cache/nanoserve; `make test` uses <repo>/.cache)
+and reused across runs."""
 from pathlib import Path
 
 import pytest
 
-from model.tiny import build_tiny_model, cache_dir
+from nanoserve_cli.cache import demo_model_dir
+from nanoserve_cli.demo_model import build_tiny_model
 
 
-def _tiny_model(name: str, tied: bool) -> Path:
-    path = cache_dir() / name
+def _tiny_model(tied: bool) -> Path:
+    path = demo_model_dir(tied)
     if not (path / "model.safetensors").exists():  # written last: its presence means a whole build
         build_tiny_model(path, tied)
     return path
@@ -16,9 +18,9 @@ def _tiny_model(name: str, tied: bool) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    return _tiny_model("tiny-qwen3", tied=False)
+    return _tiny_model(tied=False)
 
 
 @pytest.fixture(scope="session")
 def tiny_tied_model_dir() -> Path:
-    return _tiny_model("tiny-qwen3-tied", tied=True)
+    return _tiny_model(tied=True)

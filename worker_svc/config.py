@@ -1,22 +1,34 @@
-"""What one worker rank is asked to run: the model, its place in the tensor-parallel group, memory."""
-from dataclasses import dataclass
+"""What one worker rank is asked to run: the model, its place in the tensor-parallel group, memory.
+
+Each field is the `worker` flag of the same name; its default and meaning live in the flag table
+(nanoserve.flags), so a config built in a test and one parsed from the command line agree."""
+import argparse
+from dataclasses import dataclass, fields
+
+from nanoserve.flags import defaults
+
+_DEFAULT = defaults("worker")
 
 
 @dataclass
 class WorkerConfig:
-    model: str                              # checkpoint directory (config.json + *.safetensors)
-    dtype: str = "auto"                     # auto (from config.json), float32, bfloat16, float16
-    device: str = "auto"                    # auto (cuda when available), cuda, cpu
-    rank: int = 0
-    tensor_parallel_size: int = 1
-    dist_init_addr: str = "127.0.0.1:29500"  # where the ranks meet (torch.distributed TCP store)
-    block_size: int = 256                   # tokens per KV block
-    max_num_seqs: int = 256                 # largest decode batch (CUDA graphs are captured up to it)
-    max_num_batched_tokens: int = 16384     # largest number of tokens in one step
-    max_model_len: int = 0                  # 0: the model's max_position_embeddings
-    gpu_memory_utilization: float = 0.9     # fraction of GPU memory the worker may use in all
-    num_kv_blocks: int = 0                  # 0: size from free memory; > 0 forces the count
-    cpu_kv_cache_gb: float = 1.0            # KV memory on CPU, where there is no free-memory probe
-    enforce_eager: bool = False             # no CUDA graphs
-    attention_backend: str = "auto"         # auto, flash-attn, triton, torch
-    seed: int = 0
+    model: str
+    dtype: str = _DEFAULT["dtype"]
+    device: str = _DEFAULT["device"]
+    rank: int = _DEFAULT["rank"]
+    tensor_parallel_size: int = _DEFAULT["tensor_parallel_size"]
+    dist_init_addr: str = _DEFAULT["dist_init_addr"]        # torch.distributed's TCP store
+    block_size: int = _DEFAULT["block_size"]
+    max_num_seqs: int = _DEFAULT["max_num_seqs"]            # largest decode batch (CUDA graphs up to it)
+    max_num_batched_tokens: int = _DEFAULT["max_num_batched_tokens"]
+    max_model_len: int = _DEFAULT["max_model_len"]          # 0: the model's max_position_embeddings
+    gpu_memory_utilization: float = _DEFAULT["gpu_memory_utilization"]
+    num_kv_blocks: int = _DEFAULT["num_kv_blocks"]          # 0: size from free memory; > 0 forces the count
+    cpu_kv_cache_gb: float = _DEFAULT["cpu_kv_cache_gb"]    # CPU has no free-memory probe
+    enforce_eager: bool = _DEFAULT["enforce_eager"]         # no CUDA graphs
+    attention_backend: str = _DEFAULT["attention_backend"]
+    seed: int = _DEFAULT["seed"]
+
+    @classmethod
+    def from_flags(cls, args: argparse.Namespace) -> "WorkerConfig":
+        return cls(**{field.name: getattr(args, field.name) for field in fields(cls)})

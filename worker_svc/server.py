@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
+from nanoserve.wire import GRPC_OPTIONS
 from worker_svc.config import WorkerConfig
 from worker_svc.distributed import exit_broken_rank, init_distributed
 
@@ -123,9 +124,7 @@ def serve_worker(config: WorkerConfig, host: str, port: int) -> int:
     except ValueError as err:  # e.g. a tensor-parallel size that does not divide the model
         log.error("rank %d cannot serve %s: %s", config.rank, config.model, err)
         return 1
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
-                         options=[("grpc.max_receive_message_length", 64 << 20),
-                                  ("grpc.max_send_message_length", 64 << 20)])
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=GRPC_OPTIONS)
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(runner), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -1,12 +1,13 @@
 """A thin typed Python client for the public nanoserve.v1.LLM API."""
-import argparse
-import sys
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import grpc
 
+from nanoserve.flags import defaults
 from nanoserve.v1 import llm_pb2, llm_pb2_grpc
+
+DEFAULT_ADDRESS = defaults("generate")["address"]  # where `nanoserve generate` asks
 
 
 @dataclass
@@ -19,7 +20,7 @@ class Completion:
 
 
 class Client:
-    def __init__(self, address: str = "127.0.0.1:50051"):
+    def __init__(self, address: str = DEFAULT_ADDRESS):
         self.channel = grpc.insecure_channel(address)
         self.stub = llm_pb2_grpc.LLMStub(self.channel)
 
@@ -81,22 +82,3 @@ def make_request(prompt: str | list[int], *, max_tokens: int | None = None,
         request.token_ids.ids.extend(prompt)
     return request
 
-
-def stream_to_terminal(args: argparse.Namespace) -> int:
-    """`nanoserve generate`: prints text as it streams, then the usage line on stderr."""
-    with Client(args.address) as client:
-        try:
-            for msg in client.stream(args.prompt, max_tokens=args.max_tokens,
-                                     temperature=args.temperature, ignore_eos=args.ignore_eos,
-                                     seed=None if args.seed < 0 else args.seed):
-                sys.stdout.write(msg.text)
-                sys.stdout.flush()
-                if msg.finish_reason:
-                    reason = llm_pb2.FinishReason.Name(msg.finish_reason)
-                    u = msg.usage
-                    print(f"\n[{reason}: {u.prompt_tokens} prompt tokens ({u.cached_prompt_tokens} "
-                          f"cached), {u.completion_tokens} generated]", file=sys.stderr)
-        except grpc.RpcError as err:
-            print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
-            return 1
-    return 0

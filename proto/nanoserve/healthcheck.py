@@ -1,20 +1,21 @@
 """Container health probe over grpc.health.v1: exit status 0 only when the server says SERVING.
 
-    python -m nanoserve.healthcheck [--address 127.0.0.1:50051] [--service NAME] [--timeout 2]
+    python -m nanoserve.healthcheck [--address HOST:PORT] [--service NAME] [--timeout SECONDS]
 
 Shipped in both images, so compose health checks need no downloaded binary. Prints one line
 saying why the server is not healthy (unreachable, NOT_SERVING, unknown service, ...).
 """
-import argparse
 import sys
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from nanoserve.flags import defaults, parse
+
 SERVING = health_pb2.HealthCheckResponse.ServingStatus.Name(health_pb2.HealthCheckResponse.SERVING)
 
 
-def serving_status(address: str, service: str = "", timeout: float = 2.0) -> str:
+def serving_status(address: str, service: str = "", timeout: float = defaults("healthcheck")["timeout"]) -> str:
     """The status name `address` reports for `service` ("" = the whole server), e.g. "SERVING".
 
     Raises grpc.RpcError when the server cannot be asked (not listening, too slow, no such service).
@@ -26,12 +27,7 @@ def serving_status(address: str, service: str = "", timeout: float = 2.0) -> str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nanoserve.healthcheck",
-                                     description="exit 0 only when the server reports SERVING")
-    parser.add_argument("--address", default="127.0.0.1:50051", help="host:port of the gRPC server")
-    parser.add_argument("--service", default="", help="service name to ask about; empty = the whole server")
-    parser.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
-    args = parser.parse_args(argv)
+    args = parse("healthcheck", argv, prog="python -m nanoserve.healthcheck")
     target = args.address + (f" ({args.service})" if args.service else "")
     try:
         status = serving_status(args.address, args.service, args.timeout)

@@ -11,7 +11,7 @@ from unittest import mock
 
 import yaml
 
-from nanoserve.cli import build_parser
+from nanoserve_cli.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "compose.yaml"

@@ -54,7 +54,7 @@ def start(name: str, net: Loopback, model_dir: Path, log: Path) -> subprocess.Po
         command += ["--model", str(model_dir), "--device", "cpu"]
     env = {k: v for k, v in ENV.items() if not k.startswith("NANOSERVE_")}
     env.update({k: net.rewrite(str(v), name) for k, v in (service.get("environment") or {}).items()})
-    return subprocess.Popen([sys.executable, "-m", "nanoserve.cli", *command], env=env,
+    return subprocess.Popen([sys.executable, "-m", "nanoserve_cli", *command], env=env,
                             stdout=log.open("ab"), stderr=subprocess.STDOUT)
 
 

@@ -16,7 +16,7 @@ from packaging.utils import canonicalize_name
 from tests.deploy.compose_model import REPO
 
 DOCKERFILES = {"scheduler": REPO / "docker/scheduler.Dockerfile", "worker": REPO / "docker/worker.Dockerfile"}
-CODE = ("proto/", "scheduler_svc/", "worker_svc/", "kernels/", "model/")
+CODE = ("proto/", "scheduler_svc/", "worker_svc/", "kernels/", "model/", "nanoserve_cli/")
 
 
 def hadolint(dockerfile: Path) -> subprocess.CompletedProcess:
@@ -141,11 +141,15 @@ def test_scheduler_image_builds_and_checks_itself_without_torch(tmp_path):
                              capture_output=True, text=True, timeout=300)
     assert install.returncode == 0, f"the scheduler image's `pip install .` fails:\n{install.stderr}"
 
-    checks = [code for instruction, args in steps if instruction == "RUN"
-              for code in re.findall(r'python -c "([^"]+)"', args)]
-    assert any("torch" in code for code in checks)
+    runs = " ".join(args for instruction, args in steps if instruction == "RUN")
+    checks = [["-c", code] for code in re.findall(r'python -c "([^"]+)"', runs)]
+    assert any("torch" in code for _, code in checks)
+    console_script = str(site / "bin" / "nanoserve")  # what pip made of pyproject's entry point
+    starts = [[console_script, command, "--help"] if command else ["-m", module, "--help"]
+              for command, module in re.findall(r"(?:nanoserve (\w+)|python -m (\w+)) --help", runs)]
+    assert [console_script, "scheduler", "--help"] in starts and ["-m", "scheduler_svc", "--help"] in starts
     env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(site)}
-    for argv in [["-c", code] for code in checks] + [["-m", "nanoserve.cli", "scheduler", "--help"]]:
+    for argv in checks + starts:
         result = subprocess.run([sys.executable, "-S", *argv], env=env, cwd=tmp_path,
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, f"{argv}:\n{result.stderr}"

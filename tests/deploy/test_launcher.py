@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.launcher import free_port
+from nanoserve_cli.launcher import free_port
 from tests.services.processes import CLI, ENV, health_status, wait_serving
 
 

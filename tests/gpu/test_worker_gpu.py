@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kernels import flash_attn_backend
-from model.tiny import SHAPE, config_json, random_weights, write_checkpoint
+from nanoserve_cli.demo_model import SHAPE, config_json, random_weights, write_checkpoint
 from tests.worker.worker_steps import StepWriter, generate
 from worker_svc.config import WorkerConfig
 from worker_svc.runner import ModelRunner

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models
 
-from model.tiny import cache_dir, fetch_qwen3_tokenizer
+from nanoserve_cli.cache import cache_dir
+from nanoserve_cli.demo_model import fetch_qwen3_tokenizer
 from scheduler_svc.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from scheduler_svc.tokenizer import TextTokenizer
 

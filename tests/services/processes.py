@@ -10,15 +10,15 @@ from typing import Iterator
 import grpc
 
 from nanoserve.healthcheck import serving_status
-from nanoserve.launcher import free_port, stop_all as stop  # noqa: F401 (re-exported for the tests)
-from nanoserve.launcher import wait_serving as launcher_wait_serving
+from nanoserve_cli.launcher import free_port, stop_all as stop  # noqa: F401 (re-exported for the tests)
+from nanoserve_cli.launcher import wait_serving as launcher_wait_serving
 
 REPO = Path(__file__).resolve().parents[2]
 DEVICE = os.environ.get("NANOSERVE_TEST_DEVICE", "cpu")  # cuda runs the same suite on a GPU
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(REPO / "proto"),
                                                                  os.environ.get("PYTHONPATH")])),
        "PYTHONUNBUFFERED": "1"}
-CLI = [sys.executable, "-m", "nanoserve.cli"]
+CLI = [sys.executable, "-m", "nanoserve_cli"]
 
 
 def start_worker(model_dir: Path, port: int, *flags: str, log: Path) -> subprocess.Popen:

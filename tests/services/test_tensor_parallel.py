@@ -21,8 +21,9 @@ import model.loader
 from model.loader import load_weights
 from model.qwen3 import Qwen3ForCausalLM
 from model.qwen3_config import Qwen3Config
-from model.tiny import SHAPE, cache_dir, config_json, random_weights, write_checkpoint
 from nanoserve.client import Client
+from nanoserve_cli.cache import cache_dir
+from nanoserve_cli.demo_model import SHAPE, config_json, random_weights, write_checkpoint
 from tests.services.processes import (free_port, health_status, running_service, start_scheduler, start_worker, stop,
                             wait_answering, wait_serving)
 from tests.worker.worker_steps import StepWriter

