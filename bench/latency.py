@@ -133,7 +133,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(REPO / "proto"),
                                                                     os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "nanoserve.cli", "up", "--port", str(port), "--worker-base-port", str(free_port()),
+    cmd = [sys.executable, "-m", "nanoserve_cli", "up", "--port", str(port), "--worker-base-port", str(free_port()),
            "--max-model-len", str(args.max_model_len), *(["--model", args.model] if args.model else []),
            *args.extra.split()]
     proc = subprocess.Popen(cmd, env=env)
