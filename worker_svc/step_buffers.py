@@ -9,7 +9,9 @@ from it may still be pending. Each step therefore stages into the next of MAX_ST
 host sets in turn, and each set records an event after its copies, which its next use waits for.
 The ring makes that wait free in the worker loop (the step that last used a set has been replied
 to, so its copies are long done); the event keeps callers that launch without replying
-(step_logits, benches) correct. On CPU nothing is pinned and copies are done when copy_ returns.
+(step_logits, benches) correct. On CPU the device buffers are host memory already and a step's
+work is done when its launch returns: the device buffers are the one staging set, and nothing is
+copied.
 
 The device buffers need no such care: a step's copies and kernels are queued in order on one
 stream, so its copies land after the previous step's kernels have read the buffers.
@@ -99,9 +101,11 @@ class StepBuffers:
         self.max_blocks_per_seq = cdiv(max_model_len, block_size)
         sizes = (max_num_batched_tokens, max_num_seqs, self.max_blocks_per_seq)
         self.on_device = StepTensors(*sizes, device, pin=False)
-        cuda = device.type == "cuda"
-        self._staging = [StagingSet(StepTensors(*sizes, torch.device("cpu"), pin=cuda), cuda)
-                         for _ in range(MAX_STEPS_IN_FLIGHT + 1)]
+        if device.type == "cuda":
+            self._staging = [StagingSet(StepTensors(*sizes, torch.device("cpu"), pin=True), cuda=True)
+                             for _ in range(MAX_STEPS_IN_FLIGHT + 1)]
+        else:
+            self._staging = [StagingSet(self.on_device, cuda=False)]
         self._turn = 0
 
     def next_staging(self) -> StagingSet:
@@ -114,8 +118,9 @@ class StepBuffers:
     def upload(self, staging: StagingSet, num_tokens: int, num_slots: int, num_seqs: int, num_sampled: int,
                num_fed: int) -> None:
         """Queues the copies of a filled staging set to the device buffers (StepTensors.copy_from)."""
-        self.on_device.copy_from(staging.tensors, num_tokens, num_slots, num_seqs, num_sampled, num_fed)
-        staging.record_copied()
+        if staging.tensors is not self.on_device:
+            self.on_device.copy_from(staging.tensors, num_tokens, num_slots, num_seqs, num_sampled, num_fed)
+            staging.record_copied()
 
     def context(self, backend: AttentionBackend, is_prefill: bool, num_tokens: int, num_seqs: int,
                 table_width: int, max_seqlen_q: int, max_seqlen_k: int) -> StepContext:

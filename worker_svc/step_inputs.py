@@ -39,12 +39,12 @@ def build_step_inputs(work: StepWork, block_tables: np.ndarray, backend: Attenti
     num_seqs, num_tokens = len(work.slots), len(work.token_ids)
     num_new, context_lens, block_size = work.num_new, work.context_lens, buffers.block_size
     cu_seqlens_q = host.cu_seqlens_q[:num_seqs + 1]
-    np.cumsum(num_new, out=cu_seqlens_q[1:])
-    np.cumsum(context_lens, out=host.cu_seqlens_k[1:num_seqs + 1])
+    cu_seqlens_q[1:] = np.cumsum(num_new)
+    host.cu_seqlens_k[1:num_seqs + 1] = np.cumsum(context_lens)
     host.context_lens[:num_seqs] = context_lens
     host.context_lens[num_seqs:num_rows] = 0
     tables = host.block_tables[:num_seqs]
-    tables[:] = block_tables[work.slots]
+    np.take(block_tables, work.slots, axis=0, out=tables, mode="clip")  # slots are valid rows
     # Each new token's position, then its slot through its own sequence's block table.
     if work.is_decode:
         seq_of_token, positions = np.arange(num_seqs), work.num_computed
@@ -59,8 +59,9 @@ def build_step_inputs(work: StepWork, block_tables: np.ndarray, backend: Attenti
     num_fed, num_sampled = len(work.fed_rows), len(work.sampled)
     host.fed_rows[:num_fed] = work.fed_rows
     host.fed_slots[:num_fed] = work.fed_slots
-    host.sample_indices[:num_sampled] = cu_seqlens_q[1:][work.sampled] - 1  # each sequence's last new token
-    host.sampled_slots[:num_sampled] = work.slots[work.sampled]
+    sampled = np.asarray(work.sampled, np.int64)
+    host.sample_indices[:num_sampled] = cu_seqlens_q[1:][sampled] - 1  # each sequence's last new token
+    host.sampled_slots[:num_sampled] = work.slots[sampled]
     buffers.upload(staging, num_tokens, max(num_tokens, num_rows), num_seqs, num_sampled, num_fed)
 
     device = buffers.on_device
