@@ -95,6 +95,9 @@ class StagingSet:
 
 
 class StepBuffers:
+    """The device step tensors and their host staging sets, sized for the worker's largest step
+    (max_num_batched_tokens tokens, max_num_seqs sequences, tables as wide as max_model_len needs)."""
+
     def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,
                  device: torch.device):
         self.max_num_seqs, self.max_model_len, self.block_size = max_num_seqs, max_model_len, block_size
