@@ -17,7 +17,7 @@ import torch
 import triton
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO)]
+sys.path[:0] = [str(REPO), str(REPO / "proto")]
 
 from kernels import flash_attn_backend, triton_decode, triton_prefill  # noqa: E402
 
@@ -94,8 +94,9 @@ def prefill_inputs(new_lens: list[int], context_lens: list[int]) -> tuple:
     k_cache, v_cache, tables = paged_sets(context_lens, 1)
     q = torch.randn(sum(new_lens), HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
     cu_seqlens_q = torch.tensor([0, *new_lens], device="cuda").cumsum(0, dtype=torch.int32)
-    lens = torch.tensor(context_lens, dtype=torch.int32, device="cuda")
-    return q, k_cache, v_cache, cu_seqlens_q, lens, tables[0], SCALE
+    cu_seqlens_k = torch.tensor([0, *context_lens], device="cuda").cumsum(0, dtype=torch.int32)
+    return (q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max(new_lens), max(context_lens), tables[0],
+            SCALE)
 
 
 def time_prefill(prefill: Callable, inputs: tuple) -> tuple[float, torch.Tensor]:

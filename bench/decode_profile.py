@@ -1,7 +1,7 @@
 """Where a decode step's time goes on the worker: host preparation, the replayed forward pass,
 logits + sampling, and the whole step, for the benchmark model at batch B x context C; then
 the step time when each step is launched before the previous one is read back, as the
-pipelined worker runs them.
+pipelined worker runs them, and the host time a launch takes (StepResponse.host_seconds).
 
     python3 bench/decode_profile.py [--batch 256] [--context 1024] [--attention-backend triton]
 """
@@ -16,6 +16,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "proto")]
 
+from nanoserve.mathutil import cdiv  # noqa: E402
 from nanoserve.v1 import llm_pb2, worker_pb2  # noqa: E402
 from nanoserve_cli.cache import bench_model_dir  # noqa: E402
 from nanoserve_cli.demo_model import build_bench_model  # noqa: E402
@@ -36,17 +37,18 @@ def timed(fn, repeat: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def pipelined(runner: ModelRunner, step: worker_pb2.StepRequest, count: int = 20) -> float:
-    """Wall milliseconds per step over `count` steps, each launched before the previous reply."""
+def pipelined(runner: ModelRunner, step: worker_pb2.StepRequest, count: int = 20) -> tuple[float, float]:
+    """Wall milliseconds per step over `count` steps, each launched before the previous reply,
+    and the median host milliseconds of a launch."""
     torch.cuda.synchronize()
     start = time.perf_counter()
-    launched = runner.launch(step)
+    launched, host = runner.launch(step), []
     for _ in range(count - 1):
         following = runner.launch(step)
-        launched.reply(step.step_id)
+        host.append(launched.reply(step.step_id).host_seconds)
         launched = following
-    launched.reply(step.step_id)
-    return 1e3 * (time.perf_counter() - start) / count
+    host.append(launched.reply(step.step_id).host_seconds)
+    return 1e3 * (time.perf_counter() - start) / count, 1e3 * sorted(host)[len(host) // 2]
 
 
 def main() -> None:
@@ -59,7 +61,7 @@ def main() -> None:
     args = p.parse_args()
     if not (Path(args.model) / "config.json").exists():
         build_bench_model(Path(args.model))
-    bs, blocks = 256, -(-(args.context + 64) // 256)
+    bs, blocks = 256, cdiv(args.context + 64, 256)
     runner = ModelRunner(WorkerConfig(model=args.model, block_size=bs, num_kv_blocks=args.batch * blocks + 8,
                                       attention_backend=args.attention_backend, max_num_seqs=args.batch,
                                       max_model_len=args.max_model_len))
@@ -75,22 +77,23 @@ def main() -> None:
                                                            sample=True, num_generated=1)
                                         for i in range(args.batch)])
     work = runner.seqs.apply(step)
+    num_rows = runner.graphs.batch_size(args.batch)
 
     def build():
-        return build_step_inputs(work, runner.seqs.block_tables, bs, runner.backend, runner.last_tokens,
-                                 runner.max_blocks_per_seq)
+        return build_step_inputs(work, runner.seqs.block_tables, runner.backend, runner.last_tokens,
+                                 runner.buffers, num_rows)
 
     inputs = build()
-    hidden = runner.graphs.run(inputs.input_ids, inputs.positions, inputs.context)
+    hidden = runner.graphs.replay(args.batch)
     result = {
         "host_apply_ms": timed(lambda: runner.seqs.apply(step)),
         "host_inputs_ms": timed(build),
-        "graph_forward_ms": timed(lambda: runner.graphs.run(inputs.input_ids, inputs.positions, inputs.context)),
+        "graph_forward_ms": timed(lambda: runner.graphs.replay(args.batch)),
         "logits_and_sample_ms": timed(lambda: runner.sampler(runner.model.compute_logits(hidden),
                                                              inputs.sampling)),
         "whole_step_ms": timed(lambda: runner.step(step)),
-        "pipelined_step_ms": pipelined(runner, step),
     }
+    result["pipelined_step_ms"], result["host_launch_ms"] = pipelined(runner, step)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         runner.step(step)
         torch.cuda.synchronize()

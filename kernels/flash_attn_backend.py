@@ -17,25 +17,11 @@ AVAILABLE = flash_attn_varlen_func is not None
 __all__ = ["AVAILABLE", "store_kvcache", "paged_prefill", "paged_decode"]
 
 
-_step_lengths: tuple = (None, None, 0, 0)  # (context_lens, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-
-
-def _lengths(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """flash-attn sizes its grid from the longest query and key, read back to the host. Every layer
-    of a step passes the same context_lens tensor, so that costs one sync per step, not per layer."""
-    global _step_lengths
-    if _step_lengths[0] is not context_lens:
-        cu_seqlens_k = torch.nn.functional.pad(context_lens.cumsum(0, dtype=torch.int32), (1, 0))
-        max_q, max_k = torch.stack([(cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max(), context_lens.max()]).tolist()
-        _step_lengths = (context_lens, cu_seqlens_k, max_q, max_k)
-    return _step_lengths[1:]
-
-
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                  scale: float) -> torch.Tensor:
-    """New tokens attend causally to their whole cache."""
-    cu_seqlens_k, max_seqlen_q, max_seqlen_k = _lengths(cu_seqlens_q, context_lens)
+                  cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                  block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """New tokens attend causally to their whole cache; flash-attn sizes its grid from the maxima,
+    which the caller knows on the host."""
     return flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, softmax_scale=scale, causal=True,
                                   block_table=block_tables)

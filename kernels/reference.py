@@ -6,8 +6,15 @@ Shapes (one layer):
   block_tables:     [num_seqs, max_blocks] int32, rows padded with -1 past the sequence's blocks
   context_lens:     [num_seqs] int32, tokens in the cache for the sequence after this step's store
   cu_seqlens_q:     [num_seqs + 1] int32, prefix sums of the new-token counts
+  cu_seqlens_k:     [num_seqs + 1] int32, prefix sums of context_lens
+  max_seqlen_q/k:   Python ints, the longest new-token count and context (known on the host)
+
+Every backend keeps these signatures: store_kvcache, paged_prefill (flash-attn's varlen names),
+paged_decode (per-row lengths on the device only, so a CUDA graph can replay it).
 """
 import torch
+
+from nanoserve.mathutil import cdiv
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -22,7 +29,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` cached rows of one sequence: [length, kv_heads, head_dim]."""
     block_size = cache.shape[1]
-    blocks = block_table[: (length + block_size - 1) // block_size].long()
+    blocks = block_table[: cdiv(length, block_size)].long()
     return cache[blocks].flatten(0, 1)[:length]
 
 
@@ -42,14 +49,15 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                  scale: float) -> torch.Tensor:
+                  cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                  block_tables: torch.Tensor, scale: float) -> torch.Tensor:
     """New tokens (q: [N, heads, head_dim], packed by cu_seqlens_q) attend causally to their
-    sequence's whole cache (cached prefix + themselves, already stored)."""
+    sequence's whole cache (cached prefix + themselves, already stored). The maxima are not needed
+    here (no grid to size)."""
     out = torch.empty_like(q)
-    starts = cu_seqlens_q.tolist()
-    for i, length in enumerate(context_lens.tolist()):
-        lo, hi = starts[i], starts[i + 1]
+    starts, ends = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(len(starts) - 1):
+        lo, hi, length = starts[i], starts[i + 1], ends[i + 1] - ends[i]
         k = gather_context(k_cache, block_tables[i], length)
         v = gather_context(v_cache, block_tables[i], length)
         out[lo:hi] = _attend(q[lo:hi], k, v, scale)

@@ -62,7 +62,7 @@ def _find_sequence(cu_seqlens_q, num_seqs, slot, BLOCK_M: tl.constexpr):
 # One compiled kernel for every batch size and block-table width (both change from step to step,
 # and Triton would otherwise specialise on their divisibility and compile again mid-service).
 @triton.jit(do_not_specialize=["num_seqs", "stride_table"])
-def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, cu_seqlens_q, context_lens, block_tables,
+def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, cu_seqlens_q, cu_seqlens_k, block_tables,
                     num_seqs, qk_scale, stride_q_token, stride_q_head, stride_o_token, stride_o_head,
                     stride_slot, stride_table, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -76,7 +76,7 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, cu_seqlens_q, context_lens
     tile = slot - (q_start // BLOCK_M + seq)
     if tile * BLOCK_M >= num_new:
         return
-    length = tl.load(context_lens + seq)
+    length = tl.load(cu_seqlens_k + seq + 1) - tl.load(cu_seqlens_k + seq)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_valid = (rows < num_new)[:, None]
     tokens = (q_start + rows).to(tl.int64)[:, None]
@@ -115,20 +115,21 @@ def _launch_config(head_dim: int) -> dict:
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                  scale: float) -> torch.Tensor:
+                  cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                  block_tables: torch.Tensor, scale: float) -> torch.Tensor:
     """New tokens (q: [N, heads, head_dim], packed by cu_seqlens_q) attend causally to their
-    sequence's whole cache (cached prefix + themselves, already stored). No host sync."""
+    sequence's whole cache (cached prefix + themselves, already stored). No host sync; the grid
+    comes from shapes alone, so the maxima go unused."""
     num_tokens, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     out = torch.empty_like(q)
-    num_seqs = context_lens.numel()
+    num_seqs = cu_seqlens_q.numel() - 1
     config = _launch_config(head_dim)
     # Enough tile slots for any split of num_tokens into num_seqs sequences (see _find_sequence).
     grid = (num_tokens // config["BLOCK_M"] + num_seqs, heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,
+        q, k_cache, v_cache, out, cu_seqlens_q, cu_seqlens_k, block_tables,
         num_seqs, scale * LOG2_E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(1), block_tables.stride(0),
         GROUP=heads // kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,

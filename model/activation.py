@@ -1,8 +1,15 @@
 """The gated activation of the Qwen3 MLP."""
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from model.fused import silu_and_mul
+from model.compiled import fused_on_cuda
+
+
+@fused_on_cuda
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class SiluAndMul(nn.Module):

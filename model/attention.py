@@ -3,7 +3,7 @@ named in the step context."""
 import torch
 from torch import nn
 
-from worker_svc.context import get_step_context
+from model.step_context import get_step_context
 
 
 class Attention(nn.Module):
@@ -23,7 +23,7 @@ class Attention(nn.Module):
         backend = ctx.backend
         backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         if ctx.is_prefill:
-            return backend.paged_prefill(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q,
-                                         ctx.context_lens, ctx.block_tables, self.scale)
+            return backend.paged_prefill(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
+                                         ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_tables, self.scale)
         return backend.paged_decode(q, self.k_cache, self.v_cache, ctx.context_lens,
                                     ctx.block_tables, self.scale)

@@ -2,8 +2,26 @@
 import torch
 from torch import nn
 
-from model.fused import add_rms_norm, rms_norm
+from model.compiled import fused_on_cuda
 from model.parallel import check_shape
+
+
+def rms_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The plain function (Qwen3's q/k norm fuses it with rotary). Statistics in float32; the scale
+    is applied in the model dtype, as transformers does."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
+
+
+rms_norm = fused_on_cuda(rms_normalize)
+
+
+@fused_on_cuda
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual)."""
+    residual = x + residual
+    return rms_normalize(residual, weight, eps), residual
 
 
 class RMSNorm(nn.Module):

@@ -5,12 +5,23 @@ from torch import nn
 
 from model.activation import SiluAndMul
 from model.attention import Attention
+from model.compiled import fused_on_cuda
 from model.embedding import ParallelLMHead, VocabParallelEmbedding
-from model.fused import qk_norm_rotary
 from model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from model.norm import RMSNorm
+from model.norm import RMSNorm, rms_normalize
 from model.qwen3_config import Qwen3Config
-from model.rotary import RotaryEmbedding
+from model.rotary import RotaryEmbedding, rotate
+
+
+@fused_on_cuda
+def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                   cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head RMSNorm of q [N, heads, head_dim] and k [N, kv_heads, head_dim], then
+    rotary by each token's row of the cos/sin tables: one pass instead of six kernels a layer."""
+    cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
+    return (rotate(rms_normalize(q, q_weight, eps), cos, sin),
+            rotate(rms_normalize(k, k_weight, eps), cos, sin))
 
 
 class Qwen3Attention(nn.Module):

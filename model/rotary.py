@@ -1,7 +1,13 @@
-"""Rotary position embedding (the rotate-half form Qwen3 uses): the precomputed cos/sin tables.
-The rotation itself runs fused with the q/k norms (model.fused.qk_norm_rotary)."""
+"""Rotary position embedding (the rotate-half form Qwen3 uses): the precomputed cos/sin tables and
+the rotation. Qwen3 runs the rotation fused with its q/k norms (model.qwen3.qk_norm_rotary)."""
 import torch
 from torch import nn
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding of x [N, heads, head_dim] by cos/sin [N, 1, head_dim / 2]."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):

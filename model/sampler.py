@@ -5,7 +5,7 @@ from typing import NamedTuple
 
 import torch
 
-from model.fused import race_scores
+from model.compiled import fused_on_cuda
 
 
 class SamplingRow(NamedTuple):  # a tuple: built once per sampled sequence per step, so cheap
@@ -19,6 +19,14 @@ def seeded_noise_seed(seed: int, num_generated: int) -> int:
     output) only, so the token does not depend on the batch, nor on a recompute after preemption."""
     digest = hashlib.blake2b(f"{seed}:{num_generated}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
+
+
+@fused_on_cuda
+def race_scores(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """logits / T - log(E) per row; rows with T = 0 keep their plain logits (greedy)."""
+    sampled = temperatures > 0
+    scale = torch.where(sampled, temperatures, 1.0)[:, None]
+    return logits.float() / scale - noise.log() * sampled[:, None]
 
 
 class Sampler:

@@ -1,8 +1,10 @@
 """Decode steps replayed from CUDA graphs, one per batch-size bucket.
 
 A decode step launches a few hundred small kernels; replaying a captured graph removes their
-launch cost. Every bucket reads the same static input buffers, padded past the live batch with
-rows the kernels skip (slot -1, context length 0), and writes one static output buffer.
+launch cost. Every bucket is captured over the first rows of the worker's step buffers, the same
+device buffers an eager step reads, so a step's inputs are in place for replay as soon as
+build_step_inputs has queued their copies: rows past the live batch are padding the kernels skip
+(slot -1, context length 0). Every bucket writes one static output buffer.
 """
 import bisect
 import logging
@@ -11,7 +13,8 @@ from typing import Callable
 import torch
 
 from kernels.backend import AttentionBackend
-from worker_svc.context import StepContext, step_context
+from model.step_context import step_context
+from worker_svc.step_buffers import StepBuffers
 
 log = logging.getLogger("nanoserve.worker")
 
@@ -24,59 +27,40 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, run_model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 backend: AttentionBackend, max_num_seqs: int, max_blocks_per_seq: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device):
-        self.buckets = batch_buckets(max_num_seqs)
-        n = max_num_seqs
-
-        def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dtype, device=device)
-
-        self.input_ids, self.positions = zeros(n), zeros(n)
-        self.slot_mapping = zeros(n)
-        self.context_lens = zeros(n, dtype=torch.int32)
-        self.block_tables = zeros(n, max_blocks_per_seq, dtype=torch.int32)
-        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.output = zeros(n, hidden_size, dtype=dtype)
+                 backend: AttentionBackend, buffers: StepBuffers, hidden_size: int, dtype: torch.dtype):
+        self.buckets = batch_buckets(buffers.max_num_seqs)
+        inputs = buffers.on_device
+        self.output = torch.zeros(buffers.max_num_seqs, hidden_size, dtype=dtype, device=inputs.input_ids.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._capture(run_model, backend)
+        self._capture(run_model, backend, buffers)
 
-    def _context(self, backend: AttentionBackend, bs: int) -> StepContext:
-        return StepContext(backend=backend, is_prefill=False, slot_mapping=self.slot_mapping[:bs],
-                           context_lens=self.context_lens[:bs], block_tables=self.block_tables[:bs],
-                           cu_seqlens_q=self.cu_seqlens_q[: bs + 1])
-
-    def _capture(self, run_model, backend: AttentionBackend) -> None:
+    def _capture(self, run_model, backend: AttentionBackend, buffers: StepBuffers) -> None:
         # Padding rows everywhere: captured launches touch no real KV while capturing.
-        self.slot_mapping.fill_(-1)
-        self.block_tables.fill_(-1)
+        inputs = buffers.on_device
+        inputs.input_ids.zero_()
+        inputs.positions.zero_()
+        inputs.slot_mapping.fill_(-1)
+        inputs.context_lens.zero_()
+        inputs.block_tables.fill_(-1)
         pool = torch.cuda.graph_pool_handle()
         for i, bs in enumerate(reversed(self.buckets)):  # largest first, so the pool is reused
-            with step_context(self._context(backend, bs)):
-                self.output[:bs] = run_model(self.input_ids[:bs], self.positions[:bs])  # warm-up
+            input_ids, positions = inputs.input_ids[:bs], inputs.positions[:bs]
+            with step_context(buffers.decode_context(backend, bs)):
+                self.output[:bs] = run_model(input_ids, positions)  # warm-up
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool):
-                    self.output[:bs] = run_model(self.input_ids[:bs], self.positions[:bs])
+                    self.output[:bs] = run_model(input_ids, positions)
             self.graphs[bs] = graph
             if i % 4 == 0 or bs == 1:
                 log.info("captured decode graph %d/%d (batch %d)", i + 1, len(self.buckets), bs)
         torch.cuda.synchronize()
 
-    @property
-    def max_batch(self) -> int:
-        return self.buckets[-1]
+    def batch_size(self, num_seqs: int) -> int:
+        """The bucket that replays a decode of num_seqs sequences: the smallest that holds them."""
+        return self.buckets[bisect.bisect_left(self.buckets, num_seqs)]
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: StepContext) -> torch.Tensor:
-        """Hidden states [n, hidden] of a decode step of n <= max_batch sequences."""
-        n = input_ids.shape[0]
-        bs = self.buckets[bisect.bisect_left(self.buckets, n)]
-        width = context.block_tables.shape[1]
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(context.slot_mapping)
-        self.slot_mapping[n:bs].fill_(-1)
-        self.context_lens[:n].copy_(context.context_lens)
-        self.context_lens[n:bs].fill_(0)
-        self.block_tables[:n, :width].copy_(context.block_tables)
-        self.graphs[bs].replay()
-        return self.output[:n]
+    def replay(self, num_seqs: int) -> torch.Tensor:
+        """Hidden states [num_seqs, hidden] of the decode step whose inputs are in the step buffers,
+        padded to batch_size(num_seqs) rows (build_step_inputs' num_rows)."""
+        self.graphs[self.batch_size(num_seqs)].replay()
+        return self.output[:num_seqs]

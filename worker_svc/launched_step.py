@@ -3,13 +3,19 @@ the worker can queue the next step first, and turns it into its reply once it is
 
 Timings come from the device itself: on CUDA, events around the step's work, so `busy` is the
 time the GPU spent on this step and `idle` the gap it sat empty since the step before (the work
-a host falls behind on); on CPU, where work runs as it is issued, the host's clock.
+a host falls behind on); on CPU, where work runs as it is issued, the host's clock. `host` is the
+time the host spent turning the request into queued work.
 """
 import time
 
 import torch
 
 from nanoserve.v1 import worker_pb2
+
+# Steps launched and not yet replied to. Three keep the device fed through a late scheduler turn;
+# reported at the handshake, so the scheduler sends no more than this ahead of the replies. The
+# step buffers' host staging ring is sized from it.
+MAX_STEPS_IN_FLIGHT = 3
 
 
 class StepClock:
@@ -31,13 +37,15 @@ class StepClock:
 
 
 class LaunchedStep:
-    def __init__(self, clock: StepClock, start, tokens: torch.Tensor | None):
+    def __init__(self, clock: StepClock, start, tokens: torch.Tensor | None, host_started: float):
+        """`host_started`: time.perf_counter() when the host began the step."""
         self.clock, self.start, self.previous_end = clock, start, clock.last_end
         self.tokens = tokens
         if tokens is not None and clock.cuda:  # start the copy home now; ready() tells when it landed
             self.tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self.tokens.copy_(tokens, non_blocking=True)
         self.end = clock.last_end = clock.mark()
+        self.host_seconds = time.perf_counter() - host_started
 
     def ready(self) -> bool:
         return not self.clock.cuda or self.end.query()
@@ -49,4 +57,18 @@ class LaunchedStep:
         return worker_pb2.StepResponse(
             step_id=step_id, token_ids=[] if self.tokens is None else self.tokens.tolist(),
             busy_seconds=self.clock.seconds(self.start, self.end),
-            idle_seconds=self.clock.seconds(self.previous_end, self.start))
+            idle_seconds=self.clock.seconds(self.previous_end, self.start), host_seconds=self.host_seconds)
+
+
+class RefusedStep:
+    """A step the runner refused before queuing any work (a bad request): ready at once, and its
+    reply carries the reason. The step loop handles it like a LaunchedStep."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def ready(self) -> bool:
+        return True
+
+    def reply(self, step_id: int) -> worker_pb2.StepResponse:
+        return worker_pb2.StepResponse(step_id=step_id, error=self.reason)

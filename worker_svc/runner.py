@@ -1,5 +1,4 @@
-"""The model runner of one worker rank: loads its shard of the model, owns the KV cache, and turns
-each step message into one forward pass and, on rank 0, sampled tokens.
+"""The model runner of one worker rank.
 
 Steps are launched, not run: the device work is queued and the call returns, so the worker can
 queue the next step before this one's tokens are read back. Sampled tokens stay on the device
@@ -12,17 +11,20 @@ from pathlib import Path
 import torch
 
 from kernels.backend import select_backend
+from model.compiled import configure_compiler
 from model.loader import load_model
 from model.parallel import broadcast_from_first_rank, tp_rank, tp_world_size
 from model.qwen3_config import Qwen3Config, resolve_dtype
 from model.sampler import Sampler, SamplingRow
+from model.step_context import step_context
+from nanoserve.mathutil import cdiv
 from nanoserve.v1 import worker_pb2
 from worker_svc.config import WorkerConfig
-from worker_svc.context import step_context
 from worker_svc.cuda_graphs import DecodeGraphs
 from worker_svc.distributed import uses_cuda
 from worker_svc.launched_step import LaunchedStep, StepClock
-from worker_svc.seq_state import SequenceTable, StepWork
+from worker_svc.sequence_table import SequenceTable, StepWork
+from worker_svc.step_buffers import StepBuffers
 from worker_svc.step_inputs import StepInputs, build_step_inputs
 
 log = logging.getLogger("nanoserve.worker")
@@ -38,7 +40,17 @@ def model_fingerprint(path: Path, dtype: torch.dtype) -> str:
 
 
 class ModelRunner:
+    """One rank's model at work: its shard of the weights, the KV cache, the sequence table, the
+    step buffers and, on CUDA, the decode graphs. Each step message (worker.proto StepRequest) is
+    validated against the sequence table, staged into the step buffers, run through one forward
+    pass and, on rank 0, sampled.
+
+    Construction is the worker's start-up: it makes the process settings the model needs, loads
+    the weights, and (on CUDA) runs a warm-up step to learn how many KV blocks fit; the KV cache
+    itself waits for allocate_kv_cache, which takes the block count every rank agreed on."""
+
     def __init__(self, config: WorkerConfig):
+        configure_compiler()
         self.config = config
         if (tp_rank(), tp_world_size()) != (config.rank, config.tensor_parallel_size):
             raise ValueError(f"rank {config.rank} of {config.tensor_parallel_size} was asked for, but this "
@@ -61,7 +73,8 @@ class ModelRunner:
         self.seqs: SequenceTable | None = None  # exists once the KV cache does
         self.last_tokens: torch.Tensor | None = None  # [max_num_seqs] each slot's last sampled token
         self.graphs: DecodeGraphs | None = None
-        self.max_blocks_per_seq = -(-self.max_model_len // config.block_size)
+        self.buffers = StepBuffers(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
+                                   config.block_size, self.device)
         self.max_kv_blocks = self._max_kv_blocks()
         log.info("rank %d: %s in %s, %s attention, room for %d KV blocks of %d tokens", config.rank,
                  path.name, self.dtype, self.backend.name, self.max_kv_blocks, config.block_size)
@@ -91,7 +104,7 @@ class ModelRunner:
         size = self.config.block_size
         seq_len = min(self.max_model_len - 1, self.config.max_num_batched_tokens)
         num_seqs = max(1, min(self.config.max_num_seqs, self.config.max_num_batched_tokens // seq_len))
-        blocks = -(-seq_len // size)
+        blocks = cdiv(seq_len, size)
         self._allocate(num_seqs * blocks)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
@@ -132,9 +145,8 @@ class ModelRunner:
         self._allocate(num_blocks)
         if self.device.type == "cuda" and not self.config.enforce_eager:
             started = time.perf_counter()
-            self.graphs = DecodeGraphs(self._run_model, self.backend, self.config.max_num_seqs,
-                                       self.max_blocks_per_seq,
-                                       self.model_config.hidden_size, self.dtype, self.device)
+            self.graphs = DecodeGraphs(self._run_model, self.backend, self.buffers,
+                                       self.model_config.hidden_size, self.dtype)
             log.info("rank %d: captured %d decode graphs in %.1fs", self.config.rank, len(self.graphs.buckets),
                      time.perf_counter() - started)
 
@@ -159,6 +171,7 @@ class ModelRunner:
     def launch(self, request: worker_pb2.StepRequest) -> LaunchedStep:
         """Queues the step's work and returns; its reply() waits for the work and carries the
         sampled tokens: one per entry with `sample` set, in entry order, on rank 0 ([] elsewhere)."""
+        host_started = time.perf_counter()
         self._bind_device()
         work = self._apply(request)
         start = self.clock.mark()  # after the host-only part: a device that waits for it shows idle
@@ -169,7 +182,7 @@ class ModelRunner:
                       torch.empty(len(inputs.sampling), dtype=torch.int64, device=self.device))
             broadcast_from_first_rank(tokens)
             self.last_tokens[inputs.sampled_slots] = tokens
-        return LaunchedStep(self.clock, start, tokens if logits is not None else None)
+        return LaunchedStep(self.clock, start, tokens if logits is not None else None, host_started)
 
     def step(self, request: worker_pb2.StepRequest) -> list[int]:
         """launch() and wait: the step's sampled tokens."""
@@ -196,10 +209,13 @@ class ModelRunner:
         """Queues the forward pass; the logits of the sampled rows on rank 0."""
         if work is None:
             return None, None
-        inputs = build_step_inputs(work, self.seqs.block_tables, self.config.block_size, self.backend,
-                                   self.last_tokens, self.max_blocks_per_seq)
-        if self.graphs is not None and not inputs.context.is_prefill:
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.context)
+        graphs = self.graphs if work.is_decode else None
+        num_seqs = len(work.slots)
+        num_rows = graphs.batch_size(num_seqs) if graphs is not None else num_seqs
+        inputs = build_step_inputs(work, self.seqs.block_tables, self.backend, self.last_tokens, self.buffers,
+                                   num_rows)
+        if graphs is not None:
+            hidden = graphs.replay(num_seqs)
         else:
             with step_context(inputs.context):
                 hidden = self._run_model(inputs.input_ids, inputs.positions)

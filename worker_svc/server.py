@@ -13,11 +13,9 @@ from nanoserve.v1 import worker_pb2, worker_pb2_grpc
 from nanoserve.wire import GRPC_OPTIONS
 from worker_svc.config import WorkerConfig
 from worker_svc.distributed import exit_broken_rank, init_distributed
+from worker_svc.launched_step import MAX_STEPS_IN_FLIGHT, LaunchedStep, RefusedStep
 
 log = logging.getLogger("nanoserve.worker")
-# Steps launched and not yet replied to. Three keep the device fed through a late scheduler turn;
-# reported at the handshake, so the scheduler sends no more than this ahead of the replies.
-MAX_STEPS_IN_FLIGHT = 3
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
@@ -48,7 +46,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         tokens, and queuing it first keeps the device busy while this process replies."""
         log.info("step stream opened by %s", context.peer())
         inbox = _Inbox(requests)
-        launched: deque[tuple[int, object]] = deque()  # (step id, LaunchedStep or the error to report)
+        launched: deque[tuple[int, LaunchedStep | RefusedStep]] = deque()  # (step id, step)
         while True:
             request = inbox.next(wait=not launched, until=launched[0][1] if launched else None)
             if request is _END:
@@ -62,19 +60,17 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             self._reply(step_id, step)
         log.info("step stream closed")
 
-    def _launch(self, request: worker_pb2.StepRequest):
+    def _launch(self, request: worker_pb2.StepRequest) -> LaunchedStep | RefusedStep:
         with self.lock:
             try:
                 return self.runner.launch(request)
             except ValueError as err:  # a bad step: report it, keep serving
                 log.warning("step %d refused: %s", request.step_id, err)
-                return err
+                return RefusedStep(str(err))
             except Exception as err:  # a collective whose peer is gone, a device fault: unrecoverable
                 exit_broken_rank(f"step {request.step_id} failed: {err!r}")
 
-    def _reply(self, step_id: int, step) -> worker_pb2.StepResponse:
-        if isinstance(step, ValueError):
-            return worker_pb2.StepResponse(step_id=step_id, error=str(step))
+    def _reply(self, step_id: int, step: LaunchedStep | RefusedStep) -> worker_pb2.StepResponse:
         try:
             return step.reply(step_id)
         except Exception as err:  # a device fault surfaces when the step's work is waited for
@@ -100,7 +96,7 @@ class _Inbox:
             pass
         self.queue.put(_END)
 
-    def next(self, wait: bool, until, poll_seconds: float = 2e-4):
+    def next(self, wait: bool, until: LaunchedStep | RefusedStep | None, poll_seconds: float = 2e-4):
         """The next request; with `wait` unset, None instead once `until` (a launched step) is
         ready, so its reply is not held back by a request that is not coming."""
         if wait:
@@ -109,7 +105,7 @@ class _Inbox:
             try:
                 return self.queue.get(timeout=poll_seconds)
             except queue.Empty:
-                if isinstance(until, ValueError) or until.ready():
+                if until.ready():
                     return None
 
 

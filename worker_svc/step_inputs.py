@@ -1,8 +1,9 @@
 """Turns a validated step (StepWork columns) into the tensors the model and attention read.
 
-This runs on the host before every step, so it never loops in Python: per-token columns come
-from numpy ranges, block tables from one gather of the sequence table's rows. Host arrays go
-through pinned memory so the copies to the device do not wait for the step before.
+This runs on the host before every step, so it never loops in Python and allocates no tensors:
+per-token columns come from numpy ranges written straight into a staging set of the step buffers,
+block tables from one gather of the sequence table's rows, and each used slice then goes to the
+device buffers in a non_blocking copy (worker_svc.step_buffers says why that is safe).
 """
 from dataclasses import dataclass
 
@@ -11,12 +12,14 @@ import torch
 
 from kernels.backend import AttentionBackend
 from model.sampler import SamplingRow
-from worker_svc.context import StepContext
-from worker_svc.seq_state import StepWork
+from model.step_context import StepContext
+from worker_svc.sequence_table import StepWork
+from worker_svc.step_buffers import StepBuffers
 
 
 @dataclass
 class StepInputs:
+    """Views of the device step buffers."""
     input_ids: torch.Tensor        # [N] every sequence's new tokens, packed
     positions: torch.Tensor        # [N]
     context: StepContext
@@ -25,40 +28,50 @@ class StepInputs:
     sampling: list[SamplingRow]    # [S]
 
 
-def build_step_inputs(work: StepWork, block_tables: np.ndarray, block_size: int, backend: AttentionBackend,
-                      last_tokens: torch.Tensor, decode_table_width: int = 0) -> StepInputs:
+def build_step_inputs(work: StepWork, block_tables: np.ndarray, backend: AttentionBackend,
+                      last_tokens: torch.Tensor, buffers: StepBuffers, num_rows: int) -> StepInputs:
     """`block_tables` holds each slot's table; `last_tokens` each slot's last sampled token, fed in
-    where an entry sends none. `decode_table_width` pads decode block tables to a fixed width, the
-    CUDA graphs' own, so a decode computes the same numbers eager or replayed, whatever its
-    batch-mates' lengths (a kernel such as flash-attn's picks its split of the context from the
-    table width)."""
-    device = last_tokens.device
-    num_new, context_lens = work.num_new, work.context_lens
-    cu_seqlens_q = np.concatenate(([0], np.cumsum(num_new)))
-    is_prefill = bool((num_new != 1).any())  # decode kernels take exactly one query per sequence
-    width = int(work.num_blocks.max())
-    if not is_prefill:
-        width = max(width, decode_table_width)
-    tables = block_tables[work.slots, :width]
+    where an entry sends none. `num_rows`: the rows a decode step fills, its CUDA graph's batch
+    size, past its own sequences with padding rows that every kernel skips (slot -1, context
+    length 0); the number of entries otherwise."""
+    staging = buffers.next_staging()
+    host = staging.arrays
+    num_seqs, num_tokens = len(work.slots), len(work.token_ids)
+    num_new, context_lens, block_size = work.num_new, work.context_lens, buffers.block_size
+    cu_seqlens_q = host.cu_seqlens_q[:num_seqs + 1]
+    cu_seqlens_q[1:] = np.cumsum(num_new)
+    host.cu_seqlens_k[1:num_seqs + 1] = np.cumsum(context_lens)
+    host.context_lens[:num_seqs] = context_lens
+    host.context_lens[num_seqs:num_rows] = 0
+    tables = host.block_tables[:num_seqs]
+    np.take(block_tables, work.slots, axis=0, out=tables, mode="clip")  # slots are valid rows
     # Each new token's position, then its slot through its own sequence's block table.
-    seq_of_token = np.repeat(np.arange(len(num_new)), num_new)
-    positions = np.arange(cu_seqlens_q[-1]) - cu_seqlens_q[seq_of_token] + (context_lens - num_new)[seq_of_token]
-    slots = tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    if work.is_decode:
+        seq_of_token, positions = np.arange(num_seqs), work.num_computed
+    else:
+        seq_of_token = np.repeat(np.arange(num_seqs), num_new)
+        positions = np.arange(num_tokens) - cu_seqlens_q[seq_of_token] + work.num_computed[seq_of_token]
+    host.positions[:num_tokens] = positions
+    host.slot_mapping[:num_tokens] = (tables[seq_of_token, positions // block_size].astype(np.int64) * block_size
+                                      + positions % block_size)
+    host.slot_mapping[num_tokens:num_rows] = -1
+    host.input_ids[:num_tokens] = work.token_ids
+    num_fed, num_sampled = len(work.fed_rows), len(work.sampled)
+    host.fed_rows[:num_fed] = work.fed_rows
+    host.fed_slots[:num_fed] = work.fed_slots
+    sampled = np.asarray(work.sampled, np.int64)
+    host.sample_indices[:num_sampled] = cu_seqlens_q[1:][sampled] - 1  # each sequence's last new token
+    host.sampled_slots[:num_sampled] = work.slots[sampled]
+    buffers.upload(staging, num_tokens, max(num_tokens, num_rows), num_seqs, num_sampled, num_fed)
 
-    def tensor(values, dtype: torch.dtype) -> torch.Tensor:
-        host = torch.as_tensor(values, dtype=dtype)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        return host.to(device, non_blocking=True)
-
-    input_ids = tensor(work.token_ids, torch.int64)
-    if work.fed_rows:
-        input_ids[tensor(work.fed_rows, torch.int64)] = last_tokens[tensor(work.fed_slots, torch.int64)]
-    context = StepContext(backend=backend, is_prefill=is_prefill, slot_mapping=tensor(slots, torch.int64),
-                          context_lens=tensor(context_lens, torch.int32),
-                          block_tables=tensor(tables, torch.int32),
-                          cu_seqlens_q=tensor(cu_seqlens_q, torch.int32))
-    sampled = work.sampled
-    return StepInputs(input_ids, tensor(positions, torch.int64), context,
-                      tensor(cu_seqlens_q[1:][sampled] - 1, torch.int64),  # each sequence's last new token
-                      tensor(work.slots[sampled], torch.int64), work.sampling)
+    device = buffers.on_device
+    input_ids = device.input_ids[:num_tokens]
+    if num_fed:
+        input_ids[device.fed_rows[:num_fed]] = last_tokens[device.fed_slots[:num_fed]]
+    if work.is_decode:
+        context = buffers.decode_context(backend, num_seqs)
+    else:
+        context = buffers.context(backend, True, num_tokens, num_seqs, int(work.num_blocks.max()),
+                                  int(num_new.max()), int(context_lens.max()))
+    return StepInputs(input_ids, device.positions[:num_tokens], context, device.sample_indices[:num_sampled],
+                      device.sampled_slots[:num_sampled], work.sampling)

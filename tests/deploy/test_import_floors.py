@@ -16,10 +16,6 @@ FLOORS = {"nanoserve": 0, "kernels": 1, "model": 2,
 SERVICES = {"worker_svc", "scheduler_svc", "gateway_svc"}
 NO_TORCH = {"scheduler_svc", "gateway_svc"}
 TORCH = {"torch", "triton", "flash_attn"}
-# TEMPORARY, for the merge of issue 12 only: the step context still lives in worker_svc while the
-# WORKER branch moves it beside Attention (model/). The lead deletes this entry at the merge; the
-# test fails while it is here and no longer needed.
-TEMPORARY_ALLOWANCE_UNTIL_STEP_CONTEXT_MOVES = {("model/attention.py", "worker_svc.context")}
 
 
 @dataclass(frozen=True)
@@ -94,8 +90,6 @@ def violations(repo: Path) -> list[str]:
     out = []
     for i in product:
         src, dst = top(i.source), top(i.target)
-        if (i.file, i.target) in TEMPORARY_ALLOWANCE_UNTIL_STEP_CONTEXT_MOVES:
-            continue
         if FLOORS[dst] > FLOORS[src]:
             out.append(f"{i.where}: {i.source} imports {i.target} (floor {src} < floor {dst}: an upward import)")
         elif src in SERVICES and dst in SERVICES and src != dst:
@@ -157,13 +151,6 @@ def circles(repo: Path) -> list[str]:
 
 def test_product_code_stands_on_its_floors():
     assert violations(REPO) == []
-
-
-def test_the_temporary_allowance_is_still_needed():
-    """Fails once the step context has moved: then delete TEMPORARY_ALLOWANCE_UNTIL_STEP_CONTEXT_MOVES."""
-    present = {(i.file, i.target) for i in imports(REPO)}
-    stale = TEMPORARY_ALLOWANCE_UNTIL_STEP_CONTEXT_MOVES - present
-    assert not stale, f"remove {sorted(stale)} from TEMPORARY_ALLOWANCE_UNTIL_STEP_CONTEXT_MOVES"
 
 
 def test_every_floor_is_found():

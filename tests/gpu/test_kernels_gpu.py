@@ -73,8 +73,8 @@ def test_triton_decode_replays_in_cuda_graph() -> None:
     the captured buffers: right every time, since the launch depends only on shapes."""
     capacity = Case(new_lens=(1,) * 3, context_lens=(4000,) * 3, heads=16, kv_heads=8,
                     block_size=256, **BF16)
-    q, k_cache, v_cache, _, context_lens, block_tables = make_paged_batch(capacity, "cuda", seed=5)
-    static = (q, k_cache, v_cache, context_lens, block_tables)
+    static = make_paged_batch(capacity, "cuda", seed=5).decode_args()
+    block_tables = static[-1]
     scale = capacity.head_dim ** -0.5
     triton_decode.paged_decode(*static, scale)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()

@@ -13,7 +13,9 @@ from kernels import flash_attn_backend
 from nanoserve_cli.demo_model import SHAPE, config_json, random_weights, write_checkpoint
 from tests.worker.worker_steps import StepWriter, generate
 from worker_svc.config import WorkerConfig
+from worker_svc.launched_step import MAX_STEPS_IN_FLIGHT
 from worker_svc.runner import ModelRunner
+from worker_svc.step_buffers import StepBuffers
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 # head_dim 128 so that the minimal flash-attn build serves it too
@@ -98,3 +100,31 @@ def test_kv_pool_sized_from_gpu_memory(tiny_model_dir):
     budget = runner.max_kv_blocks * runner._kv_block_bytes()
     assert 0 < budget < 0.5 * total
     assert runner.info().max_kv_blocks == runner.max_kv_blocks
+
+
+def test_host_staging_is_a_pinned_ring_one_deeper_than_the_steps_in_flight():
+    buffers = StepBuffers(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64, block_size=16,
+                          device=torch.device("cuda"))
+    depth = MAX_STEPS_IN_FLIGHT + 1
+    sets = [buffers.next_staging() for _ in range(2 * depth)]
+    assert len({id(s) for s in sets[:depth]}) == depth and sets[depth:] == sets[:depth]
+    assert all(s.tensors.input_ids.is_pinned() and s.tensors is not buffers.on_device for s in sets)
+    assert buffers.on_device.block_tables.is_cuda
+
+
+def test_steps_staged_while_the_device_is_busy_keep_their_own_inputs(tiny_model_dir):
+    """Twice as many steps as host staging sets, launched while the device still sleeps through
+    earlier work, so their input copies are pending when later steps stage theirs: each step's
+    logits must equal those of the same step run alone."""
+    runner = gpu_runner(tiny_model_dir, "triton", True, "float32", num_blocks=256)
+    batch = prompts(2 * (MAX_STEPS_IN_FLIGHT + 1), seed=3)
+
+    def requests() -> list:
+        writer = StepWriter(runner.config.block_size)
+        return [writer.request(writer.entry(i, prompt, reset=True)) for i, prompt in batch.items()]
+
+    alone = [runner.step_logits(request).cpu() for request in requests()]  # .cpu() waits for each
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of device time queued ahead of every step below
+    queued = [runner.step_logits(request) for request in requests()]
+    for ours, reference in zip(queued, alone):
+        torch.testing.assert_close(ours.cpu(), reference)

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from kernels import reference
 from kernels.backend import auto_backend_name, select_backend
+from nanoserve.mathutil import cdiv
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 64
 SCALE = HEAD_DIM ** -0.5
@@ -31,7 +32,7 @@ class PagedSequences:
         pool = torch.randperm(NUM_BLOCKS, generator=self.g).tolist()
         self.tables, self.k, self.v = [], [], []
         for length in lengths:
-            count = -(-length // BLOCK_SIZE)
+            count = cdiv(length, BLOCK_SIZE)
             self.tables.append(pool[:count])
             pool = pool[count:]
             self.k.append(torch.randn(length, KV_HEADS, HEAD_DIM, generator=self.g))
@@ -74,8 +75,9 @@ def test_prefill_over_a_cached_prefix_matches_dense_attention(cached, new):
         seqs.store(i, c, length)
     q = torch.randn(sum(new), HEADS, HEAD_DIM, generator=seqs.g)
     cu_seqlens = torch.tensor([0] + new, dtype=torch.int32).cumsum(0).to(torch.int32)
-    out = reference.paged_prefill(q, seqs.k_cache, seqs.v_cache, cu_seqlens,
-                                  torch.tensor(lengths, dtype=torch.int32), seqs.block_tables(), SCALE)
+    cu_seqlens_k = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+    out = reference.paged_prefill(q, seqs.k_cache, seqs.v_cache, cu_seqlens, cu_seqlens_k, max(new), max(lengths),
+                                  seqs.block_tables(), SCALE)
     for i, length in enumerate(lengths):
         lo, hi = cu_seqlens[i].item(), cu_seqlens[i + 1].item()
         expected = dense_attention(q[lo:hi], seqs.k[i], seqs.v[i])

@@ -1,5 +1,10 @@
 """The model runner's contract with the scheduler (worker.proto): what it reports, how it keeps
 sequence state across delta steps, and how it refuses bad steps without disturbing others."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -150,3 +155,22 @@ def test_pipelined_decode_feeds_in_its_own_tokens(runner):
     pipelined = generate(runner, StepWriter(BLOCK_SIZE), prompts, 10, sampling, pipelined=True)
     assert pipelined == plain
     assert len(set(plain[3])) > 3
+
+
+def test_process_settings_are_made_by_the_runner_not_on_import(tiny_model_dir):
+    """Importing the model changes no process-wide setting; constructing a runner (the worker's
+    start-up) raises dynamo's recompile limit for the fused ops."""
+    code = f"""
+import torch
+default = torch._dynamo.config.recompile_limit
+import model.qwen3, model.sampler, worker_svc.runner
+from model.compiled import RECOMPILE_LIMIT
+from worker_svc.config import WorkerConfig
+assert torch._dynamo.config.recompile_limit == default < RECOMPILE_LIMIT
+worker_svc.runner.ModelRunner(WorkerConfig(model={str(tiny_model_dir)!r}, device="cpu", num_kv_blocks=8))
+assert torch._dynamo.config.recompile_limit == RECOMPILE_LIMIT
+"""
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "proto")])}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr

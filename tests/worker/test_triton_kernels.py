@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from kernels import reference
+from nanoserve.mathutil import cdiv
 
 REPO = Path(__file__).resolve().parents[2]
 # ||out - ref|| / ||ref|| allowed per dtype (bf16 is GPU-only: the interpreter's bf16 dot is wrong).
@@ -40,8 +41,20 @@ class PagedBatch(NamedTuple):
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
     context_lens: torch.Tensor
     block_tables: torch.Tensor
+
+    def prefill_args(self) -> tuple:
+        """paged_prefill's arguments but the scale (kernels/reference.py)."""
+        return (self.q, self.k_cache, self.v_cache, self.cu_seqlens_q, self.cu_seqlens_k, self.max_seqlen_q,
+                self.max_seqlen_k, self.block_tables)
+
+    def decode_args(self) -> tuple:
+        """paged_decode's arguments but the scale."""
+        return self.q, self.k_cache, self.v_cache, self.context_lens, self.block_tables
 
 
 def make_paged_batch(case: Case, device: str, seed: int) -> PagedBatch:
@@ -51,7 +64,7 @@ def make_paged_batch(case: Case, device: str, seed: int) -> PagedBatch:
     gen = torch.Generator(device).manual_seed(seed)
     like = dict(dtype=case.dtype, device=device)
     row = (case.kv_heads, case.head_dim)
-    counts = [-(-length // case.block_size) for length in case.context_lens]
+    counts = [cdiv(length, case.block_size) for length in case.context_lens]
     num_blocks = sum(counts) + 2
     k_cache = torch.full((num_blocks, case.block_size, *row), float("nan"), **like)
     v_cache = torch.full_like(k_cache, float("nan"))
@@ -66,8 +79,10 @@ def make_paged_batch(case: Case, device: str, seed: int) -> PagedBatch:
             cache.view(-1, *row)[slots] = torch.randn(length, *row, generator=gen, **like)
     q = torch.randn(sum(case.new_lens), case.heads, case.head_dim, generator=gen, **like)
     new_lens = torch.tensor([0, *case.new_lens], device=device)
-    return PagedBatch(q, k_cache, v_cache, new_lens.cumsum(0, dtype=torch.int32),
-                      torch.tensor(case.context_lens, dtype=torch.int32, device=device), block_tables)
+    context_lens = torch.tensor(case.context_lens, dtype=torch.int32, device=device)
+    cu_seqlens_k = torch.nn.functional.pad(context_lens.cumsum(0, dtype=torch.int32), (1, 0))
+    return PagedBatch(q, k_cache, v_cache, new_lens.cumsum(0, dtype=torch.int32), cu_seqlens_k,
+                      max(case.new_lens), max(case.context_lens), context_lens, block_tables)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -97,21 +112,21 @@ def check_store(store_kvcache: Callable, case: Case, device: str, seed: int) -> 
 def check_prefill(paged_prefill: Callable, case: Case, device: str, seed: int) -> None:
     batch = make_paged_batch(case, device, seed)
     scale = case.head_dim ** -0.5
-    out = paged_prefill(*batch, scale)
-    ref = reference.paged_prefill(*batch, scale)
+    out = paged_prefill(*batch.prefill_args(), scale)
+    ref = reference.paged_prefill(*batch.prefill_args(), scale)
     assert torch.isfinite(out).all(), case
     assert relative_error(out, ref) < TOLERANCE[case.dtype], (case, relative_error(out, ref))
 
 
 def check_decode(paged_decode: Callable, case: Case, device: str, seed: int) -> None:
     """Context-length-0 rows (CUDA-graph padding) must give zeros, like the reference."""
-    q, k_cache, v_cache, _, context_lens, block_tables = make_paged_batch(case, device, seed)
+    batch = make_paged_batch(case, device, seed)
     scale = case.head_dim ** -0.5
-    out = paged_decode(q, k_cache, v_cache, context_lens, block_tables, scale)
-    ref = reference.paged_decode(q, k_cache, v_cache, context_lens, block_tables, scale)
+    out = paged_decode(*batch.decode_args(), scale)
+    ref = reference.paged_decode(*batch.decode_args(), scale)
     assert torch.isfinite(out).all(), case
     assert relative_error(out, ref) < TOLERANCE[case.dtype], (case, relative_error(out, ref))
-    assert not out[context_lens == 0].any(), case
+    assert not out[batch.context_lens == 0].any(), case
 
 
 STORE_CASES = [

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from model.sampler import SamplingRow
+from nanoserve.mathutil import cdiv
 from nanoserve.v1 import worker_pb2
 
 
@@ -35,6 +36,7 @@ class StepWork:
     fed_slots: list[int]        # ... from these slots
     sampled: list[int]          # entries that sample, in entry order
     sampling: list[SamplingRow] # their parameters
+    is_decode: bool             # every entry computes exactly one token (decode kernels, CUDA graphs)
 
     @property
     def context_lens(self) -> np.ndarray:
@@ -45,7 +47,7 @@ class SequenceTable:
     def __init__(self, capacity: int, num_blocks: int, block_size: int, vocab_size: int, max_model_len: int):
         self.num_kv_blocks, self.block_size = num_blocks, block_size
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
-        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.max_blocks_per_seq = cdiv(max_model_len, block_size)
         # Per slot: the block table, its length, and the position of the token this worker last
         # sampled for the sequence (-1: none), which a decode entry without tokens computes.
         self.block_tables = np.full((capacity, self.max_blocks_per_seq), -1, np.int32)
@@ -98,7 +100,7 @@ class SequenceTable:
             return None
         work = StepWork(np.array(slots, np.int64), np.array(num_new, np.int64), np.array(num_computed, np.int64),
                         np.zeros(len(slots), np.int64), token_ids, fed_rows, [slots[i] for i in fed_entries],
-                        sampled, sampling)
+                        sampled, sampling, is_decode=len(token_ids) == len(slots))
         is_reset = np.zeros(len(slots), bool)
         is_reset[list(reset)] = True
         work.num_blocks = np.where(is_reset, 0, self.num_blocks[work.slots])
@@ -153,7 +155,7 @@ class SequenceTable:
         for index in np.flatnonzero(work.num_blocks > self.max_blocks_per_seq)[:1]:
             fail(index, f"{work.num_blocks[index]} blocks exceed the {self.max_blocks_per_seq} a sequence "
                         f"of the model length limit can use")
-        needed = -(-context_lens // self.block_size)
+        needed = cdiv(context_lens, self.block_size)
         for index in np.flatnonzero(needed > work.num_blocks)[:1]:
             fail(index, f"{context_lens[index]} tokens need {needed[index]} blocks, its block table has "
                         f"{work.num_blocks[index]}")

@@ -1,0 +1,49 @@
+"""What the attention layers need to know about the current step, set by the worker around each
+forward pass (the model's forward signature stays input_ids, positions).
+
+The worker builds the step on the host, so it knows the step's lengths there: they travel here as
+Python ints beside the device tensors, and no kernel wrapper reads a length back from the device.
+"""
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from kernels.backend import AttentionBackend
+
+
+@dataclass
+class StepContext:
+    """Tensor shapes and meanings as in kernels.reference."""
+    backend: AttentionBackend
+    is_prefill: bool             # False: every sequence computes exactly one token (paged_decode)
+    slot_mapping: torch.Tensor   # [num_tokens]
+    context_lens: torch.Tensor   # [num_seqs] int32 (what paged_decode reads)
+    block_tables: torch.Tensor   # [num_seqs, max_blocks]
+    cu_seqlens_q: torch.Tensor   # [num_seqs + 1] int32
+    cu_seqlens_k: torch.Tensor   # [num_seqs + 1] int32, prefix sums of context_lens
+    # Longest new-token run and longest context of the step (paged_prefill's grid). Decode steps
+    # carry bounds instead (1 and the model length limit): a CUDA graph replays one context for
+    # every step of its batch size, so nothing in it may depend on one step's lengths.
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+_current: StepContext | None = None
+
+
+@contextlib.contextmanager
+def step_context(context: StepContext) -> Iterator[StepContext]:
+    global _current
+    _current = context
+    try:
+        yield context
+    finally:
+        _current = None
+
+
+def get_step_context() -> StepContext:
+    if _current is None:
+        raise RuntimeError("attention ran outside a step: wrap the forward pass in step_context()")
+    return _current

@@ -1,0 +1,141 @@
+"""The one owner of a worker's step tensors: device buffers sized for the largest step, which every
+step's kernels read (eager steps, and the decode CUDA graphs, captured over slices of them), and
+the host staging buffers that build_step_inputs fills.
+
+A step's inputs reach the device as non_blocking copies from pinned host memory, queued ahead of
+its kernels; the host moves on before they run. Steps are pipelined (up to MAX_STEPS_IN_FLIGHT
+launched before the oldest is replied to), so a host buffer must not be rewritten while a copy
+from it may still be pending. Each step therefore stages into the next of MAX_STEPS_IN_FLIGHT + 1
+host sets in turn, and each set records an event after its copies, which its next use waits for.
+The ring makes that wait free in the worker loop (the step that last used a set has been replied
+to, so its copies are long done); the event keeps callers that launch without replying
+(step_logits, benches) correct. On CPU the device buffers are host memory already and a step's
+work is done when its launch returns: the device buffers are the one staging set, and nothing is
+copied.
+
+The device buffers need no such care: a step's copies and kernels are queued in order on one
+stream, so its copies land after the previous step's kernels have read the buffers.
+
+So a block table has three forms: the sequence table's numpy rows (host state), a staging set's
+pinned rows, and the device rows the kernels read.
+"""
+from types import SimpleNamespace
+
+import torch
+
+from kernels.backend import AttentionBackend
+from model.step_context import StepContext
+from nanoserve.mathutil import cdiv
+from worker_svc.launched_step import MAX_STEPS_IN_FLIGHT
+
+
+class StepTensors:
+    """Every input tensor of a step at the largest step's size, either on the device or as one set
+    of host staging buffers. Small per-sequence columns of one dtype are rows of one buffer, so a
+    single copy of its front moves all of them."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device,
+                 pin: bool):
+        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
+
+        self.input_ids = zeros(max_tokens, dtype=torch.int64)
+        self.positions = zeros(max_tokens, dtype=torch.int64)
+        self.slot_mapping = zeros(max_tokens, dtype=torch.int64)
+        self.block_tables = zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32)
+        # context_lens has one spare entry, so the three rows are equally long; cu_seqlens_*[0] is
+        # never written and stays 0.
+        self.lengths = zeros(3, max_seqs + 1, dtype=torch.int32)
+        self.context_lens, self.cu_seqlens_q, self.cu_seqlens_k = self.lengths
+        self.indices = zeros(4, max_seqs, dtype=torch.int64)
+        self.sample_indices, self.sampled_slots, self.fed_rows, self.fed_slots = self.indices
+
+    def copy_from(self, staged: "StepTensors", num_tokens: int, num_slots: int, num_seqs: int,
+                  num_sampled: int, num_fed: int) -> None:
+        """non_blocking copies of what a step uses: its tokens (the slot mapping over `num_slots`
+        rows, CUDA-graph padding included), its sequences' table rows, lengths and indices."""
+        def front(dst: torch.Tensor, src: torch.Tensor, count: int) -> None:
+            if count:
+                dst.view(-1)[:count].copy_(src.view(-1)[:count], non_blocking=True)
+
+        front(self.input_ids, staged.input_ids, num_tokens)
+        front(self.positions, staged.positions, num_tokens)
+        front(self.slot_mapping, staged.slot_mapping, num_slots)
+        front(self.block_tables, staged.block_tables, num_seqs * self.block_tables.shape[1])
+        # Through cu_seqlens_k[num_seqs]: the rows before it (context lengths, padding included) go whole.
+        front(self.lengths, staged.lengths, 2 * self.lengths.shape[1] + num_seqs + 1)
+        front(self.indices, staged.indices,
+              _through_last_used(self.indices, [num_sampled, num_sampled, num_fed, num_fed]))
+
+
+def _through_last_used(rows: torch.Tensor, used: list[int]) -> int:
+    """Elements of a buffer of equal rows from its start through the used part of its last used row."""
+    return max((i * rows.shape[1] + count for i, count in enumerate(used) if count), default=0)
+
+
+class StagingSet:
+    """One set of host staging buffers (pinned on CUDA), with numpy views of the same memory under
+    the same names for build_step_inputs to fill, and the event after the copies out of it."""
+
+    def __init__(self, tensors: StepTensors, cuda: bool):
+        self.tensors = tensors
+        self.arrays = SimpleNamespace(**{name: t.numpy() for name, t in vars(tensors).items()})
+        self.copied = torch.cuda.Event() if cuda else None
+        self.pending = False
+
+    def wait_copied(self) -> None:
+        if self.pending:
+            self.copied.synchronize()
+            self.pending = False
+
+    def record_copied(self) -> None:
+        if self.copied is not None:
+            self.copied.record()
+            self.pending = True
+
+
+class StepBuffers:
+    """The device step tensors and their host staging sets, sized for the worker's largest step
+    (max_num_batched_tokens tokens, max_num_seqs sequences, tables as wide as max_model_len needs)."""
+
+    def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,
+                 device: torch.device):
+        self.max_num_seqs, self.max_model_len, self.block_size = max_num_seqs, max_model_len, block_size
+        self.max_blocks_per_seq = cdiv(max_model_len, block_size)
+        sizes = (max_num_batched_tokens, max_num_seqs, self.max_blocks_per_seq)
+        self.on_device = StepTensors(*sizes, device, pin=False)
+        if device.type == "cuda":
+            self._staging = [StagingSet(StepTensors(*sizes, torch.device("cpu"), pin=True), cuda=True)
+                             for _ in range(MAX_STEPS_IN_FLIGHT + 1)]
+        else:
+            self._staging = [StagingSet(self.on_device, cuda=False)]
+        self._turn = 0
+
+    def next_staging(self) -> StagingSet:
+        """The host set for the next step, once the copies out of it from its last use are done."""
+        staging = self._staging[self._turn]
+        self._turn = (self._turn + 1) % len(self._staging)
+        staging.wait_copied()
+        return staging
+
+    def upload(self, staging: StagingSet, num_tokens: int, num_slots: int, num_seqs: int, num_sampled: int,
+               num_fed: int) -> None:
+        """Queues the copies of a filled staging set to the device buffers (StepTensors.copy_from)."""
+        if staging.tensors is not self.on_device:
+            self.on_device.copy_from(staging.tensors, num_tokens, num_slots, num_seqs, num_sampled, num_fed)
+            staging.record_copied()
+
+    def context(self, backend: AttentionBackend, is_prefill: bool, num_tokens: int, num_seqs: int,
+                table_width: int, max_seqlen_q: int, max_seqlen_k: int) -> StepContext:
+        """The attention context over the device buffers' first rows."""
+        t = self.on_device
+        return StepContext(backend=backend, is_prefill=is_prefill, slot_mapping=t.slot_mapping[:num_tokens],
+                           context_lens=t.context_lens[:num_seqs], block_tables=t.block_tables[:num_seqs, :table_width],
+                           cu_seqlens_q=t.cu_seqlens_q[:num_seqs + 1], cu_seqlens_k=t.cu_seqlens_k[:num_seqs + 1],
+                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+
+    def decode_context(self, backend: AttentionBackend, num_seqs: int) -> StepContext:
+        """A decode step's context, the same for an eager step as for the CUDA graph of its batch
+        size: full-width block tables (a kernel such as flash-attn's picks its split of the context
+        from the table width) and length bounds instead of this step's lengths."""
+        return self.context(backend, False, num_seqs, num_seqs, self.max_blocks_per_seq, 1, self.max_model_len)
