@@ -2,8 +2,6 @@
 from dataclasses import dataclass
 from enum import Enum, auto
 
-from nanoserve.v1 import llm_pb2
-
 
 class SequenceStatus(Enum):
     WAITING = auto()   # queued: holds no blocks, the workers do not know it
@@ -18,11 +16,6 @@ class SamplingOptions:
     ignore_eos: bool = False
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
-
-    def to_proto(self) -> llm_pb2.SamplingParams:
-        return llm_pb2.SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens,
-                                      ignore_eos=self.ignore_eos, seed=self.seed,
-                                      stop_token_ids=self.stop_token_ids)
 
 
 class Sequence:
