@@ -8,17 +8,18 @@ from scheduler_svc.sequence import Sequence
 
 @dataclass(eq=False)
 class StepPlan:
+    """Columns of equal length, one row per entry; the sequences have already advanced past it."""
     step_id: int
-    seqs: list[Sequence]          # one per entry: who the entry computes for
-    token_ids: list[tuple[int, ...]]  # tokens to compute; empty for a decode of a token still in flight
-    num_computed: list[int]       # tokens in the KV cache before this step (position of token_ids[0])
-    num_tokens: list[int]         # tokens the entry computes (its own pending token included)
-    new_block_ids: list[tuple[int, ...]]  # blocks appended since the workers last heard; all on reset
-    reset: list[bool]             # the workers do not know the sequence: start it afresh (sampling included)
-    sample: list[bool]            # sample a token after this step
-    num_generated: list[int]      # tokens generated so far, the pending ones included
-    forget_seq_ids: list[int]     # sequences the workers drop before computing the entries
-    sampled: list[Sequence]       # the entries that sample, in order: who receives the i-th token
+    seqs: list[Sequence]                  # who each entry computes for (the encoder reads id and sampling)
+    token_ids: list[tuple[int, ...]]      # tokens to compute; none for a decode of a token still in flight
+    num_computed: list[int]               # tokens in the KV cache before this step: token_ids[0]'s position
+    num_tokens: list[int]                 # tokens the entry computes, a token still in flight included
+    new_block_ids: list[tuple[int, ...]]  # blocks appended since the workers last heard; all of them on reset
+    reset: list[bool]                     # the workers do not know the sequence: start it afresh, sampling too
+    sample: list[bool]                    # sample a token after this step
+    num_generated: list[int]              # tokens generated so far, those still in flight included
+    forget_seq_ids: list[int]             # sequences the workers drop before computing the entries
+    sampled: list[Sequence]               # the entries that sample, in order: who receives the i-th token
 
     @property
     def is_decode(self) -> bool:
