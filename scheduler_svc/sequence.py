@@ -30,7 +30,8 @@ class Sequence:
         self.prompt_token_ids = list(prompt_token_ids)
         self.completion_token_ids: list[int] = []
         # Prompt then completion: the history the KV cache covers. Kept whole beside the two
-        # parts so that slicing it for blocks and steps never concatenates.
+        # parts so that slicing it for blocks and steps never concatenates. Only ever appended
+        # to: step plans refer to their tokens by position.
         self.token_ids = list(prompt_token_ids)
         self.block_table: list[int] = []
         self.num_computed_tokens = 0         # while running: tokens whose KV the workers hold or are computing

@@ -1,4 +1,5 @@
-"""The step plan on the wire: StepPlan -> worker_pb2.StepRequest, in one pass over its lists."""
+"""The step plan on the wire: StepPlan -> worker_pb2.StepRequest. One pass over the dense
+columns, then the few entries that reset or gain blocks."""
 from nanoserve.v1 import llm_pb2, worker_pb2
 from scheduler_svc.sequence import SamplingOptions
 from scheduler_svc.step_plan import StepPlan
@@ -7,17 +8,17 @@ from scheduler_svc.step_plan import StepPlan
 def encode_step(plan: StepPlan) -> worker_pb2.StepRequest:
     request = worker_pb2.StepRequest(step_id=plan.step_id, forget_seq_ids=plan.forget_seq_ids)
     add_entry = request.seqs.add
-    for seq, token_ids, num_computed, new_block_ids, reset, sample, num_generated in zip(
-            plan.seqs, plan.token_ids, plan.num_computed, plan.new_block_ids, plan.reset, plan.sample,
-            plan.num_generated):
+    for seq, start, num_token_ids, sample, num_generated in zip(plan.seqs, plan.num_computed, plan.num_token_ids,
+                                                                plan.sample, plan.num_generated):
         # Fields left at their defaults are not passed: each keyword costs on the hot path.
-        entry = add_entry(seq_id=seq.seq_id, token_ids=token_ids, num_computed=num_computed, sample=sample,
-                          num_generated=num_generated)
-        if new_block_ids:
-            entry.new_block_ids.extend(new_block_ids)
-        if reset:
-            entry.reset = True
-            entry.sampling.CopyFrom(encode_sampling(seq.sampling))
+        add_entry(seq_id=seq.seq_id, token_ids=seq.token_ids[start:start + num_token_ids], num_computed=start,
+                  sample=sample, num_generated=num_generated)
+    entries = request.seqs
+    for index, options in plan.resets.items():
+        entries[index].reset = True
+        entries[index].sampling.CopyFrom(encode_sampling(options))
+    for index, block_ids in plan.new_block_ids.items():
+        entries[index].new_block_ids.extend(block_ids)
     return request
 
 

@@ -1,30 +1,40 @@
 """One step as the scheduler plans it: per sequence, what the workers compute, as a delta
-against what they already know. Plain lists, one entry per sequence in entry order; the
-transport encodes them (step_encoder.py), post-processing reads them back."""
+against what they already know. Plain lists and dicts, no wire format: the transport encodes
+a plan (step_encoder.py), post-processing reads it back.
+
+Built for the decode hot path. Every entry has a row in the dense columns; the fields only a
+few entries need (a reset, new blocks) are keyed by entry index. An entry's token ids are not
+copied: they are seq.token_ids[num_computed:][:num_token_ids], a slice that cannot change since
+a sequence's token list only grows, and the encoder takes it straight into the message. So a
+prompt is copied once, and a plan in flight holds nothing per decode entry that the garbage
+collector must track (small lists living across steps would drive it into full collections
+over every sequence's tokens).
+"""
 from dataclasses import dataclass
 
-from scheduler_svc.sequence import Sequence
+from scheduler_svc.sequence import SamplingOptions, Sequence
 
 
 @dataclass(eq=False)
 class StepPlan:
-    """Columns of equal length, one row per entry; the sequences have already advanced past it."""
     step_id: int
-    seqs: list[Sequence]                  # who each entry computes for (the encoder reads id and sampling)
-    token_ids: list[tuple[int, ...]]      # tokens to compute; none for a decode of a token still in flight
-    num_computed: list[int]               # tokens in the KV cache before this step: token_ids[0]'s position
-    num_tokens: list[int]                 # tokens the entry computes, a token still in flight included
-    new_block_ids: list[tuple[int, ...]]  # blocks appended since the workers last heard; all of them on reset
-    reset: list[bool]                     # the workers do not know the sequence: start it afresh, sampling too
-    sample: list[bool]                    # sample a token after this step
-    num_generated: list[int]              # tokens generated so far, those still in flight included
-    forget_seq_ids: list[int]             # sequences the workers drop before computing the entries
-    sampled: list[Sequence]               # the entries that sample, in order: who receives the i-th token
+    # Dense: one row per entry, in entry order.
+    seqs: list[Sequence]           # who each entry computes for (the encoder reads its id)
+    num_computed: list[int]        # tokens in the KV cache before this step: the first one's position
+    num_token_ids: list[int]       # token ids sent: 0 for a decode of a token still in flight
+    num_tokens: list[int]          # tokens the entry computes, a token still in flight included
+    sample: list[bool]             # sample a token after this step
+    num_generated: list[int]       # tokens generated so far, those still in flight included
+    # Sparse, by entry index.
+    resets: dict[int, SamplingOptions]    # sequences the workers do not know: start afresh with these options
+    new_block_ids: dict[int, tuple[int, ...]]  # blocks appended since the workers last heard (all on a reset)
+    forget_seq_ids: list[int]      # sequences the workers drop before computing the entries
+    sampled: list[Sequence]        # the entries that sample, in order: who receives the i-th token
 
     @property
     def is_decode(self) -> bool:
         """Every entry computes one token of a sequence the workers already know."""
-        return all(count == 1 for count in self.num_tokens) and not any(self.reset)
+        return not self.resets and all(count == 1 for count in self.num_tokens)
 
     @classmethod
     def build(cls, step_id: int, seqs: list[Sequence], num_tokens: list[int],
@@ -37,28 +47,28 @@ class StepPlan:
 
         The sequences advance at once (computed tokens, and a pending token for each entry that
         samples), so the next step can be scheduled before this one's tokens come back."""
-        token_ids, num_computed, new_block_ids, reset, sample, num_generated, sampled = [], [], [], [], [], [], []
-        for seq, count in zip(seqs, num_tokens):
+        num_computed, num_token_ids, sample, num_generated, sampled = [], [], [], [], []
+        resets: dict[int, SamplingOptions] = {}
+        new_block_ids: dict[int, tuple[int, ...]] = {}
+        for index, (seq, count) in enumerate(zip(seqs, num_tokens)):
             start = seq.num_computed_tokens
             end = start + count
-            samples = end == len(seq.token_ids) + seq.num_pending_tokens
-            # Tuples, not lists: holding only ints, they leave the garbage collector's view at its
-            # next pass, so plans in flight do not push it into full collections over every sequence.
-            token_ids.append(tuple(seq.token_ids[start:end]))
+            num_known = len(seq.token_ids)
             num_computed.append(start)
+            num_token_ids.append((end if end <= num_known else num_known) - start)
             num_generated.append(seq.num_completion_tokens)
-            known = seq.num_blocks_on_workers
-            reset.append(known == 0)
-            if known < len(seq.block_table):
-                new_block_ids.append(tuple(seq.block_table[known:]))
+            num_sent_blocks = seq.num_blocks_on_workers
+            if num_sent_blocks < len(seq.block_table):  # rare in decode: once a block
+                if not num_sent_blocks:
+                    resets[index] = seq.sampling
+                new_block_ids[index] = tuple(seq.block_table[num_sent_blocks:])
                 seq.num_blocks_on_workers = len(seq.block_table)
-            else:
-                new_block_ids.append(())
             seq.num_computed_tokens = end
             seq.num_steps_in_flight += 1
+            samples = end == num_known + seq.num_pending_tokens
             sample.append(samples)
             if samples:
                 seq.num_pending_tokens += 1
                 sampled.append(seq)
-        return cls(step_id, seqs, token_ids, num_computed, num_tokens, new_block_ids, reset, sample, num_generated,
-                   forget_seq_ids, sampled)
+        return cls(step_id, seqs, num_computed, num_token_ids, num_tokens, sample, num_generated, resets,
+                   new_block_ids, forget_seq_ids, sampled)
