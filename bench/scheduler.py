@@ -6,7 +6,6 @@ prefill step. The target is well under a GPU step: < 1 ms per decode round at 25
     PYTHONPATH=.:proto python bench/scheduler.py [--out bench/out/scheduler.json]
 """
 import argparse
-import gc
 import json
 import random
 import statistics
@@ -44,7 +43,6 @@ def decode_rounds(num_seqs: int, num_rounds: int) -> list[float]:
     while scheduler.num_waiting:  # prefill everything first
         plan = scheduler.schedule()
         scheduler.postprocess(plan, [1] * len(plan.sampled))
-    gc.collect()  # the set-up's garbage: no timed round should pay for collecting it
     times = []
     for _ in range(num_rounds):
         start = time.thread_time()
