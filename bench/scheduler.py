@@ -1,4 +1,4 @@
-"""CPU cost of the scheduler: one schedule() + postprocess() round, step message included.
+"""CPU cost of the scheduler: one round of schedule(), encoding the step message, postprocess().
 
 Decode rounds with 256 and 1,024 running sequences of ~1,000 tokens, and one 16,384-token
 prefill step. The target is well under a GPU step: < 1 ms per decode round at 256 sequences.
@@ -15,6 +15,7 @@ from pathlib import Path
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import SamplingOptions, Sequence
+from scheduler_svc.step_encoder import encode_step
 
 BLOCK_SIZE = 16
 CONTEXT = 1000
@@ -38,15 +39,16 @@ def decode_rounds(num_seqs: int, num_rounds: int) -> list[float]:
     rng = random.Random(0)
     scheduler = _scheduler(num_seqs, CONTEXT + BLOCK_SIZE + num_rounds, budget=16384)
     for seq_id in range(num_seqs):
-        scheduler.add(Sequence(seq_id, _random_prompt(rng, CONTEXT + seq_id % BLOCK_SIZE), NEVER_STOP))
+        scheduler.enqueue(Sequence(seq_id, _random_prompt(rng, CONTEXT + seq_id % BLOCK_SIZE), NEVER_STOP))
     while scheduler.num_waiting:  # prefill everything first
-        batch = scheduler.schedule()
-        scheduler.postprocess(batch, [1] * len(batch.sampled))
+        plan = scheduler.schedule()
+        scheduler.postprocess(plan, [1] * len(plan.sampled))
     times = []
     for _ in range(num_rounds):
         start = time.thread_time()
-        batch = scheduler.schedule()
-        scheduler.postprocess(batch, [rng.randrange(10000)] * len(batch.sampled))
+        plan = scheduler.schedule()
+        encode_step(plan)
+        scheduler.postprocess(plan, [rng.randrange(10000)] * len(plan.sampled))
         times.append(time.thread_time() - start)
     return times
 
@@ -57,10 +59,11 @@ def prefill_rounds(num_tokens: int, repeats: int) -> list[float]:
     times = []
     for _ in range(repeats):
         scheduler = _scheduler(1, num_tokens + 1, budget=num_tokens)
-        scheduler.add(Sequence(0, _random_prompt(rng, num_tokens), NEVER_STOP))
+        scheduler.enqueue(Sequence(0, _random_prompt(rng, num_tokens), NEVER_STOP))
         start = time.thread_time()
-        batch = scheduler.schedule()
-        scheduler.postprocess(batch, [1])
+        plan = scheduler.schedule()
+        encode_step(plan)
+        scheduler.postprocess(plan, [1])
         times.append(time.thread_time() - start)
     return times
 

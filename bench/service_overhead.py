@@ -33,7 +33,8 @@ class NullWorker(worker_pb2_grpc.WorkerServicer):
         self.info = worker_pb2.WorkerInfo(
             model=tokenizer_dir, rank=0, world_size=1, dtype="bfloat16", block_size=256, max_kv_blocks=2446,
             vocab_size=151936, max_model_len=4096, eos_token_ids=[151645], attention_backend="none",
-            device="none", max_num_seqs=256, max_num_batched_tokens=16384, model_fingerprint="null")
+            device="none", max_num_seqs=256, max_num_batched_tokens=16384, model_fingerprint="null",
+            max_steps_in_flight=3)  # as deep as the GPU worker keeps steps in flight
 
     def Describe(self, request, context):
         return self.info
@@ -45,8 +46,9 @@ class NullWorker(worker_pb2_grpc.WorkerServicer):
         for request in requests:
             started = time.perf_counter()
             tokens = [5] * sum(1 for entry in request.seqs if entry.sample)
-            yield worker_pb2.StepResponse(step_id=request.step_id, token_ids=tokens,
-                                          busy_seconds=time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            yield worker_pb2.StepResponse(step_id=request.step_id, token_ids=tokens, busy_seconds=seconds,
+                                          host_seconds=seconds)
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ from collections import OrderedDict
 
 import xxhash
 
+from nanoserve.mathutil import cdiv
 from scheduler_svc.sequence import Sequence
 
 
@@ -49,7 +50,7 @@ class BlockManager:
         return len(self.blocks)
 
     def num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def cached_prefix(self, seq: Sequence) -> list[Block]:
         """The cached blocks that start the sequence, up to the first miss.

@@ -1,10 +1,11 @@
 """The engine loop: schedule -> step every rank -> post-process -> wake the request streams.
 
-Runs as one asyncio task beside the gRPC handlers; handlers only enqueue requests and read
-their RequestStream, so a slow client never blocks a step. Up to three steps are in flight:
-steps N+1 and N+2 are scheduled and sent before step N's tokens come back, so the workers
-always have work queued and the GPU does not wait on this process or the network between
-steps, nor on a late turn of this event loop.
+Runs as one asyncio task beside the gRPC handlers; handlers only submit requests and read
+their RequestStream, so a slow client never blocks a step. Steps are pipelined as deep as the
+workers keep them in flight (WorkerInfo.max_steps_in_flight, the smallest over the ranks): the
+next steps are scheduled and sent before step N's tokens come back, so the workers always have
+work queued and the GPU does not wait on this process or the network between steps, nor on a
+late turn of this event loop.
 """
 import asyncio
 import logging
@@ -15,7 +16,7 @@ from nanoserve.v1 import worker_pb2
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import Sequence
-from scheduler_svc.step_batch import StepBatch
+from scheduler_svc.step_plan import StepPlan
 from scheduler_svc.worker_group import WorkerGroup, WorkerUnavailable
 
 log = logging.getLogger("nanoserve.scheduler")
@@ -49,19 +50,23 @@ class Totals:
     prefill_busy_seconds: float = 0.0
     decode_busy_seconds: float = 0.0
     decode_idle_seconds: float = 0.0
+    prefill_host_seconds: float = 0.0
+    decode_host_seconds: float = 0.0
 
-    def record_step(self, batch: StepBatch, reply: worker_pb2.StepResponse) -> None:
-        if not batch.seqs:
+    def record_step(self, plan: StepPlan, reply: worker_pb2.StepResponse) -> None:
+        if not plan.seqs:
             return
-        if batch.is_decode:
+        if plan.is_decode:
             self.decode_steps += 1
-            self.decode_tokens += len(batch.seqs)
+            self.decode_tokens += len(plan.seqs)
             self.decode_busy_seconds += reply.busy_seconds
             self.decode_idle_seconds += reply.idle_seconds
+            self.decode_host_seconds += reply.host_seconds
         else:
             self.prefill_steps += 1
-            self.prefill_tokens += sum(batch.num_tokens)
+            self.prefill_tokens += sum(plan.num_tokens)
             self.prefill_busy_seconds += reply.busy_seconds
+            self.prefill_host_seconds += reply.host_seconds
 
 
 class Waker:
@@ -75,11 +80,11 @@ class Waker:
         self.pending: dict[RequestStream, None] = {}  # an ordered set: first come, first woken
         self.has_pending = asyncio.Event()
 
-    def add(self, streams: list[RequestStream]) -> list[RequestStream]:
+    def wake_soon(self, streams: list[RequestStream]) -> None:
+        """Queues the streams to be woken, each once, in a later slice."""
         self.pending.update(dict.fromkeys(streams))
         if self.pending:
             self.has_pending.set()
-        return []
 
     async def run(self) -> None:
         while True:
@@ -94,6 +99,11 @@ class Waker:
 
 
 class Engine:
+    """Drives one worker group: a loop that schedules steps, sends them to every rank, applies
+    the tokens that come back and hands them to the request streams. Handlers submit sequences
+    and abort them; both take effect between steps. When a rank fails, every request in flight
+    ends UNAVAILABLE and the engine reconnects to a fresh group with a fresh scheduler."""
+
     def __init__(self, group: WorkerGroup, config: SchedulerConfig, reconnect_timeout: float):
         self.group = group
         self.config = config
@@ -134,9 +144,10 @@ class Engine:
         self.streams.clear()
         self.pending_aborts.clear()
 
-    def add(self, seq: Sequence) -> RequestStream:
-        """Admits a sequence (raises AdmissionError when it can never run)."""
-        self.scheduler.add(seq)
+    def submit(self, seq: Sequence) -> RequestStream:
+        """Queues a sequence for scheduling and returns the stream its tokens will arrive on
+        (raises AdmissionError when it can never run)."""
+        self.scheduler.enqueue(seq)
         stream = RequestStream(seq)
         self.streams[seq.seq_id] = stream
         self.totals.prompt_tokens += len(seq.prompt_token_ids)
@@ -153,30 +164,33 @@ class Engine:
             self.pending_aborts.append(seq_id)
             self.work.set()
 
-    async def _loop(self, depth: int = 3) -> None:
-        in_flight: deque[StepBatch] = deque()  # sent, in step order
+    async def _loop(self) -> None:
+        in_flight: deque[StepPlan] = deque()  # sent, in step order
         delivered: list[RequestStream] = []  # streams with new tokens, woken once the next step is out
         while True:
             self._apply_aborts()
-            batch = None
+            depth = self.group.max_steps_in_flight  # the group is replaced after a failure
+            plan = None
             if len(in_flight) < depth and self.scheduler.has_work():
-                batch = self.scheduler.schedule()
+                plan = self.scheduler.schedule()
             try:
-                if batch is not None:
-                    await self.group.send(batch.request)
-                    in_flight.append(batch)
+                if plan is not None:
+                    await self.group.send(plan)
+                    in_flight.append(plan)
                 # The handlers stream their tokens while the workers compute.
-                delivered = self.waker.add(delivered)
+                self.waker.wake_soon(delivered)
+                delivered = []
                 if not in_flight:  # nothing runnable: wait for a change, watching the workers meanwhile
                     await self._idle()
                     continue
-                if batch is not None and len(in_flight) < depth:
+                if plan is not None and len(in_flight) < depth:
                     continue  # queue another step before waiting for this one
                 done = in_flight.popleft()
-                reply = await self.group.receive(done.request.step_id)
+                reply = await self.group.receive(done.step_id)
             except WorkerUnavailable as err:
                 in_flight.clear()
-                delivered = self.waker.add(delivered)
+                self.waker.wake_soon(delivered)
+                delivered = []
                 await self._fail_all(str(err))
                 continue
             self.totals.record_step(done, reply)

@@ -6,9 +6,9 @@ and the free blocks allow; a prompt longer than the budget left is split across 
 nothing can be prefilled, every running sequence decodes one token; if one needs a new block
 and none is free, the most recently admitted sequence is preempted and later recomputed.
 
-Steps are pipelined: a batch advances its sequences when it is built, so the next ones can be
-scheduled while it runs, its sampled tokens pending. Call postprocess() for every batch, in
-order; any number of batches may be unprocessed when schedule() is called. A pending token is
+Steps are pipelined: a step plan advances its sequences when it is built, so the next ones can
+be scheduled while it runs, its sampled tokens pending. Call postprocess() for every plan, in
+order; any number of plans may be unprocessed when schedule() is called. A pending token is
 decoded by the workers from their own copy; a sequence that will reach its length limit with it
 is not scheduled again, and one whose pending token turns out to stop it wastes one decode for
 each further step already in flight.
@@ -18,7 +18,7 @@ from collections import deque
 from scheduler_svc.block_manager import Block, BlockManager
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.sequence import Sequence, SequenceStatus
-from scheduler_svc.step_batch import StepBatch
+from scheduler_svc.step_plan import StepPlan
 
 
 class AdmissionError(Exception):
@@ -30,6 +30,11 @@ class AdmissionError(Exception):
 
 
 class Scheduler:
+    """Owns the waiting and running queues and the KV block pool of one worker group. The
+    engine queues sequences (enqueue), asks for steps (schedule), returns each step's sampled
+    tokens (postprocess) and cancels (abort); the scheduler decides who computes what and
+    when a sequence finishes. It knows nothing of the wire: steps are plain StepPlans."""
+
     def __init__(self, config: SchedulerConfig):
         if config.max_num_batched_tokens < config.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must cover one "
@@ -67,7 +72,7 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add(self, seq: Sequence) -> None:
+    def enqueue(self, seq: Sequence) -> None:
         """Queues a sequence, or raises AdmissionError if it could never run."""
         num_tokens, limit = seq.num_prompt_tokens, self.config.max_model_len
         if num_tokens == 0:
@@ -83,28 +88,27 @@ class Scheduler:
         self.waiting.append(seq)
         self.live[seq.seq_id] = seq
 
-    def schedule(self) -> StepBatch | None:
+    def schedule(self) -> StepPlan | None:
         """The next step, or None when no sequence is live (pending forgets then ride on the next step)."""
         return self._schedule_prefill() or self._schedule_decode()
 
-    def postprocess(self, batch: StepBatch, token_ids: list[int]) -> list[Sequence]:
+    def postprocess(self, plan: StepPlan, token_ids: list[int]) -> list[Sequence]:
         """Applies a step's sampled tokens (one per entry with `sample` set, in entry order).
 
         Returns the sequences that received a token; finished ones have released their blocks.
         Tokens of sequences aborted or finished since the step was built are dropped.
         """
-        if len(token_ids) != len(batch.sampled):
-            raise ValueError(f"step {batch.request.step_id} sampled {len(batch.sampled)} sequences "
+        if len(token_ids) != len(plan.sampled):
+            raise ValueError(f"step {plan.step_id} sampled {len(plan.sampled)} sequences "
                              f"but {len(token_ids)} tokens came back")
         running, finished, block_size = SequenceStatus.RUNNING, SequenceStatus.FINISHED, self.config.block_size
-        for seq, count, entry in zip(batch.seqs, batch.num_tokens, batch.request.seqs):
+        for seq, count, start in zip(plan.seqs, plan.num_tokens, plan.num_computed):
             seq.num_steps_in_flight -= 1
-            start = entry.num_computed
             if seq.status is running and (start + count) // block_size > start // block_size:  # rare in decode
                 self.block_manager.cache_full_blocks(seq, start, start + count)
         served = []
         any_finished = False
-        for seq, token_id in zip(batch.sampled, token_ids):
+        for seq, token_id in zip(plan.sampled, token_ids):
             if seq.status is finished:
                 continue
             seq.num_pending_tokens -= 1
@@ -133,7 +137,7 @@ class Scheduler:
         self._release(seq)
         return seq
 
-    def _schedule_prefill(self) -> StepBatch | None:
+    def _schedule_prefill(self) -> StepPlan | None:
         budget = self.config.max_num_batched_tokens
         seqs: list[Sequence] = []
         num_tokens: list[int] = []
@@ -165,9 +169,9 @@ class Scheduler:
         self.running.append(seq)
         return seq
 
-    def _schedule_decode(self) -> StepBatch | None:
+    def _schedule_decode(self) -> StepPlan | None:
         running, block_size = self.running, self.config.block_size
-        # A new list: the batch must not change when running does (an abort while the step runs).
+        # A new list: the plan must not change when running does (an abort while the step runs).
         # Preemption pops from the end of running, never a sequence already in it.
         decoding: list[Sequence] = []
         index = 0
@@ -192,11 +196,11 @@ class Scheduler:
         return (len(seq.token_ids) + seq.num_pending_tokens >= self.max_seq_len
                 or (max_tokens is not None and seq.num_completion_tokens >= max_tokens))
 
-    def _build(self, seqs: list[Sequence], num_tokens: list[int]) -> StepBatch:
-        batch = StepBatch.build(self.next_step_id, seqs, num_tokens, self.forget_seq_ids)
+    def _build(self, seqs: list[Sequence], num_tokens: list[int]) -> StepPlan:
+        plan = StepPlan.build(self.next_step_id, seqs, num_tokens, self.forget_seq_ids)
         self.next_step_id += 1
         self.forget_seq_ids = []
-        return batch
+        return plan
 
     def _preempt(self, seq: Sequence) -> None:
         """Releases the sequence's blocks and queues it first, to be recomputed (prompt and

@@ -2,8 +2,6 @@
 from dataclasses import dataclass
 from enum import Enum, auto
 
-from nanoserve.v1 import llm_pb2
-
 
 class SequenceStatus(Enum):
     WAITING = auto()   # queued: holds no blocks, the workers do not know it
@@ -19,11 +17,6 @@ class SamplingOptions:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
 
-    def to_proto(self) -> llm_pb2.SamplingParams:
-        return llm_pb2.SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens,
-                                      ignore_eos=self.ignore_eos, seed=self.seed,
-                                      stop_token_ids=self.stop_token_ids)
-
 
 class Sequence:
     __slots__ = ("seq_id", "sampling", "status", "prompt_token_ids", "completion_token_ids", "token_ids",
@@ -37,7 +30,8 @@ class Sequence:
         self.prompt_token_ids = list(prompt_token_ids)
         self.completion_token_ids: list[int] = []
         # Prompt then completion: the history the KV cache covers. Kept whole beside the two
-        # parts so that slicing it for blocks and steps never concatenates.
+        # parts so that slicing it for blocks and steps never concatenates. Only ever appended
+        # to: step plans refer to their tokens by position.
         self.token_ids = list(prompt_token_ids)
         self.block_table: list[int] = []
         self.num_computed_tokens = 0         # while running: tokens whose KV the workers hold or are computing

@@ -12,7 +12,7 @@ from nanoserve.v1 import llm_pb2, llm_pb2_grpc
 from nanoserve.wire import GRPC_OPTIONS
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine
-from scheduler_svc.requests import BadRequest, prompt_ids, sampling_options
+from scheduler_svc.request_validation import BadRequest, prompt_ids, sampling_options
 from scheduler_svc.scheduler import AdmissionError
 from scheduler_svc.sequence import Sequence
 from scheduler_svc.tokenizer import TextTokenizer
@@ -23,6 +23,9 @@ _FINISH = {"stop": llm_pb2.FINISH_REASON_STOP, "length": llm_pb2.FINISH_REASON_L
 
 
 class LLMService(llm_pb2_grpc.LLMServicer):
+    """nanoserve.v1.LLM over one engine. Until the workers have shaken hands (and while a failed
+    group is being rebuilt) every call answers UNAVAILABLE."""
+
     def __init__(self, max_waiting: int):
         self.max_waiting = max_waiting
         self.engine: Engine | None = None
@@ -37,6 +40,11 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         return self.engine
 
     async def Generate(self, request: llm_pb2.GenerateRequest, context):
+        """Streams one prompt's completion. The request is checked (INVALID_ARGUMENT) and queued
+        (RESOURCE_EXHAUSTED when the waiting queue is full or it could never fit); then each
+        message carries the tokens and text produced since the previous one, the last one the
+        finish reason and usage. A client that goes away frees the sequence's blocks; a worker
+        failure ends the stream UNAVAILABLE."""
         engine = await self._ready_engine(context)
         try:
             ids = prompt_ids(request, self.tokenizer, self.info.vocab_size, self.info.max_model_len)
@@ -48,7 +56,7 @@ class LLMService(llm_pb2_grpc.LLMServicer):
                                 f"{self.max_waiting} requests are already waiting; retry later")
         seq = Sequence(engine.new_seq_id(), ids, options)
         try:
-            stream = engine.add(seq)
+            stream = engine.submit(seq)
         except AdmissionError as err:
             code = grpc.StatusCode.INVALID_ARGUMENT if err.kind == "invalid" else grpc.StatusCode.RESOURCE_EXHAUSTED
             await context.abort(code, str(err))
@@ -93,7 +101,8 @@ class LLMService(llm_pb2_grpc.LLMServicer):
                              requests_finished=t.requests_finished, prefill_steps=t.prefill_steps,
                              decode_steps=t.decode_steps, prefill_tokens=t.prefill_tokens,
                              decode_tokens=t.decode_tokens, prefill_busy_seconds=t.prefill_busy_seconds,
-                             decode_busy_seconds=t.decode_busy_seconds, decode_idle_seconds=t.decode_idle_seconds)
+                             decode_busy_seconds=t.decode_busy_seconds, decode_idle_seconds=t.decode_idle_seconds,
+                             prefill_host_seconds=t.prefill_host_seconds, decode_host_seconds=t.decode_host_seconds)
 
 
 def _scheduler_config(args: argparse.Namespace, group: WorkerGroup) -> SchedulerConfig:

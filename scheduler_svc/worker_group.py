@@ -1,4 +1,5 @@
-"""The scheduler's view of its worker ranks: connect, agree on a KV pool, stream steps to all."""
+"""The scheduler's view of its worker ranks: connect, agree on a KV pool, stream steps to all.
+The transport: the only part of the scheduler that puts steps on the wire (step_encoder.py)."""
 import asyncio
 import logging
 import time
@@ -6,9 +7,11 @@ import time
 import grpc
 
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
+from nanoserve.wire import GRPC_OPTIONS
+from scheduler_svc.step_encoder import encode_step
+from scheduler_svc.step_plan import StepPlan
 
 log = logging.getLogger("nanoserve.scheduler")
-_MAX_MESSAGE = 64 << 20
 
 
 class WorkerUnavailable(Exception):
@@ -16,15 +19,20 @@ class WorkerUnavailable(Exception):
 
 
 class WorkerGroup:
+    """The worker ranks of one deployment, one address each, rank order. connect() shakes hands
+    with every rank and settles what they must agree on (the KV pool, the steps in flight); then
+    send() puts a step plan on every rank's step stream and receive() collects their replies,
+    in step order. Any rank failing raises WorkerUnavailable naming it; the group is then spent
+    and the engine builds a new one."""
+
     def __init__(self, addresses: list[str]):
         self.addresses = addresses
-        self.channels = [grpc.aio.insecure_channel(a, options=[("grpc.max_send_message_length", _MAX_MESSAGE),
-                                                               ("grpc.max_receive_message_length", _MAX_MESSAGE)])
-                         for a in addresses]
+        self.channels = [grpc.aio.insecure_channel(a, options=GRPC_OPTIONS) for a in addresses]
         self.stubs = [worker_pb2_grpc.WorkerStub(c) for c in self.channels]
         self.infos: list[worker_pb2.WorkerInfo] = []
         self.streams: list = []
         self.num_blocks = 0
+        self.max_steps_in_flight = 0  # the smallest any rank reports: steps sent ahead of the replies
 
     def name(self, rank: int) -> str:
         return f"worker rank {rank} at {self.addresses[rank]}"
@@ -35,11 +43,12 @@ class WorkerGroup:
         self.infos = await self._on_every_rank(lambda rank: self._describe(rank, timeout))
         self._check_agreement()
         self.num_blocks = min(info.max_kv_blocks for info in self.infos)
+        self.max_steps_in_flight = min(info.max_steps_in_flight for info in self.infos)
         # Together too: on a GPU each rank's graph capture runs collectives with the others.
         await self._on_every_rank(self._allocate)
         self.streams = [stub.Step() for stub in self.stubs]
-        log.info("connected to %d worker rank(s); KV pool %d blocks of %d tokens",
-                 len(self.stubs), self.num_blocks, self.infos[0].block_size)
+        log.info("connected to %d worker rank(s); KV pool %d blocks of %d tokens; %d steps in flight",
+                 len(self.stubs), self.num_blocks, self.infos[0].block_size, self.max_steps_in_flight)
 
     async def _on_every_rank(self, call) -> list:
         """call(rank) on all ranks concurrently; every rank that failed is named in one error."""
@@ -77,6 +86,10 @@ class WorkerGroup:
     def _check_agreement(self) -> None:
         first = self.infos[0]
         for rank, info in enumerate(self.infos):
+            if info.max_steps_in_flight == 0:  # a field older workers do not send
+                raise WorkerUnavailable(f"{self.name(rank)} reports no steps in flight (max_steps_in_flight 0): "
+                                        "it is too old for this scheduler or incompatible; run workers of the "
+                                        "same nanoserve version")
             problems = []
             if info.rank != rank:
                 problems.append(f"reports rank {info.rank}")
@@ -89,8 +102,9 @@ class WorkerGroup:
             if problems:
                 raise WorkerUnavailable(f"{self.name(rank)} does not match the group: " + "; ".join(problems))
 
-    async def send(self, request: worker_pb2.StepRequest) -> None:
+    async def send(self, plan: StepPlan) -> None:
         """Sends one step to every rank; `receive` collects the replies."""
+        request = encode_step(plan)
         try:
             await asyncio.gather(*(s.write(request) for s in self.streams))
         except grpc.aio.AioRpcError as err:

@@ -13,6 +13,7 @@ import xxhash
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from nanoserve.mathutil import cdiv
 from scheduler_svc import block_manager as block_manager_module
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.sequence import SamplingOptions, Sequence
@@ -54,7 +55,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not self.manager.can_allocate(seq, cached):
             return False
         self.manager.allocate(seq, cached)
-        assert len(seq.block_table) == -(-len(seq) // BLOCK_SIZE)
+        assert len(seq.block_table) == cdiv(len(seq), BLOCK_SIZE)
         # Computed as a prefill split in two chunks, each hashed as it completes blocks.
         start = len(cached) * BLOCK_SIZE
         middle = min(start + first_chunk, len(seq))

@@ -5,6 +5,7 @@ from nanoserve.v1 import worker_pb2
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.scheduler import AdmissionError, Scheduler
 from scheduler_svc.sequence import SamplingOptions, Sequence, SequenceStatus
+from scheduler_svc.step_encoder import encode_step
 
 EOS = 0
 BLOCK_SIZE = 4
@@ -18,15 +19,15 @@ def make_scheduler(**overrides) -> Scheduler:
 
 def add(scheduler: Scheduler, seq_id: int, prompt: list[int], **sampling) -> Sequence:
     seq = Sequence(seq_id, prompt, SamplingOptions(**sampling))
-    scheduler.add(seq)
+    scheduler.enqueue(seq)
     return seq
 
 
 def step(scheduler: Scheduler, token_id: int = 9) -> worker_pb2.StepRequest:
     """Runs one step in which every sampling entry draws token_id."""
-    batch = scheduler.schedule()
-    scheduler.postprocess(batch, [token_id] * len(batch.sampled))
-    return batch.request
+    plan = scheduler.schedule()
+    scheduler.postprocess(plan, [token_id] * len(plan.sampled))
+    return encode_step(plan)
 
 
 def run_to_end(scheduler: Scheduler) -> None:
@@ -81,8 +82,8 @@ def test_fully_cached_prompt_still_computes_its_last_block():
 def test_max_tokens_one_finishes_after_prefill_and_frees_at_once():
     scheduler = make_scheduler()
     seq = add(scheduler, 1, [1, 2, 3, 4, 5, 6], max_tokens=1)
-    batch = scheduler.schedule()
-    assert scheduler.postprocess(batch, [7]) == [seq]
+    plan = scheduler.schedule()
+    assert scheduler.postprocess(plan, [7]) == [seq]
     assert seq.status is SequenceStatus.FINISHED and seq.finish_reason == "length"
     assert seq.completion_token_ids == [7] and seq.block_table == []
     assert scheduler.num_free_blocks == scheduler.num_total_blocks and not scheduler.has_work()
@@ -128,8 +129,8 @@ def test_cached_block_revived_from_the_free_list():
     (first,) = step(scheduler).seqs
     assert scheduler.num_free_blocks == scheduler.num_total_blocks  # finished: all free, hashes kept
     add(scheduler, 2, list(range(1, 9)) + [42], max_tokens=1)
-    batch = scheduler.schedule()
-    (entry,) = batch.request.seqs
+    plan = scheduler.schedule()
+    (entry,) = encode_step(plan).seqs
     assert list(entry.new_block_ids[:2]) == list(first.new_block_ids[:2]) and entry.num_computed == 8
     assert scheduler.num_free_blocks == scheduler.num_total_blocks - 3
     ref_counts = [scheduler.block_manager.blocks[block_id].ref_count for block_id in entry.new_block_ids]
@@ -175,9 +176,9 @@ def test_abort_while_waiting_running_and_in_flight():
     waiting = add(scheduler, 3, [7, 8])
     assert scheduler.abort(3) is waiting and waiting.status is SequenceStatus.FINISHED
     assert waiting.finish_reason is None and scheduler.num_waiting == 0
-    batch = scheduler.schedule()
+    plan = scheduler.schedule()
     assert scheduler.abort(2) is in_flight
-    assert scheduler.postprocess(batch, [11, 12]) == [running]
+    assert scheduler.postprocess(plan, [11, 12]) == [running]
     assert running.completion_token_ids == [9, 11] and in_flight.completion_token_ids == [9]
     assert scheduler.abort(1) is running and scheduler.abort(1) is None
     assert scheduler.num_free_blocks == scheduler.num_total_blocks and not scheduler.has_work()
@@ -228,9 +229,9 @@ def test_requests_that_can_never_run_are_refused():
 def test_postprocess_rejects_a_wrong_token_count():
     scheduler = make_scheduler()
     add(scheduler, 1, [1, 2])
-    batch = scheduler.schedule()
+    plan = scheduler.schedule()
     with pytest.raises(ValueError, match="sampled 1 sequences but 2 tokens came back"):
-        scheduler.postprocess(batch, [3, 4])
+        scheduler.postprocess(plan, [3, 4])
 
 
 def test_config_without_a_decode_token_per_sequence_is_refused():

@@ -18,6 +18,7 @@ from nanoserve.v1 import worker_pb2
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import SamplingOptions, Sequence
+from scheduler_svc.step_encoder import encode_step
 
 VOCAB = 64
 EOS = 0
@@ -129,16 +130,16 @@ def run(config: SchedulerConfig, requests, rng: random.Random, arrivals_per_step
     in_flight: deque = deque()  # steps computed whose tokens the scheduler has not seen yet
     while pending or scheduler.has_work():
         for seq in pending[:arrivals_per_step]:
-            scheduler.add(seq)
+            scheduler.enqueue(seq)
         del pending[:arrivals_per_step]
         if rng.random() < abort_rate and (scheduler.running or scheduler.waiting):
             victim = rng.choice(list(scheduler.running) + list(scheduler.waiting))
             assert scheduler.abort(victim.seq_id) is victim
             aborted.add(victim.seq_id)
-        batch = scheduler.schedule()
-        if batch is not None:
-            in_flight.append((batch, worker.step(batch.request)))
-        if in_flight and (batch is None or len(in_flight) == depth):
+        plan = scheduler.schedule()
+        if plan is not None:
+            in_flight.append((plan, worker.step(encode_step(plan))))
+        if in_flight and (plan is None or len(in_flight) == depth):
             done, tokens = in_flight.popleft()
             served = scheduler.postprocess(done, tokens)
             assert set(served) <= set(done.sampled)

@@ -19,8 +19,8 @@ def test_streams_are_woken_a_slice_at_a_time_with_other_work_between():
         handlers = [asyncio.create_task(handler(s)) for s in streams]
         await asyncio.sleep(0)  # every handler waits
         task = asyncio.create_task(waker.run())
-        waker.add(streams)
-        waker.add(streams[:1])  # added twice before its turn: woken once
+        waker.wake_soon(streams)
+        waker.wake_soon(streams[:1])  # added twice before its turn: woken once
         await asyncio.sleep(0)  # the waker wakes the first slice
         asyncio.get_running_loop().call_soon(events.append, "engine")  # e.g. a worker's reply arriving
         await asyncio.gather(*handlers)

@@ -1,0 +1,28 @@
+"""The step plan on the wire: StepPlan -> worker_pb2.StepRequest. One pass over the dense
+columns, then the few entries that reset or gain blocks."""
+from nanoserve.v1 import llm_pb2, worker_pb2
+from scheduler_svc.sequence import SamplingOptions
+from scheduler_svc.step_plan import StepPlan
+
+
+def encode_step(plan: StepPlan) -> worker_pb2.StepRequest:
+    request = worker_pb2.StepRequest(step_id=plan.step_id, forget_seq_ids=plan.forget_seq_ids)
+    add_entry = request.seqs.add
+    for seq, start, num_token_ids, sample, num_generated in zip(plan.seqs, plan.num_computed, plan.num_token_ids,
+                                                                plan.sample, plan.num_generated):
+        # Fields left at their defaults are not passed: each keyword costs on the hot path.
+        add_entry(seq_id=seq.seq_id, token_ids=seq.token_ids[start:start + num_token_ids], num_computed=start,
+                  sample=sample, num_generated=num_generated)
+    entries = request.seqs
+    for index, options in plan.resets.items():
+        entries[index].reset = True
+        entries[index].sampling.CopyFrom(encode_sampling(options))
+    for index, block_ids in plan.new_block_ids.items():
+        entries[index].new_block_ids.extend(block_ids)
+    return request
+
+
+def encode_sampling(options: SamplingOptions) -> llm_pb2.SamplingParams:
+    return llm_pb2.SamplingParams(temperature=options.temperature, max_tokens=options.max_tokens,
+                                  ignore_eos=options.ignore_eos, seed=options.seed,
+                                  stop_token_ids=options.stop_token_ids)

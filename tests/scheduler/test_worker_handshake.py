@@ -1,0 +1,119 @@
+"""What the scheduler takes from the workers' handshake: the pipeline depth (the smallest
+max_steps_in_flight of any rank, a rank reporting none refused by name) and rank 0's step
+timings. Fake ranks on loopback gRPC stand in for the workers; the engine and its WorkerGroup
+are the real ones."""
+import asyncio
+import queue
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+
+from nanoserve.v1 import worker_pb2, worker_pb2_grpc
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.engine import Engine
+from scheduler_svc.sequence import SamplingOptions, Sequence
+from scheduler_svc.worker_group import WorkerGroup, WorkerUnavailable
+
+STEP_SECONDS = 0.01  # long enough for the engine to queue every step it may before a reply
+
+
+class FakeRank(worker_pb2_grpc.WorkerServicer):
+    """Answers each step after STEP_SECONDS (rank 0 with token 5 per sampled entry) and records
+    how many steps had arrived unanswered, at most, since the last reply."""
+
+    def __init__(self, rank: int, world_size: int, max_steps_in_flight: int, host_seconds: float):
+        self.info = worker_pb2.WorkerInfo(rank=rank, world_size=world_size, block_size=4, max_kv_blocks=64,
+                                          max_model_len=64, model_fingerprint="fake",
+                                          max_steps_in_flight=max_steps_in_flight)
+        self.host_seconds = host_seconds
+        self.most_unanswered = 0
+
+    def Describe(self, request, context):
+        return self.info
+
+    def AllocateKVCache(self, request, context):
+        return worker_pb2.AllocateKVCacheResponse(num_blocks=request.num_blocks)
+
+    def Step(self, requests, context):
+        arrived: queue.Queue = queue.Queue()
+
+        def read() -> None:  # beside the replies, so steps sent ahead queue up here
+            try:
+                for request in requests:
+                    arrived.put(request)
+            except grpc.RpcError:  # the scheduler cancelled the stream
+                pass
+            arrived.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+        while (request := arrived.get()) is not None:
+            time.sleep(STEP_SECONDS)
+            self.most_unanswered = max(self.most_unanswered, 1 + arrived.qsize())
+            tokens = [5] * sum(entry.sample for entry in request.seqs) if self.info.rank == 0 else []
+            yield worker_pb2.StepResponse(step_id=request.step_id, token_ids=tokens, host_seconds=self.host_seconds)
+
+
+def serve(ranks: list[FakeRank]) -> tuple[list[grpc.Server], list[str]]:
+    servers, addresses = [], []
+    for rank in ranks:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        worker_pb2_grpc.add_WorkerServicer_to_server(rank, server)
+        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        server.start()
+        servers.append(server)
+    return servers, addresses
+
+
+def test_a_rank_reporting_no_steps_in_flight_is_refused_by_name():
+    servers, addresses = serve([FakeRank(0, 2, 3, 0.0), FakeRank(1, 2, 0, 0.0)])
+
+    async def connect() -> None:
+        group = WorkerGroup(addresses)
+        try:
+            await group.connect(timeout=10)
+        finally:
+            await group.close()
+
+    try:
+        with pytest.raises(WorkerUnavailable, match=f"worker rank 1 at {addresses[1]} .*too old"):
+            asyncio.run(connect())
+    finally:
+        for server in servers:
+            server.stop(0)
+
+
+def test_engine_keeps_the_smallest_depth_in_flight_and_counts_rank_0_host_time():
+    ranks = [FakeRank(0, 2, 2, host_seconds=0.25), FakeRank(1, 2, 3, host_seconds=100.0)]
+    servers, addresses = serve(ranks)
+
+    async def generate() -> Engine:
+        group = WorkerGroup(addresses)
+        await group.connect(timeout=10)
+        config = SchedulerConfig(num_kv_blocks=group.num_blocks, block_size=4, max_model_len=64)
+        engine = Engine(group, config, reconnect_timeout=10)
+        engine.start()
+        streams = [engine.submit(Sequence(engine.new_seq_id(), [1, 2, 3], SamplingOptions(max_tokens=8)))
+                   for _ in range(4)]
+        for stream in streams:
+            while not stream.finished:
+                await stream.wakeup.wait()
+                stream.take()
+        engine.task.cancel()
+        engine.waker_task.cancel()
+        await group.close()
+        return engine
+
+    try:
+        engine = asyncio.run(generate())
+    finally:
+        for server in servers:
+            server.stop(0)
+    assert engine.group.max_steps_in_flight == 2
+    assert [rank.most_unanswered for rank in ranks] == [2, 2]
+    totals = engine.totals
+    assert totals.prefill_steps >= 1 and totals.decode_steps >= 7
+    assert totals.prefill_host_seconds == pytest.approx(0.25 * totals.prefill_steps)
+    assert totals.decode_host_seconds == pytest.approx(0.25 * totals.decode_steps)
