@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 # nanoserve scheduler: the public nanoserve.v1.LLM API on CPU. No torch, no CUDA: only gRPC,
-# protobuf, xxhash and tokenizers, the scheduler package and the `nanoserve` CLI.
+# protobuf, xxhash, tokenizers and prometheus-client, the scheduler package and the `nanoserve` CLI.
 #   docker build -f docker/scheduler.Dockerfile -t nanoserve-scheduler .
 
 FROM python:3.12-slim-bookworm

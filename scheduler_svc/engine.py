@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from nanoserve.v1 import worker_pb2
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.metrics import RequestTimer, SchedulerMetrics
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import Sequence
 from scheduler_svc.step_batch import StepBatch
@@ -29,6 +30,7 @@ class RequestStream:
     finished: bool = False
     error: str = ""  # set when the workers failed; the handler answers UNAVAILABLE
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    timer: RequestTimer = field(default_factory=RequestTimer)
 
     def take(self) -> list[int]:
         tokens, self.new_tokens = self.new_tokens, []
@@ -102,6 +104,8 @@ class Engine:
         self.streams: dict[int, RequestStream] = {}
         self.pending_aborts: list[int] = []
         self.totals = Totals()
+        self.metrics = SchedulerMetrics()
+        self.metrics.engine = self
         self.healthy = True
         self.failure = ""
         self.on_health_change = lambda healthy: None
@@ -165,6 +169,7 @@ class Engine:
                 if batch is not None:
                     await self.group.send(batch.request)
                     in_flight.append(batch)
+                    self.metrics.step_sent(batch, self.streams, len(in_flight))
                 # The handlers stream their tokens while the workers compute.
                 delivered = self.waker.add(delivered)
                 if not in_flight:  # nothing runnable: wait for a change, watching the workers meanwhile
@@ -180,6 +185,7 @@ class Engine:
                 await self._fail_all(str(err))
                 continue
             self.totals.record_step(done, reply)
+            self.metrics.steps_in_flight.set(len(in_flight))
             delivered = [stream for seq in self.scheduler.postprocess(done, list(reply.token_ids))
                          if (stream := self._deliver(seq)) is not None]
 
@@ -212,6 +218,7 @@ class Engine:
     async def _fail_all(self, reason: str) -> None:
         """A rank failed: every request in flight ends UNAVAILABLE, then the group is rebuilt."""
         log.error("%s; failing %d request(s) and reconnecting", reason, len(self.streams))
+        self.metrics.worker_failure(self.scheduler)
         self._fail_streams(reason)
         await self.group.close()
         while True:

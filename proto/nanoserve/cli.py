@@ -59,6 +59,7 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     _add(p, "--max-waiting", 4096, "most requests queued before RESOURCE_EXHAUSTED")
     _add(p, "--enable-prefix-caching", True, "reuse KV blocks of shared prompt prefixes", bool)
     _add(p, "--worker-connect-timeout", 300.0, "seconds to wait for every worker at start-up")
+    _add(p, "--metrics-port", 0, "port serving Prometheus metrics at /metrics; 0 = off")
 
 
 def build_parser() -> argparse.ArgumentParser:
