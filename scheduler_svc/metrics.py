@@ -78,14 +78,19 @@ class SchedulerMetrics:
         start_http_server(port, addr=host, registry=self.registry)
 
     def step_sent(self, batch: "StepBatch", streams: dict[int, "RequestStream"], steps_in_flight: int) -> None:
+        """Stamps the requests this step computes for the first time. They are the batch's last
+        entries (admissions join a step after the sequences already running, in queue order),
+        so the walk from the end stops at the first request scheduled before: one look per
+        decode step, whatever the batch size."""
         self.steps_in_flight.set(steps_in_flight)
-        if batch.is_decode:  # a decode only continues sequences scheduled before
-            return
-        now = time.monotonic()
-        for seq in batch.seqs:
+        now = None
+        for seq in reversed(batch.seqs):
             stream = streams.get(seq.seq_id)
-            if stream is not None and stream.timer.scheduled is None:
-                stream.timer.scheduled = now
+            if stream is None:  # aborted meanwhile
+                continue
+            if stream.timer.scheduled is not None:
+                break
+            stream.timer.scheduled = now = now or time.monotonic()
 
     def worker_failure(self, scheduler: "Scheduler") -> None:
         """The group failed: its scheduler is about to be replaced, so its counters are retired."""
