@@ -3,11 +3,11 @@ tokenize and detokenize, and Prometheus' /metrics."""
 import asyncio
 import contextlib
 import time
-import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
 
+import grpc
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -57,7 +57,8 @@ class Gateway:
         return (await self.files()).render_chat(template_messages(messages), add_generation_prompt, kwargs)
 
 
-def create_app(config: GatewayConfig) -> FastAPI:
+def create_app(config: GatewayConfig) -> HTTPMetrics:
+    """The ASGI application uvicorn serves: the FastAPI app inside its HTTP metrics."""
     gateway = Gateway(config)
     registry = CollectorRegistry()
 
@@ -128,7 +129,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     return HTTPMetrics(app, registry, paths)
 
 
-async def _respond(request: Request, call, shape: Shape, stream: bool, include_usage: bool):
+async def _respond(request: Request, call: grpc.aio.UnaryStreamCall, shape: Shape, stream: bool,
+                   include_usage: bool):
     if not stream:
         return JSONResponse(await _unless_disconnected(request, generation.gather(call, shape)))
     first = await _unless_disconnected(request, generation.open_call(call))
