@@ -75,7 +75,10 @@ class SchedulerMetrics:
 
     def serve(self, host: str, port: int) -> None:
         """Serves /metrics over HTTP on a daemon thread."""
-        start_http_server(port, addr=host, registry=self.registry)
+        try:
+            start_http_server(port, addr=host, registry=self.registry)
+        except OSError as err:
+            raise SystemExit(f"cannot serve metrics on {host}:{port} (--metrics-port): {err}") from None
 
     def step_sent(self, batch: "StepBatch", streams: dict[int, "RequestStream"], steps_in_flight: int) -> None:
         """Stamps the requests this step computes for the first time. They are the batch's last
