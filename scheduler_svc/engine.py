@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from nanoserve.v1 import worker_pb2
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.metrics import RequestTimer, SchedulerMetrics
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import Sequence
 from scheduler_svc.step_plan import StepPlan
@@ -30,6 +31,7 @@ class RequestStream:
     finished: bool = False
     error: str = ""  # set when the workers failed; the handler answers UNAVAILABLE
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    timer: RequestTimer = field(default_factory=RequestTimer)
 
     def take(self) -> list[int]:
         tokens, self.new_tokens = self.new_tokens, []
@@ -112,6 +114,8 @@ class Engine:
         self.streams: dict[int, RequestStream] = {}
         self.pending_aborts: list[int] = []
         self.totals = Totals()
+        self.metrics = SchedulerMetrics()
+        self.metrics.engine = self
         self.healthy = True
         self.failure = ""
         self.on_health_change = lambda healthy: None
@@ -177,6 +181,7 @@ class Engine:
                 if plan is not None:
                     await self.group.send(plan)
                     in_flight.append(plan)
+                    self.metrics.step_sent(plan, self.streams, len(in_flight))
                 # The handlers stream their tokens while the workers compute.
                 self.waker.wake_soon(delivered)
                 delivered = []
@@ -194,6 +199,7 @@ class Engine:
                 await self._fail_all(str(err))
                 continue
             self.totals.record_step(done, reply)
+            self.metrics.steps_in_flight.set(len(in_flight))
             delivered = [stream for seq in self.scheduler.postprocess(done, list(reply.token_ids))
                          if (stream := self._deliver(seq)) is not None]
 
@@ -226,6 +232,7 @@ class Engine:
     async def _fail_all(self, reason: str) -> None:
         """A rank failed: every request in flight ends UNAVAILABLE, then the group is rebuilt."""
         log.error("%s; failing %d request(s) and reconnecting", reason, len(self.streams))
+        self.metrics.worker_failure(self.scheduler)
         self._fail_streams(reason)
         await self.group.close()
         while True:

@@ -52,6 +52,7 @@ class Scheduler:
         self.forget_seq_ids: list[int] = []
         self.next_step_id = 1
         self.prefix_cache_hit_tokens = 0
+        self.num_preemptions = 0
 
     @property
     def num_waiting(self) -> int:
@@ -205,6 +206,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Releases the sequence's blocks and queues it first, to be recomputed (prompt and
         completion so far, less what the prefix cache still holds)."""
+        self.num_preemptions += 1
         self.block_manager.free(seq)
         self._forget(seq)
         seq.status = SequenceStatus.WAITING

@@ -12,6 +12,7 @@ from nanoserve.v1 import llm_pb2, llm_pb2_grpc
 from nanoserve.wire import GRPC_OPTIONS
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine
+from scheduler_svc.metrics import RequestTimer
 from scheduler_svc.request_validation import BadRequest, prompt_ids, sampling_options
 from scheduler_svc.scheduler import AdmissionError
 from scheduler_svc.sequence import Sequence
@@ -45,6 +46,7 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         message carries the tokens and text produced since the previous one, the last one the
         finish reason and usage. A client that goes away frees the sequence's blocks; a worker
         failure ends the stream UNAVAILABLE."""
+        timer = RequestTimer()
         engine = await self._ready_engine(context)
         try:
             ids = prompt_ids(request, self.tokenizer, self.info.vocab_size, self.info.max_model_len)
@@ -60,6 +62,7 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         except AdmissionError as err:
             code = grpc.StatusCode.INVALID_ARGUMENT if err.kind == "invalid" else grpc.StatusCode.RESOURCE_EXHAUSTED
             await context.abort(code, str(err))
+        stream.timer = timer
         detokenizer = self.tokenizer.new_detokenizer()
         try:
             finished = False
@@ -70,6 +73,7 @@ class LLMService(llm_pb2_grpc.LLMServicer):
                 # Read before taking: the final token may land while the previous message is sent.
                 finished = stream.finished
                 tokens = stream.take()
+                timer.received(tokens)
                 text = detokenizer.push(tokens)
                 if finished:
                     text += detokenizer.flush()
@@ -82,6 +86,7 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         finally:
             if not stream.finished:  # cancelled, disconnected or failed: free its blocks
                 engine.abort(seq.seq_id)
+            engine.metrics.request_finished(request.request_id, seq, timer)
 
     async def Tokenize(self, request: llm_pb2.TokenizeRequest, context) -> llm_pb2.TokenizeResponse:
         await self._ready_engine(context)
@@ -163,6 +168,8 @@ async def _serve(args: argparse.Namespace) -> int:
     engine.on_health_change = set_health
     engine.start()
     service.engine = engine
+    if args.metrics_port:
+        engine.metrics.serve(args.host, args.metrics_port)
     set_health(True)
     log.info("serving %s (%d KV blocks, max model len %d)", service.info.model, config.num_kv_blocks,
              config.max_model_len)

@@ -1,0 +1,165 @@
+"""The DESIGN §8 throughput workload through the OpenAI gateway (streamed), beside the same
+workload over gRPC, plus batch-1 time to first token on both paths: what the gateway costs.
+
+    python bench/openai_load.py --scheduler 127.0.0.1:50051            # starts a gateway in front
+    python bench/openai_load.py --scheduler HOST:PORT --openai http://HOST:8000   # a running gateway
+    python bench/openai_load.py --null-worker   # CPU only: scheduler + a worker that computes nothing
+
+With --null-worker every step returns at once, so the tokens per second are the services' own
+ceiling (scheduler, gateway, clients), not a model's.
+"""
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "proto"), str(REPO / "bench")]
+
+from nanoserve.client import make_request  # noqa: E402
+from nanoserve.launcher import free_port, stop_all, wait_serving  # noqa: E402
+from nanoserve.v1 import llm_pb2_grpc, worker_pb2_grpc  # noqa: E402
+from service_overhead import NullWorker  # noqa: E402
+from throughput import drive, workload  # noqa: E402
+
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(REPO / "proto"),
+                                                                os.environ.get("PYTHONPATH")]))}
+
+
+async def stream_one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> tuple[int, float]:
+    """One streamed completion: (completion tokens from the usage event, seconds to the first event)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.6, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    ttft, tail = None, b""
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for data in response.aiter_bytes():
+            ttft = ttft or time.perf_counter() - started
+            tail = (tail + data)[-4096:]  # only the last events are parsed: usage, then [DONE]
+    events = [e for e in tail.split(b"\n\n") if e.startswith(b"data: {")]
+    usage = json.loads(events[-1][6:])["usage"]
+    assert usage["completion_tokens"] == max_tokens, (usage, max_tokens)
+    return max_tokens, ttft
+
+
+async def drive_openai(url: str, jobs: list[tuple[list[int], int]]) -> dict:
+    limits = httpx.Limits(max_connections=len(jobs) + 8, max_keepalive_connections=len(jobs) + 8)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None) as client:
+        await stream_one(client, [1, 2, 3, 4], 16)  # warm-up
+        start = time.perf_counter()
+        results = await asyncio.gather(*(stream_one(client, p, n) for p, n in jobs))
+        seconds = time.perf_counter() - start
+    tokens = sum(n for n, _ in results)
+    return {"output_tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds,
+            "ttft_p50_ms": 1e3 * statistics.median(t for _, t in results)}
+
+
+async def batch1_ttft(scheduler: str, url: str, count: int, prompt_len: int = 512) -> dict:
+    """Median seconds to the first token of one request at a time, over gRPC and through the gateway."""
+    prompts = [[(i * 7919 + j * 31) % 10000 for j in range(prompt_len)] for i in range(count)]  # no prefix hits
+    grpc_times, http_times = [], []
+    async with grpc.aio.insecure_channel(scheduler) as channel, httpx.AsyncClient(base_url=url, timeout=None) as hc:
+        stub = llm_pb2_grpc.LLMStub(channel)
+        for i, prompt in enumerate(prompts):
+            started = time.perf_counter()
+            async for _ in stub.Generate(make_request(prompt, max_tokens=1, ignore_eos=True)):
+                grpc_times.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            _, ttft = await stream_one(hc, [(t + 1) % 10000 for t in prompt], 1)
+            http_times.append(ttft)
+    return {"batch1_ttft_p50_ms_grpc": 1e3 * statistics.median(grpc_times),
+            "batch1_ttft_p50_ms_openai": 1e3 * statistics.median(http_times)}
+
+
+def start_null_service() -> tuple[str, grpc.Server, subprocess.Popen]:
+    """A scheduler on a NullWorker; the tiny demo checkpoint (built on first use) lends its tokenizer."""
+    tokenizer = Path(os.environ.get("NANOSERVE_CACHE", REPO / ".cache")) / "tiny-qwen3"
+    if not (tokenizer / "tokenizer.json").exists():
+        subprocess.run([sys.executable, "-m", "model.tiny", str(tokenizer)], check=True, cwd=REPO, env=ENV)
+    worker = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    worker_pb2_grpc.add_WorkerServicer_to_server(NullWorker(str(tokenizer)), worker)
+    worker_port = worker.add_insecure_port("127.0.0.1:0")
+    worker.start()
+    address = f"127.0.0.1:{free_port()}"
+    scheduler = subprocess.Popen([sys.executable, "-m", "nanoserve.cli", "scheduler", "--host", "127.0.0.1",
+                                  "--port", address.split(":")[1], "--workers", f"127.0.0.1:{worker_port}"], env=ENV)
+    wait_serving(address, [scheduler], timeout=120)
+    return address, worker, scheduler
+
+
+def start_gateway(scheduler: str) -> tuple[str, subprocess.Popen]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gateway_svc", "--scheduler", scheduler, "--host", "127.0.0.1",
+                             "--port", str(port), "--log-level", "warning"], env=ENV)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return url, proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    stop_all([proc])
+    raise RuntimeError(f"the gateway at {url} did not become healthy")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scheduler", default="", help="host:port of a serving scheduler")
+    p.add_argument("--openai", default="", help="base URL of a running gateway; default: start one")
+    p.add_argument("--null-worker", action="store_true", help="start a scheduler on a worker that computes nothing")
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--max-input-len", type=int, default=1024)
+    p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument("--ttft-requests", type=int, default=50, help="batch-1 requests per path; 0 = skip")
+    p.add_argument("--out", default=str(REPO / "bench" / "out" / "openai_load.json"))
+    args = p.parse_args()
+    if not (args.scheduler or args.null_worker):
+        p.error("give --scheduler HOST:PORT or --null-worker")
+
+    owned, worker = [], None
+    try:
+        scheduler = args.scheduler
+        if args.null_worker:
+            scheduler, worker, proc = start_null_service()
+            owned.append(proc)
+        url = args.openai
+        if not url:
+            url, proc = start_gateway(scheduler)
+            owned.append(proc)
+        jobs = workload(args.num_seqs, args.max_input_len, args.max_output_len)
+        over_grpc = asyncio.run(drive(scheduler, jobs))
+        over_openai = asyncio.run(drive_openai(url, jobs))
+        result = {"grpc_tok_per_s": over_grpc["tok_per_s"], "openai_tok_per_s": over_openai["tok_per_s"],
+                  "openai_vs_grpc": over_openai["tok_per_s"] / over_grpc["tok_per_s"],
+                  "openai_ttft_p50_ms_under_load": over_openai["ttft_p50_ms"],
+                  "output_tokens": over_openai["output_tokens"], "requests": len(jobs)}
+        if args.ttft_requests:
+            result.update(asyncio.run(batch1_ttft(scheduler, url, args.ttft_requests)))
+            result["gateway_adds_to_batch1_ttft_ms"] = (result["batch1_ttft_p50_ms_openai"]
+                                                        - result["batch1_ttft_p50_ms_grpc"])
+    finally:
+        stop_all(owned)
+        if worker is not None:
+            worker.stop(0)
+    result["command"] = " ".join(sys.argv)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"{'metric':36s} value")
+    for key, value in result.items():
+        print(f"{key:36s} {value:.2f}" if isinstance(value, float) else f"{key:36s} {value}")
+
+
+if __name__ == "__main__":
+    main()

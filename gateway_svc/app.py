@@ -1,0 +1,162 @@
+"""The HTTP endpoints: OpenAI's completions, chat completions and models, plus vLLM's health,
+tokenize and detokenize, and Prometheus' /metrics."""
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from gateway_svc import generation
+from gateway_svc.errors import OpenAIError, bad_request, install_handlers
+from gateway_svc.generation import Shape
+from gateway_svc.http_metrics import HTTPMetrics
+from gateway_svc.model_files import ModelFiles
+from gateway_svc.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                  template_messages)
+from gateway_svc.scheduler_client import SchedulerClient, check_model, model_names
+
+T = TypeVar("T")
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class GatewayConfig:
+    scheduler: str               # host:port of the scheduler's public gRPC API
+    served_model_name: str = ""  # the id /v1/models lists; default: the model directory's name
+    tokenizer: str = ""          # tokenizer files for chat and detokenize; default: the model directory
+
+
+class Gateway:
+    """What the endpoints share: the scheduler connection (opened in the server's event loop)
+    and the model's tokenizer files."""
+
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.client: SchedulerClient | None = None
+        self._files: ModelFiles | None = None
+
+    async def checked_model(self, requested: str | None) -> str:
+        """The served model's id, after a 404 for any other model."""
+        info = await self.client.model_info()
+        check_model(requested, info, self.config.served_model_name)
+        return model_names(info, self.config.served_model_name)[0]
+
+    async def files(self) -> ModelFiles:
+        if self._files is None:
+            self._files = ModelFiles(self.config.tokenizer or (await self.client.model_info()).model)
+        return self._files
+
+    async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
+        """Renders a conversation (the scheduler's Chat RPC takes this over once it exists)."""
+        return (await self.files()).render_chat(template_messages(messages), add_generation_prompt, kwargs)
+
+
+def create_app(config: GatewayConfig) -> HTTPMetrics:
+    """The ASGI application uvicorn serves: the FastAPI app inside its HTTP metrics."""
+    gateway = Gateway(config)
+    registry = CollectorRegistry()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        gateway.client = SchedulerClient(config.scheduler)
+        yield
+        await gateway.client.close()
+
+    app = FastAPI(title="nanoserve OpenAI-compatible gateway", lifespan=lifespan)
+    install_handlers(app)
+
+    @app.exception_handler(_ClientGone)
+    async def client_gone(request: Request, err: _ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it; the status is for the metrics
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        body.check_supported()
+        shape = Shape(chat=False, model=await gateway.checked_model(body.model))
+        return await _respond(request, gateway.client.generate(body.generate_request(shape.id)), shape,
+                              body.stream, body.include_usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        body.check_supported()
+        shape = Shape(chat=True, model=await gateway.checked_model(body.model))
+        prompt = await gateway.chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        return await _respond(request, gateway.client.generate(body.generate_request(shape.id, prompt)), shape,
+                              body.stream, body.include_usage)
+
+    @app.get("/v1/models")
+    async def models():
+        info = await gateway.client.model_info()
+        served = model_names(info, config.served_model_name)[0]
+        return {"object": "list", "data": [{"id": served, "object": "model", "created": int(time.time()),
+                                            "owned_by": "nanoserve", "root": info.model, "parent": None,
+                                            "max_model_len": info.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        problem = await gateway.client.health()
+        if problem:
+            raise OpenAIError(503, problem, code="unavailable")
+        return Response(status_code=200)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        await gateway.checked_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("send either `prompt` or `messages`", "prompt")
+        text = body.prompt if body.messages is None else await gateway.chat_prompt(
+            body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        tokens = await gateway.client.tokenize(text)
+        info = await gateway.client.model_info()
+        return {"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        await gateway.checked_model(body.model)
+        return {"prompt": (await gateway.files()).detokenize(body.tokens)}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    paths = {route.path for route in app.routes}
+    return HTTPMetrics(app, registry, paths)
+
+
+async def _respond(request: Request, call: grpc.aio.UnaryStreamCall, shape: Shape, stream: bool,
+                   include_usage: bool):
+    if not stream:
+        return JSONResponse(await _unless_disconnected(request, generation.gather(call, shape)))
+    first = await _unless_disconnected(request, generation.open_call(call))
+    return StreamingResponse(generation.stream(call, first, shape, include_usage), media_type="text/event-stream",
+                             headers=_SSE_HEADERS)
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Awaits `work`, cancelling it (and the gRPC call inside) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        raise _ClientGone()
+    return task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

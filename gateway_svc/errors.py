@@ -1,0 +1,56 @@
+"""Errors in OpenAI's JSON shape, {"error": {"message", "type", "param", "code"}}, with the HTTP
+status a client can act on; gRPC statuses from the scheduler map onto them."""
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
+          500: "internal_error", 501: "not_implemented_error", 503: "service_unavailable_error",
+          504: "timeout_error"}
+_FROM_GRPC = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
+              grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+              grpc.StatusCode.UNIMPLEMENTED: 501, grpc.StatusCode.UNAVAILABLE: 503,
+              grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": _TYPES.get(self.status, "error"),
+                          "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> OpenAIError:
+    return OpenAIError(400, message, param, code)
+
+
+def not_supported_yet(param: str) -> OpenAIError:
+    return OpenAIError(400, f"`{param}` is not supported by this server yet", param, "unsupported_parameter")
+
+
+def from_grpc(err: grpc.aio.AioRpcError) -> OpenAIError:
+    """The scheduler's status as an HTTP error; its message already says what to fix."""
+    code = err.code()
+    return OpenAIError(_FROM_GRPC.get(code, 500), err.details() or code.name, code=code.name.lower())
+
+
+def install_handlers(app: FastAPI) -> None:
+    """OpenAI's shape for our own errors and for request bodies that fail validation (400, not 422)."""
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, err: OpenAIError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0]
+        fields = [str(part) for part in first.get("loc", ()) if part != "body"]
+        where = ".".join(fields)
+        message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+        return JSONResponse(bad_request(message, fields[0] if fields else None).body(), status_code=400)

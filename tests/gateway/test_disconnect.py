@@ -1,0 +1,42 @@
+"""A client that goes away cancels its gRPC call: the scheduler frees the request's KV blocks."""
+import time
+
+import httpx
+
+PROMPT = [(i * 31 + 7) % 140000 for i in range(100)]  # 7 blocks of 16
+LONG = 3000  # tokens: a minute of CPU decoding, far longer than the waits below
+
+
+def wait_idle(grpc_client, timeout: float = 20):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = grpc_client.stats()
+        if stats.num_running == stats.num_waiting == 0 and stats.kv_blocks_free == stats.kv_blocks_total:
+            return stats
+        time.sleep(0.1)
+    raise AssertionError(f"the scheduler still holds the request: {stats}")
+
+
+def test_leaving_mid_stream_frees_the_blocks(gateway, grpc_client, model_name):
+    before = grpc_client.stats()
+    body = {"model": model_name, "prompt": PROMPT, "max_tokens": LONG, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", gateway + "/v1/completions", json=body, timeout=60) as response:
+        events = (line for line in response.iter_lines() if line.startswith("data: "))
+        for _ in range(3):
+            next(events)
+        during = grpc_client.stats()
+        assert during.num_running == 1 and during.kv_blocks_free <= during.kv_blocks_total - 7
+    after = wait_idle(grpc_client)
+    assert after.generated_tokens_total - before.generated_tokens_total < LONG
+
+
+def test_leaving_a_whole_response_request_frees_the_blocks(gateway, grpc_client, model_name):
+    before = grpc_client.stats()
+    body = {"model": model_name, "prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True}
+    try:
+        httpx.post(gateway + "/v1/completions", json=body, timeout=1.0)
+        raise AssertionError("the request should still be generating")
+    except httpx.ReadTimeout:
+        pass  # the client gives up and closes the connection
+    after = wait_idle(grpc_client)
+    assert after.generated_tokens_total - before.generated_tokens_total < LONG
