@@ -57,7 +57,7 @@ class SchedulerClient:
 
     async def wait_serving(self, poll_seconds: float = 0.5, remind_seconds: float = 60.0) -> None:
         """Returns once the scheduler says SERVING, logging that the gateway waits for it (and why, again
-        every `remind_seconds`), then what it serves. Requests meanwhile get 503 with the same reason."""
+        every `remind_seconds`), then what it serves. Meanwhile /health answers 503 with the same reason."""
         problem = await self.health()
         started = reminded = time.monotonic()
         if problem:
