@@ -19,11 +19,13 @@ from typing import Any
 
 SCHEDULER_PORT = 50051  # the public nanoserve.v1.LLM API
 WORKER_PORT = 50061     # the internal nanoserve.v1.Worker API
+OPENAI_PORT = 8000      # the gateway's OpenAI-compatible HTTP API
 
 COMMANDS = {  # command -> what it does (`python -m nanoserve.healthcheck` runs the last one)
     "worker": "serve one tensor-parallel rank of a model",
     "scheduler": "serve the public LLM API, driving the workers",
-    "up": "start a scheduler and its workers as local processes",
+    "gateway": "serve the OpenAI-compatible HTTP API in front of a scheduler",
+    "up": "start a scheduler and its workers (and a gateway) as local processes",
     "generate": "stream one completion to the terminal",
     "healthcheck": "exit 0 only when the server reports SERVING",
 }
@@ -108,14 +110,25 @@ FLAGS = (
     Flag("--workers", f"127.0.0.1:{WORKER_PORT}", "worker addresses (host:port), comma-separated, in rank order",
          ("scheduler",)),
     Flag("--port", SCHEDULER_PORT, "port the public LLM API listens on", SCHEDULER),
-    Flag("--tokenizer", "", "directory with tokenizer.json; empty = the model the workers serve", SCHEDULER),
+    Flag("--tokenizer", "", "directory with the tokenizer files (tokenizer.json; the gateway reads the chat template "
+         "too); empty = the model the workers serve", (*SCHEDULER, "gateway")),
     Flag("--max-waiting", 4096, "queued requests before RESOURCE_EXHAUSTED", SCHEDULER),
     Flag("--enable-prefix-caching", True, "reuse KV blocks of shared prompt prefixes", SCHEDULER),
     Flag("--worker-connect-timeout", 300.0, "seconds to wait for every worker at start-up", SCHEDULER),
     Flag("--metrics-port", 0, "port serving Prometheus metrics at /metrics; 0 = off", SCHEDULER),
+    # the OpenAI-compatible gateway
+    Flag("--scheduler", f"127.0.0.1:{SCHEDULER_PORT}", "host:port of the scheduler's public gRPC API", ("gateway",)),
+    Flag("--host", "127.0.0.1", "address the HTTP API listens on", ("gateway",)),
+    Flag("--port", OPENAI_PORT, "port the HTTP API listens on", ("gateway",)),
+    Flag("--served-model-name", "", "model id the HTTP API lists and answers to; empty = the model directory's "
+         "name", ("gateway", "up")),
+    Flag("--log-level", "info", "the gateway's log level (uvicorn's included)", ("gateway",),
+         ("critical", "error", "warning", "info", "debug")),
     # the local launcher
     Flag("--host", "127.0.0.1", "address the scheduler listens on", ("up",)),
     Flag("--worker-base-port", WORKER_PORT, "rank r listens on this port + r", ("up",)),
+    Flag("--openai-port", 0, "also start the OpenAI-compatible gateway, listening on --host at this port; "
+         "0 = no gateway", ("up",)),
     # clients
     Flag("--address", f"127.0.0.1:{SCHEDULER_PORT}", "host:port of the server to ask",
          ("generate", "healthcheck")),
