@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kernels.backend import BACKENDS
-from model.qwen3_config import DTYPES
+from model.config import DTYPES
 from nanoserve import flags
 from nanoserve_cli import launcher
 from nanoserve_cli.cli import build_parser
