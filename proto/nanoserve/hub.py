@@ -48,7 +48,7 @@ def _download(repo_id: str, files: list[str], revision: str | None, cache_dir: s
         raise ModelNotFound(f"{where}: no such directory here, and no such model on the Hugging Face Hub (a "
                             f"private one needs HF_TOKEN)") from None
     except errors.LocalEntryNotFoundError as err:
-        if huggingface_hub.constants.HF_HUB_OFFLINE:
+        if huggingface_hub.constants.is_offline_mode():
             cache = cache_dir or huggingface_hub.constants.HF_HUB_CACHE
             raise ModelNotFound(f"{where} is not in the Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set: "
                                 f"download it first (unset HF_HUB_OFFLINE, or `hf download {repo_id}`), or pass a "
