@@ -67,8 +67,8 @@ class ModelConfig:
                       "num_attention_heads", "max_position_embeddings"):
             if not isinstance(raw.get(field), int):
                 raise ConfigError(f"{where}: `{field}` is missing or not an integer")
-        if "quantization_config" in raw:
-            method = raw["quantization_config"].get("quant_method", "?")
+        if raw.get("quantization_config"):
+            method = dict(raw["quantization_config"]).get("quant_method", "?")
             raise ConfigError(f"{where}: `quantization_config` ({method}) is not supported: nanoserve runs "
                               f"unquantized float32/bfloat16/float16 checkpoints")
         if raw.get("hidden_act", "silu") != "silu":
@@ -100,8 +100,7 @@ class ModelConfig:
     def context_limit(self, requested: int) -> int:
         """The longest sequence to serve: `requested` (0: the model's own), within what the model can attend
         to. Attention is over the whole context, so a sliding-window model serves up to its window."""
-        limit = self.max_position_embeddings if self.sliding_window is None else min(
-            self.max_position_embeddings, self.sliding_window)
+        limit = min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
         if requested == 0:
             return limit
         if requested > self.max_position_embeddings:

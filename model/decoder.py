@@ -6,6 +6,8 @@ step packed together) with its attention in the paged KV cache, built from tenso
 A family (one file each, named in model.registry) subclasses DecoderForCausalLM and says only where it
 differs: which projections carry a bias, Qwen3's q/k norms, how its config.json sets a sliding window.
 Module names follow transformers', so checkpoint tensors map onto parameters by name."""
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -77,10 +79,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, layers: list[DecoderLayer]):
+    def __init__(self, config: ModelConfig, make_layer: Callable[[RotaryEmbedding], DecoderLayer]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(layers)
+        # One cos/sin table shared by every layer (it is large for long-context models).
+        rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
+        self.layers = nn.ModuleList(make_layer(rotary_emb) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -103,10 +107,8 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        # One cos/sin table shared by every layer (it is large for long-context models).
-        rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
-        self.model = DecoderModel(config, [DecoderLayer(config, self.attention(config, rotary_emb), self.mlp(config))
-                                           for _ in range(config.num_hidden_layers)])
+        self.model = DecoderModel(config, lambda rotary_emb: DecoderLayer(
+            config, self.attention(config, rotary_emb), self.mlp(config)))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
