@@ -103,7 +103,8 @@ def check_checkpoint(checkpoint: SafetensorsCheckpoint, expected: dict[str, Targ
         if name not in expected:
             raise ValueError(f"{file}: unexpected tensor {name!r}: the model has no such parameter")
         if shape != expected[name].shape:
-            raise ValueError(f"{file}: tensor {name!r}: shape {shape} in the checkpoint, expected {expected[name].shape}")
+            raise ValueError(f"{file}: tensor {name!r}: shape {shape} in the checkpoint, "
+                             f"expected {expected[name].shape}")
     missing = sorted(expected.keys() - checkpoint.shapes.keys())
     if missing:
         raise ValueError(f"{checkpoint.source}: missing tensor(s) {', '.join(repr(n) for n in missing)}")

@@ -88,7 +88,7 @@ class ModelRunner:
                                    config.block_size, self.device)
         self.max_kv_blocks = self._max_kv_blocks()
         log.info("rank %d: %s (%s%s) in %s, %s attention, room for %d KV blocks of %d tokens", config.rank,
-                 config.model, self.model_config.architecture, ", dummy weights" * (config.load_format == "dummy"),
+                 config.model, self.model_config.architecture, ", dummy weights" if config.load_format == "dummy" else "",
                  self.dtype, self.backend.name, self.max_kv_blocks, config.block_size)
 
     def _kv_block_bytes(self) -> int:
@@ -145,9 +145,12 @@ class ModelRunner:
             max_model_len=self.max_model_len, eos_token_ids=self.model_config.eos_token_ids,
             attention_backend=self.backend.name, device=str(self.device),
             max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
-            model_fingerprint=self.fingerprint,
-            sampling_defaults=worker_pb2.SamplingDefaults(**{
-                name: value for name, value in asdict(self.model_config.sampling_defaults).items() if value is not None}))
+            model_fingerprint=self.fingerprint, sampling_defaults=self._sampling_defaults())
+
+    def _sampling_defaults(self) -> worker_pb2.SamplingDefaults:
+        """generation_config.json's values, the ones it sets (unset fields stay unset on the wire)."""
+        values = asdict(self.model_config.sampling_defaults)
+        return worker_pb2.SamplingDefaults(**{name: value for name, value in values.items() if value is not None})
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """(Re)allocates the cache and, on CUDA, captures the decode graphs over it; any sequence
