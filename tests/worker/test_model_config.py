@@ -28,6 +28,11 @@ def test_every_family_reads_its_shape(tmp_path):
         assert (config.attention_bias, config.mlp_bias) == ((True, True) if family == "llama" else (False, False))
 
 
+def test_the_checkpoint_dtype_is_dtype_or_the_older_torch_dtype(tmp_path):
+    assert read_model_config(write_config(tmp_path, dtype=..., torch_dtype="float16")).dtype == "float16"
+    assert read_model_config(write_config(tmp_path, dtype="bfloat16", torch_dtype="float16")).dtype == "bfloat16"
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(architectures=["GPT2LMHeadModel"]), r"config\.json: `architectures` 'GPT2LMHeadModel' is not supported: one "
                                               r"of LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"),
