@@ -3,7 +3,7 @@ import math
 
 import grpc
 
-from nanoserve.v1 import llm_pb2
+from nanoserve.v1 import llm_pb2, worker_pb2
 from scheduler_svc.sequence import SamplingOptions
 from scheduler_svc.tokenizer import TextTokenizer
 
@@ -38,8 +38,12 @@ def prompt_ids(request: llm_pb2.GenerateRequest, tokenizer: TextTokenizer, vocab
     return ids
 
 
-def sampling_options(params: llm_pb2.SamplingParams, vocab_size: int) -> SamplingOptions:
-    temperature = params.temperature if params.HasField("temperature") else 1.0
+def sampling_options(params: llm_pb2.SamplingParams, vocab_size: int,
+                     defaults: worker_pb2.SamplingDefaults | None = None) -> SamplingOptions:
+    """A value the request leaves unset is the model's default (its generation_config.json, as the
+    workers report it), else the API's."""
+    temperature = (params.temperature if params.HasField("temperature") else
+                   defaults.temperature if defaults is not None and defaults.HasField("temperature") else 1.0)
     if math.isnan(temperature) or temperature < 0:
         raise _invalid(f"temperature must be a number >= 0 (0 = greedy), got {temperature}")
     if math.isinf(temperature):

@@ -8,7 +8,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from nanoserve.v1 import llm_pb2, llm_pb2_grpc
+from nanoserve.hub import ModelNotFound
+from nanoserve.v1 import llm_pb2, llm_pb2_grpc, worker_pb2
 from nanoserve.wire import GRPC_OPTIONS
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine
@@ -32,6 +33,7 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         self.engine: Engine | None = None
         self.tokenizer: TextTokenizer | None = None
         self.info: llm_pb2.ModelInfo | None = None
+        self.sampling_defaults = worker_pb2.SamplingDefaults()  # the model's, from its workers
 
     async def _ready_engine(self, context) -> Engine:
         if self.engine is None:
@@ -50,7 +52,7 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         engine = await self._ready_engine(context)
         try:
             ids = prompt_ids(request, self.tokenizer, self.info.vocab_size, self.info.max_model_len)
-            options = sampling_options(request.sampling, self.info.vocab_size)
+            options = sampling_options(request.sampling, self.info.vocab_size, self.sampling_defaults)
         except BadRequest as err:
             await context.abort(err.code, str(err))
         if engine.scheduler.num_waiting >= self.max_waiting:
@@ -157,8 +159,15 @@ async def _serve(args: argparse.Namespace) -> int:
         await server.stop(grace=0)
         return 1
     config = _scheduler_config(args, group)
-    service.tokenizer = TextTokenizer(args.tokenizer or group.infos[0].model)
+    try:  # the model's own revision applies to its tokenizer, not to another --tokenizer
+        service.tokenizer = TextTokenizer(args.tokenizer or group.infos[0].model,
+                                          "" if args.tokenizer else args.revision, args.download_dir)
+    except ModelNotFound as err:
+        log.error("cannot start: %s", err)
+        await server.stop(grace=0)
+        return 1
     service.info = _model_info(config, group)
+    service.sampling_defaults = group.infos[0].sampling_defaults
     engine = Engine(group, config, args.worker_connect_timeout)
 
     def set_health(healthy: bool) -> None:

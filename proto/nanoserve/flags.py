@@ -86,8 +86,15 @@ FLAGS = (
          "most tokens computed in one step; longer prompts are prefilled in chunks", ENGINE),
     Flag("--max-model-len", 0, "prompt + output limit per sequence; 0 = the model's own", ENGINE),
     # a worker rank
-    Flag("--model", "", "checkpoint directory (config.json, *.safetensors, tokenizer files); "
-         "up without it serves the built-in tiny demo model", WORKER),
+    Flag("--model", "", "checkpoint directory (config.json, *.safetensors, tokenizer files) or Hugging Face Hub "
+         "id (owner/name, fetched into the Hub cache); up without it serves the built-in tiny demo model", WORKER),
+    Flag("--load-format", "auto", "where the weights come from: auto = safetensors, the checkpoint's files; dummy = "
+         "random weights of config.json's shapes, to benchmark a shape without its weights", WORKER,
+         ("auto", "safetensors", "dummy")),
+    Flag("--revision", "", "branch, tag or commit of a Hub model (its tokenizer too); empty = main",
+         ("worker", "scheduler", "up")),
+    Flag("--download-dir", "", "where Hub models are downloaded; empty = the Hugging Face cache ($HF_HOME)",
+         ("worker", "scheduler", "up")),
     Flag("--host", "0.0.0.0", "address to listen on", ("worker", "scheduler")),
     Flag("--port", WORKER_PORT, "port the worker listens on", ("worker",)),
     Flag("--rank", 0, "this worker's rank", ("worker",)),
@@ -111,7 +118,7 @@ FLAGS = (
          ("scheduler",)),
     Flag("--port", SCHEDULER_PORT, "port the public LLM API listens on", SCHEDULER),
     Flag("--tokenizer", "", "directory with the tokenizer files (tokenizer.json; the gateway reads the chat template "
-         "too); empty = the model the workers serve", (*SCHEDULER, "gateway")),
+         "too), or a Hub id; empty = the model the workers serve", (*SCHEDULER, "gateway")),
     Flag("--max-waiting", 4096, "queued requests before RESOURCE_EXHAUSTED", SCHEDULER),
     Flag("--enable-prefix-caching", True, "reuse KV blocks of shared prompt prefixes", SCHEDULER),
     Flag("--worker-connect-timeout", 300.0, "seconds to wait for every worker at start-up", SCHEDULER),
