@@ -3,7 +3,7 @@ leaves unset, as vLLM does; what the request sets wins, 0 (greedy) included."""
 import pytest
 
 from nanoserve.v1 import llm_pb2, worker_pb2
-from scheduler_svc.requests import BadRequest, sampling_options
+from scheduler_svc.request_validation import BadRequest, sampling_options
 
 VOCAB = 1000
 
