@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import torch
 
 from kernels.backend import AttentionBackend
+from model.sampler import SamplingBatch, SamplingColumns
 from model.step_context import StepContext
 from nanoserve.mathutil import cdiv
 from worker_svc.launched_step import MAX_STEPS_IN_FLIGHT
@@ -47,8 +48,11 @@ class StepTensors:
         # never written and stays 0.
         self.lengths = zeros(3, max_seqs + 1, dtype=torch.int32)
         self.context_lens, self.cu_seqlens_q, self.cu_seqlens_k = self.lengths
-        self.indices = zeros(4, max_seqs, dtype=torch.int64)
-        self.sample_indices, self.sampled_slots, self.fed_rows, self.fed_slots = self.indices
+        self.indices = zeros(7, max_seqs, dtype=torch.int64)
+        (self.sample_indices, self.sampled_slots, self.fed_rows, self.fed_slots, self.sample_keys,
+         self.sample_counters, temperature_bits) = self.indices
+        # The sampled rows' temperatures ride in the same copy, as float64 over the last row's bits.
+        self.sample_temperatures = temperature_bits.view(torch.float64)
 
     def copy_from(self, staged: "StepTensors", num_tokens: int, num_slots: int, num_seqs: int,
                   num_sampled: int, num_fed: int) -> None:
@@ -64,8 +68,13 @@ class StepTensors:
         front(self.block_tables, staged.block_tables, num_seqs * self.block_tables.shape[1])
         # Through cu_seqlens_k[num_seqs]: the rows before it (context lengths, padding included) go whole.
         front(self.lengths, staged.lengths, 2 * self.lengths.shape[1] + num_seqs + 1)
-        front(self.indices, staged.indices,
-              _through_last_used(self.indices, [num_sampled, num_sampled, num_fed, num_fed]))
+        front(self.indices, staged.indices, _through_last_used(
+            self.indices, [num_sampled, num_sampled, num_fed, num_fed, num_sampled, num_sampled, num_sampled]))
+
+    def sampling(self, num_sampled: int) -> SamplingBatch:
+        """The sampled rows' parameters (Sampler.stage writes them into a staging set)."""
+        return SamplingBatch(self.sample_temperatures[:num_sampled], self.sample_keys[:num_sampled],
+                             self.sample_counters[:num_sampled])
 
 
 def _through_last_used(rows: torch.Tensor, used: list[int]) -> int:
@@ -80,6 +89,8 @@ class StagingSet:
     def __init__(self, tensors: StepTensors, cuda: bool):
         self.tensors = tensors
         self.arrays = SimpleNamespace(**{name: t.numpy() for name, t in vars(tensors).items()})
+        self.sampling = SamplingColumns(self.arrays.sample_temperatures, self.arrays.sample_keys,
+                                        self.arrays.sample_counters)
         self.copied = torch.cuda.Event() if cuda else None
         self.pending = False
 
@@ -100,7 +111,8 @@ class StepBuffers:
 
     def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,
                  device: torch.device):
-        self.max_num_seqs, self.max_model_len, self.block_size = max_num_seqs, max_model_len, block_size
+        self.max_num_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.max_model_len, self.block_size = max_model_len, block_size
         self.max_blocks_per_seq = cdiv(max_model_len, block_size)
         sizes = (max_num_batched_tokens, max_num_seqs, self.max_blocks_per_seq)
         self.on_device = StepTensors(*sizes, device, pin=False)
@@ -133,6 +145,12 @@ class StepBuffers:
                            context_lens=t.context_lens[:num_seqs], block_tables=t.block_tables[:num_seqs, :table_width],
                            cu_seqlens_q=t.cu_seqlens_q[:num_seqs + 1], cu_seqlens_k=t.cu_seqlens_k[:num_seqs + 1],
                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+
+    def prefill_graph_context(self, backend: AttentionBackend, num_rows: int) -> StepContext:
+        """The context a piecewise prefill graph of num_rows tokens is captured under: its K/V store
+        reads the slot mapping's first num_rows entries; its attention is cut out of the graph
+        (worker_svc.prefill_graphs), so the lengths are placeholders that no kernel reads."""
+        return self.context(backend, True, num_rows, 1, 1, 1, 1)
 
     def decode_context(self, backend: AttentionBackend, num_seqs: int) -> StepContext:
         """A decode step's context, the same for an eager step as for the CUDA graph of its batch

@@ -9,10 +9,14 @@ from tests.worker.worker_steps import StepWriter, cpu_runner, generate
 CPU = torch.device("cpu")
 
 
+def sample(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    return sampler(logits, sampler.batch(rows))
+
+
 def test_temperature_zero_is_argmax_even_beside_sampled_rows():
     logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0))
     rows = [SamplingRow(0.0, None, 0), SamplingRow(1.5, None, 0), SamplingRow(0.0, 3, 0)] * 2
-    tokens = Sampler(CPU, seed=0)(logits, rows).tolist()
+    tokens = sample(Sampler(CPU, seed=0), logits, rows).tolist()
     argmax = logits.argmax(dim=-1).tolist()
     assert [tokens[i] for i in (0, 2, 3, 5)] == [argmax[i] for i in (0, 2, 3, 5)]
 
@@ -21,7 +25,7 @@ def test_temperature_zero_is_argmax_even_beside_sampled_rows():
 def test_draws_follow_softmax_of_scaled_logits(temperature):
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
     draws = 20_000
-    tokens = Sampler(CPU, seed=1)(logits.expand(draws, -1), [SamplingRow(temperature, None, 0)] * draws)
+    tokens = sample(Sampler(CPU, seed=1), logits.expand(draws, -1), [SamplingRow(temperature, None, 0)] * draws)
     frequencies = torch.bincount(tokens, minlength=5).float() / draws
     expected = torch.softmax(logits / temperature, dim=-1)
     # Binomial standard error is at most 0.0036 here; 4.5 sigma.
@@ -33,7 +37,7 @@ def test_seeded_row_depends_only_on_seed_and_position():
     sampler = Sampler(CPU, seed=0)
 
     def draw(sampler: Sampler, rows: list[SamplingRow]) -> list[int]:
-        return sampler(logits[:len(rows)], rows).tolist()
+        return sample(sampler, logits[:len(rows)], rows).tolist()
 
     alone = draw(sampler, [SamplingRow(1.0, 42, 5)])
     crowded = draw(sampler, [SamplingRow(1.0, None, 0), SamplingRow(0.7, 9, 5), SamplingRow(1.0, 42, 5)])
