@@ -49,6 +49,8 @@ class Totals:
     prefill_busy_seconds: float = 0.0
     decode_busy_seconds: float = 0.0
     decode_idle_seconds: float = 0.0
+    prefill_host_seconds: float = 0.0
+    decode_host_seconds: float = 0.0
 
     def record_step(self, batch: StepBatch, reply: worker_pb2.StepResponse) -> None:
         if not batch.seqs:
@@ -58,10 +60,12 @@ class Totals:
             self.decode_tokens += len(batch.seqs)
             self.decode_busy_seconds += reply.busy_seconds
             self.decode_idle_seconds += reply.idle_seconds
+            self.decode_host_seconds += reply.host_seconds
         else:
             self.prefill_steps += 1
             self.prefill_tokens += sum(batch.num_tokens)
             self.prefill_busy_seconds += reply.busy_seconds
+            self.prefill_host_seconds += reply.host_seconds
 
 
 class Waker:

@@ -93,7 +93,8 @@ class LLMService(llm_pb2_grpc.LLMServicer):
                              requests_finished=t.requests_finished, prefill_steps=t.prefill_steps,
                              decode_steps=t.decode_steps, prefill_tokens=t.prefill_tokens,
                              decode_tokens=t.decode_tokens, prefill_busy_seconds=t.prefill_busy_seconds,
-                             decode_busy_seconds=t.decode_busy_seconds, decode_idle_seconds=t.decode_idle_seconds)
+                             decode_busy_seconds=t.decode_busy_seconds, decode_idle_seconds=t.decode_idle_seconds,
+                             prefill_host_seconds=t.prefill_host_seconds, decode_host_seconds=t.decode_host_seconds)
 
 
 def _scheduler_config(args: argparse.Namespace, group: WorkerGroup) -> SchedulerConfig:
