@@ -9,9 +9,10 @@ changing the logits before the race.
 The noise is counter-based, so a row's draw is a function of its (key, counter) pair alone, never of
 the batch around it: Philox4x32-10 keyed by the row's 64-bit key, with counter words (j, counter
 low half, counter high half, 0), gives the four 32-bit words u of vocabulary entries 4j .. 4j + 3.
-Each u becomes V = (u + 1/2) / 2^32, strictly inside (0, 1), and E = -log(1 - V). The race is
+Each u becomes V = (u + 1/2) / 2^32 in float32, which the rounding of the largest words would make
+1, so V stops at the largest float32 below 1; then E = -log(1 - V), never 0 nor infinite. The race is
 decided where E is small, which is where 1 - V loses V's digits in float32, so there E comes from
-V directly (its series); no draw is ever exactly 0.
+V directly (its series).
 """
 import torch
 
@@ -25,6 +26,7 @@ WORD = 0xFFFFFFFF
 SERIES_BELOW = 2.0 ** -7
 THIRD = 0.3333333432674408  # 1/3 rounded to float32, written out so both implementations agree
 TWO_TO_MINUS_32 = 2.0 ** -32
+BELOW_ONE = 1.0 - 2.0 ** -24  # the largest float32 below 1
 
 
 def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch.Tensor]
@@ -43,7 +45,7 @@ def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch
 
 def exponential_noise(words: torch.Tensor) -> torch.Tensor:
     """Exp(1) draws (float32) from uniform 32-bit words (int64 tensor)."""
-    v = (words.float() + 0.5) * TWO_TO_MINUS_32
+    v = ((words.float() + 0.5) * TWO_TO_MINUS_32).clamp(max=BELOW_ONE)
     series = v + v * v * (0.5 + v * (THIRD + v * 0.25))
     return torch.where(v < SERIES_BELOW, series, -torch.log(1.0 - v))
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.race_sampling import SERIES_BELOW, THIRD, TWO_TO_MINUS_32
+from kernels.race_sampling import BELOW_ONE, SERIES_BELOW, THIRD, TWO_TO_MINUS_32
 
 BLOCK = 1024  # vocabulary entries per step of a program (four per Philox draw)
 PROGRAMS_PER_SM = 2
@@ -20,7 +20,7 @@ MAX_SPLITS = 64
 
 @triton.jit
 def _exponential_noise(words):
-    v = (words.to(tl.float32) + 0.5) * TWO_TO_MINUS_32
+    v = tl.minimum((words.to(tl.float32) + 0.5) * TWO_TO_MINUS_32, BELOW_ONE)
     series = v + v * v * (0.5 + v * (THIRD + v * 0.25))
     return tl.where(v < SERIES_BELOW, series, -tl.log(1.0 - v))
 

@@ -1,8 +1,11 @@
 """The sampler: greedy at temperature 0, draws that follow softmax(logits / T), and seeded requests
 that give the same tokens whatever else shares the batch."""
+import math
+
 import pytest
 import torch
 
+from kernels.race_sampling import exponential_noise, philox4x32
 from model.sampler import Sampler, SamplingRow
 from tests.worker.worker_steps import StepWriter, cpu_runner, generate
 
@@ -59,3 +62,27 @@ def test_seeded_generation_is_reproducible_in_any_batch_company(tiny_model_dir):
     assert company[1] == alone
     assert company[9] != alone
     assert len(set(alone)) > 8
+
+
+@pytest.mark.parametrize("counter, key, expected", [
+    # Random123's known-answer vectors for Philox4x32-10 (kat_vectors)
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+])
+def test_noise_is_standard_philox(counter, key, expected):
+    words = philox4x32(tuple(torch.tensor([c]) for c in counter), tuple(torch.tensor([k]) for k in key))
+    assert tuple(int(w) for w in words) == expected
+
+
+def test_noise_is_exponential_and_never_zero():
+    """Exp(1) draws from the uniform words: the mean, the tail, and the smallest and largest words
+    (which must give a small positive E, not 0, and a finite one)."""
+    words = torch.randint(0, 2**32, (400_000,), generator=torch.Generator().manual_seed(3))
+    noise = exponential_noise(words)
+    assert abs(noise.mean().item() - 1) < 0.01 and abs((noise > 2).float().mean().item() - math.exp(-2)) < 0.003
+    extremes = exponential_noise(torch.tensor([0, 1, 2**24, 2**32 - 1]))
+    assert (extremes > 0).all() and torch.isfinite(extremes).all()
+    v = torch.tensor([0.5, 1.5, 2**24 + 0.5], dtype=torch.float64) * 2.0**-32
+    torch.testing.assert_close(extremes[:3].double(), -torch.log1p(-v), rtol=1e-6, atol=0)
