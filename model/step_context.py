@@ -6,14 +6,12 @@ Python ints beside the device tensors, and no kernel wrapper reads a length back
 """
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
+from torch import nn
 
 from kernels.backend import AttentionBackend
-
-if TYPE_CHECKING:
-    from model.attention import Attention
 
 
 @dataclass
@@ -35,7 +33,7 @@ class StepContext:
     # layer, once it has stored the step's K/V, hands its queries [N, heads, head_dim] to the cut
     # instead of attending, and goes on with the [N, heads, head_dim] tensor it returns, which
     # holds the layer's attention output when the graph is replayed.
-    attention_cut: Callable[["Attention", torch.Tensor], torch.Tensor] | None = None
+    attention_cut: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None  # (the Attention layer, q)
 
 
 _current: StepContext | None = None

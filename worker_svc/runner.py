@@ -133,7 +133,7 @@ class ModelRunner:
         reserved = torch.cuda.memory_reserved(self.device) - base
         outside = max(0, free_before - torch.cuda.mem_get_info(self.device)[0] - reserved)
         del graphs
-        self.kv_cache = self.seqs = None
+        self._release_kv_cache()
         gc.collect()  # the graphs and their pool must be gone before the cache is sized
         torch.cuda.empty_cache()
         log.info("rank %d: measured %.2f GiB beside the KV cache (step peak %.2f, outside torch %.2f) in %.1fs",
@@ -180,8 +180,13 @@ class ModelRunner:
     def _reserved_bytes(self) -> int:
         return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
 
+    def _release_kv_cache(self) -> None:
+        self.kv_cache = self.seqs = None
+        for layer in self.model.attention_layers():  # their views would keep the old cache alive
+            layer.bind_kv_cache(torch.empty(0), torch.empty(0))
+
     def _allocate(self, num_blocks: int) -> None:
-        self.kv_cache = self.seqs = None  # release the old cache before taking memory for the new one
+        self._release_kv_cache()  # before taking memory for the new one
         layers = self.model.attention_layers()
         self.kv_cache = torch.empty(2, len(layers), num_blocks, self.config.block_size, layers[0].num_kv_heads,
                                     layers[0].head_dim, dtype=self.dtype, device=self.device)
