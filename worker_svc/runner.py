@@ -19,7 +19,7 @@ from model.qwen3_config import Qwen3Config, resolve_dtype
 from model.sampler import Sampler, SamplingRow
 from model.step_context import step_context
 from nanoserve.mathutil import cdiv
-from nanoserve.v1 import worker_pb2
+from nanoserve.v1 import llm_pb2, worker_pb2
 from worker_svc.config import WorkerConfig
 from worker_svc.cuda_graphs import StepGraphs, batch_buckets
 from worker_svc.distributed import uses_cuda
@@ -176,6 +176,22 @@ class ModelRunner:
             log.info("rank %d: captured %d decode and %d prefill buckets in %.1fs; they hold %.2f GiB",
                      self.config.rank, len(self.graphs.decode.buckets), len(self.graphs.prefill.buckets),
                      time.perf_counter() - started, (self._reserved_bytes() - reserved) / 2**30)
+        if self.device.type == "cuda":
+            self._first_steps(num_blocks)
+
+    def _first_steps(self, num_blocks: int) -> None:
+        """A two-token prefill and a decode through the serving path before any request comes, so
+        that the kernels outside the graphs (attention between prefill pieces, sampling) compile
+        now; their K/V land in the first blocks, which hold nothing yet."""
+        blocks = cdiv(3, self.config.block_size)
+        if blocks > num_blocks:
+            return
+        sampling = llm_pb2.SamplingParams(temperature=1.0)
+        self.step(worker_pb2.StepRequest(seqs=[worker_pb2.SeqStep(
+            seq_id=0, token_ids=[0, 0], reset=True, sample=True, new_block_ids=range(blocks), sampling=sampling)]))
+        self.step(worker_pb2.StepRequest(seqs=[worker_pb2.SeqStep(seq_id=0, num_computed=2, sample=True,
+                                                                  num_generated=1)]))
+        self.step(worker_pb2.StepRequest(forget_seq_ids=[0]))
 
     def _reserved_bytes(self) -> int:
         return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
