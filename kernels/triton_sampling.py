@@ -11,18 +11,23 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.race_sampling import BELOW_ONE, SERIES_BELOW, THIRD, TWO_TO_MINUS_32
+from kernels import race_sampling
 
 BLOCK = 1024  # vocabulary entries per step of a program (four per Philox draw)
 PROGRAMS_PER_SM = 2
 MAX_SPLITS = 64
+# race_sampling's constants, as compiled kernels can read them
+_TWO_TO_MINUS_32 = tl.constexpr(race_sampling.TWO_TO_MINUS_32)
+_BELOW_ONE = tl.constexpr(race_sampling.BELOW_ONE)
+_SERIES_BELOW = tl.constexpr(race_sampling.SERIES_BELOW)
+_THIRD = tl.constexpr(race_sampling.THIRD)
 
 
 @triton.jit
 def _exponential_noise(words):
-    v = tl.minimum((words.to(tl.float32) + 0.5) * TWO_TO_MINUS_32, BELOW_ONE)
-    series = v + v * v * (0.5 + v * (THIRD + v * 0.25))
-    return tl.where(v < SERIES_BELOW, series, -tl.log(1.0 - v))
+    v = tl.minimum((words.to(tl.float32) + 0.5) * _TWO_TO_MINUS_32, _BELOW_ONE)
+    series = v + v * v * (0.5 + v * (_THIRD + v * 0.25))
+    return tl.where(v < _SERIES_BELOW, series, -tl.log(1.0 - v))
 
 
 @triton.jit(do_not_specialize=["vocab_size", "blocks_per_split"])

@@ -203,6 +203,25 @@ def run_interpreted_cases(kernel: str) -> None:
         assert 1 in splits and max(splits) > 1, splits
 
 
+def test_sampling_kernels_compile_for_hopper() -> None:
+    """The interpreter runs code the compiler refuses (a plain Python global, say), so the sampling
+    kernels are also compiled for sm_90, which Triton's own ptxas does without a GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels import triton_sampling
+    race = {"logits": "*bf16", "stride_row": "i32", "temperatures": "*fp64", "keys": "*i64", "counters": "*i64",
+            "best_scores": "*fp32", "best_tokens": "*i32", "vocab_size": "i32", "blocks_per_split": "i32",
+            "SPLITS": "constexpr", "BLOCK": "constexpr"}
+    pick = {"best_scores": "*fp32", "best_tokens": "*i32", "tokens": "*i64", "SPLITS": "constexpr"}
+    for kernel, signature, constexprs in ((triton_sampling._race_kernel, race, {"SPLITS": 64, "BLOCK": 1024}),
+                                          (triton_sampling._pick_kernel, pick, {"SPLITS": 64})):
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32))
+        assert compiled.asm["cubin"]
+
+
 def _fix_interpreter_for_numpy_2_4() -> None:
     """Triton 3.6's interpreter turns a scalar into a Python int with int(array of shape (1,)),
     which numpy >= 2.4 refuses, so `range(start, end)` over loaded values fails
