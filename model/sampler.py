@@ -29,10 +29,11 @@ class SamplingRow(NamedTuple):
 
 
 class SamplingBatch(NamedTuple):
-    """Per sampled row, on the logits' device."""
+    """Per sampled row, on the logits' device; and whether every row is greedy, known on the host."""
     temperatures: torch.Tensor  # [S] float (0: greedy)
     keys: torch.Tensor          # [S] int64
     counters: torch.Tensor      # [S] int64
+    all_greedy: bool
 
 
 def seed_key(seed: int) -> int:
@@ -67,12 +68,16 @@ class Sampler:
         self.stage(np.array([row.temperature for row in rows], np.float64),
                    np.array([seed_key(row.seed or 0) for row in rows], np.int64), seeded,
                    np.array([row.num_generated for row in rows], np.int64), columns)
-        return SamplingBatch(*(torch.from_numpy(column).to(self.device) for column in columns))
+        return SamplingBatch(*(torch.from_numpy(column).to(self.device) for column in columns),
+                             all_greedy=not columns.temperatures.any())
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """One token id per row of logits [S, vocab], on the device (int64, no host sync);
-        temperature is applied in float32."""
-        return self._race(logits, *batch)
+        temperature is applied in float32. An all-greedy batch takes one argmax (the race's own
+        greedy rule) and skips the race's launches."""
+        if batch.all_greedy:
+            return logits.argmax(dim=-1)
+        return self._race(logits, batch.temperatures, batch.keys, batch.counters)
 
 
 class SamplingColumns(NamedTuple):

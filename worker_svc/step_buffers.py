@@ -53,28 +53,27 @@ class StepTensors:
          self.sample_counters, temperature_bits) = self.indices
         # The sampled rows' temperatures ride in the same copy, as float64 over the last row's bits.
         self.sample_temperatures = temperature_bits.view(torch.float64)
+        # What copy_from moves, as flat views made once (a view per copy per step costs host time).
+        self.copied = tuple(t.view(-1) for t in (self.input_ids, self.positions, self.slot_mapping,
+                                                 self.block_tables, self.lengths, self.indices))
 
     def copy_from(self, staged: "StepTensors", num_tokens: int, num_slots: int, num_seqs: int,
                   num_sampled: int, num_fed: int) -> None:
         """non_blocking copies of what a step uses: its tokens (the slot mapping over `num_slots`
         rows, CUDA-graph padding included), its sequences' table rows, lengths and indices."""
-        def front(dst: torch.Tensor, src: torch.Tensor, count: int) -> None:
+        counts = (num_tokens, num_tokens, num_slots, num_seqs * self.block_tables.shape[1],
+                  # through cu_seqlens_k[num_seqs]: the rows before it (context lengths, padding included) go whole
+                  2 * self.lengths.shape[1] + num_seqs + 1,
+                  _through_last_used(self.indices, [num_sampled, num_sampled, num_fed, num_fed, num_sampled,
+                                                    num_sampled, num_sampled]))
+        for dst, src, count in zip(self.copied, staged.copied, counts):
             if count:
-                dst.view(-1)[:count].copy_(src.view(-1)[:count], non_blocking=True)
+                dst[:count].copy_(src[:count], non_blocking=True)
 
-        front(self.input_ids, staged.input_ids, num_tokens)
-        front(self.positions, staged.positions, num_tokens)
-        front(self.slot_mapping, staged.slot_mapping, num_slots)
-        front(self.block_tables, staged.block_tables, num_seqs * self.block_tables.shape[1])
-        # Through cu_seqlens_k[num_seqs]: the rows before it (context lengths, padding included) go whole.
-        front(self.lengths, staged.lengths, 2 * self.lengths.shape[1] + num_seqs + 1)
-        front(self.indices, staged.indices, _through_last_used(
-            self.indices, [num_sampled, num_sampled, num_fed, num_fed, num_sampled, num_sampled, num_sampled]))
-
-    def sampling(self, num_sampled: int) -> SamplingBatch:
+    def sampling(self, num_sampled: int, all_greedy: bool) -> SamplingBatch:
         """The sampled rows' parameters (Sampler.stage writes them into a staging set)."""
         return SamplingBatch(self.sample_temperatures[:num_sampled], self.sample_keys[:num_sampled],
-                             self.sample_counters[:num_sampled])
+                             self.sample_counters[:num_sampled], all_greedy)
 
 
 def _through_last_used(rows: torch.Tensor, used: list[int]) -> int:
@@ -88,7 +87,8 @@ class StagingSet:
 
     def __init__(self, tensors: StepTensors, cuda: bool):
         self.tensors = tensors
-        self.arrays = SimpleNamespace(**{name: t.numpy() for name, t in vars(tensors).items()})
+        self.arrays = SimpleNamespace(**{name: t.numpy() for name, t in vars(tensors).items()
+                                         if isinstance(t, torch.Tensor)})
         self.sampling = SamplingColumns(self.arrays.sample_temperatures, self.arrays.sample_keys,
                                         self.arrays.sample_counters)
         self.copied = torch.cuda.Event() if cuda else None
@@ -122,6 +122,7 @@ class StepBuffers:
         else:
             self._staging = [StagingSet(self.on_device, cuda=False)]
         self._turn = 0
+        self._decode_contexts: dict[tuple[AttentionBackend, int], StepContext] = {}
 
     def next_staging(self) -> StagingSet:
         """The host set for the next step, once the copies out of it from its last use are done."""
@@ -155,5 +156,9 @@ class StepBuffers:
     def decode_context(self, backend: AttentionBackend, num_seqs: int) -> StepContext:
         """A decode step's context, the same for an eager step as for the CUDA graph of its batch
         size: full-width block tables (a kernel such as flash-attn's picks its split of the context
-        from the table width) and length bounds instead of this step's lengths."""
-        return self.context(backend, False, num_seqs, num_seqs, self.max_blocks_per_seq, 1, self.max_model_len)
+        from the table width) and length bounds instead of this step's lengths. Made once per size."""
+        key = (backend, num_seqs)
+        if key not in self._decode_contexts:
+            self._decode_contexts[key] = self.context(backend, False, num_seqs, num_seqs, self.max_blocks_per_seq, 1,
+                                                      self.max_model_len)
+        return self._decode_contexts[key]

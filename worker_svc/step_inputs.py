@@ -64,9 +64,10 @@ def build_step_inputs(work: StepWork, seqs: SequenceTable, backend: AttentionBac
     host.fed_slots[:num_fed] = work.fed_slots
     sampled = np.asarray(work.sampled, np.int64)
     sampled_slots = work.slots[sampled]
+    temperatures = seqs.temperatures[sampled_slots]
     host.sample_indices[:num_sampled] = cu_seqlens_q[1:][sampled] - 1  # each sequence's last new token
     host.sampled_slots[:num_sampled] = sampled_slots
-    sampler.stage(seqs.temperatures[sampled_slots], seqs.seeds[sampled_slots], seqs.seeded[sampled_slots],
+    sampler.stage(temperatures, seqs.seeds[sampled_slots], seqs.seeded[sampled_slots],
                   np.asarray(work.num_generated, np.int64), staging.sampling)
     buffers.upload(staging, num_tokens, max(num_tokens, num_rows), num_seqs, num_sampled, num_fed)
 
@@ -80,4 +81,4 @@ def build_step_inputs(work: StepWork, seqs: SequenceTable, backend: AttentionBac
         context = buffers.context(backend, True, num_tokens, num_seqs, int(work.num_blocks.max()),
                                   int(num_new.max()), int(context_lens.max()))
     return StepInputs(input_ids, device.positions[:num_tokens], context, device.sample_indices[:num_sampled],
-                      device.sampled_slots[:num_sampled], device.sampling(num_sampled))
+                      device.sampled_slots[:num_sampled], device.sampling(num_sampled, not temperatures.any()))

@@ -22,6 +22,8 @@ def test_temperature_zero_is_argmax_even_beside_sampled_rows():
     tokens = sample(Sampler(CPU, seed=0), logits, rows).tolist()
     argmax = logits.argmax(dim=-1).tolist()
     assert [tokens[i] for i in (0, 2, 3, 5)] == [argmax[i] for i in (0, 2, 3, 5)]
+    greedy = Sampler(CPU, seed=0).batch([SamplingRow(0.0, 3, 0)] * 6)  # no race: one argmax
+    assert greedy.all_greedy and Sampler(CPU, seed=0)(logits, greedy).tolist() == argmax
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
