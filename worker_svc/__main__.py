@@ -3,13 +3,18 @@
 import sys
 
 from nanoserve.flags import parse
+from nanoserve.lifeline import follow_launcher
+from nanoserve.logs import configure_logging
+from nanoserve.tls import tls_files
 from worker_svc.config import WorkerConfig
 from worker_svc.server import serve_worker
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse("worker", argv, prog="python -m worker_svc")
-    return serve_worker(WorkerConfig.from_flags(args), args.host, args.port)
+    follow_launcher()
+    configure_logging(args.log_level, args.log_format)
+    return serve_worker(WorkerConfig.from_flags(args), args.host, args.port, tls_files(args), args.worker_token)
 
 
 if __name__ == "__main__":
