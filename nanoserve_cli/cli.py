@@ -8,6 +8,7 @@ service, and signals and the exit status are the service's own. Whatever goes wr
 side ends with one line on stderr, never a traceback: 1 for a failure, 130 for Ctrl-C.
 """
 import argparse
+import importlib.util
 import os
 import sys
 
@@ -40,6 +41,10 @@ def exec_service(module: str, argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if args.command in ("worker", "up") and importlib.util.find_spec("torch") is None:
+        print(f"nanoserve {args.command}: a worker needs torch, which is not installed here: "
+              "pip install 'nanoserve[worker]' (or the torch build for your CUDA first)", file=sys.stderr)
+        return 1
     if args.command in SERVICE_MODULES:
         exec_service(SERVICE_MODULES[args.command], argv[argv.index(args.command) + 1:])
     if args.command == "up":
@@ -52,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. `nanoserve stats | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 1
 
 
 if __name__ == "__main__":
