@@ -4,11 +4,12 @@ A scheduler makes a random session id for each connection of its worker group an
 AllocateKVCache (the handshake) and when it opens its Step stream. The session that allocated the
 KV cache holds the worker while it is live: from the start of its allocation until its Step
 stream closes (its scheduler stopped, died, or gave the group up after a failure), or, if it never
-opens one, until OPEN_STREAM_SECONDS after the allocation finished. Meanwhile another session's AllocateKVCache or Step is refused, naming the holder;
-once the holder's stream has closed, the next session to allocate takes the worker over. So a
-second scheduler pointed at a live worker cannot reset it, and a restarted scheduler takes over
-as soon as the worker has seen its predecessor's stream end (at once when that process died on
-a reachable host; within the keepalive timeout, nanoserve.wire.SERVER_OPTIONS, when its host vanished).
+opens one, until OPEN_STREAM_SECONDS after the allocation finished. Meanwhile another session's
+AllocateKVCache or Step is refused, naming the holder; once the holder's stream has closed, the
+next session to allocate takes the worker over. So a second scheduler pointed at a live worker
+cannot reset it, and a restarted scheduler takes over as soon as the worker has seen its
+predecessor's stream end: at once when that process died on a reachable host, within the
+keepalive timeout (nanoserve.wire.SERVER_OPTIONS) when its host vanished.
 """
 import threading
 import time

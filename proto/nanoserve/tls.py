@@ -30,7 +30,8 @@ class TLSFiles:
         if not self.enabled:
             return None
         if not (self.cert_file and self.key_file):
-            raise TLSConfigError(f"a TLS server needs both {self.flag_prefix}-cert-file and {self.flag_prefix}-key-file")
+            raise TLSConfigError(f"a TLS server needs both {self.flag_prefix}-cert-file and "
+                                 f"{self.flag_prefix}-key-file")
         ca = self._read("ca") if self.ca_file else None
         return grpc.ssl_server_credentials([(self._read("key"), self._read("cert"))], root_certificates=ca,
                                            require_client_auth=ca is not None)
