@@ -31,7 +31,7 @@ SERVICE_MODULES = {"worker": "worker_svc", "scheduler": "scheduler_svc"}  # comm
 
 
 class LaunchError(Exception):
-    """Why `up` cannot start or keep serving, in one line."""
+    """Why `up` cannot start, in one line."""
 
 
 def demo_model() -> Path:
@@ -91,7 +91,7 @@ def describe(proc: subprocess.Popen) -> str:
 
 
 def failure(proc: subprocess.Popen) -> str:
-    """"worker_svc --rank 0 exited with code 1: <its last error line>"."""
+    """How a child ended, e.g. `worker_svc --rank 0 exited with code 1: <its last error line>`."""
     why = proc.failure() if isinstance(proc, Child) else f"exited with code {proc.returncode}"
     return f"{describe(proc)} {why}"
 

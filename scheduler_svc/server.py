@@ -174,7 +174,7 @@ async def _serve(args: argparse.Namespace) -> int:
         if args.metrics_port:
             check_port_free(args.host, args.metrics_port, "the scheduler's --metrics-port")
         if args.tokenizer:
-            check_files(args.tokenizer, (TOKENIZER_FILE,), "--tokenizer")
+            _check_tokenizer_files(args.tokenizer)
         worker_tls.channel_credentials()
         address = listen(server, args.host, args.port, "the scheduler's --port", tls_files(args).server_credentials())
     except (ListenError, CheckpointError, TLSConfigError) as err:
@@ -227,15 +227,20 @@ async def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_tokenizer_files(directory: str) -> None:
+    """CheckpointError naming tokenizer.json when a local directory lacks it (anything that is not
+    a local directory, e.g. a Hub id, is left to the tokenizer)."""
+    if Path(directory).is_dir():
+        check_files(directory, (TOKENIZER_FILE,), "--tokenizer / the workers' --model")
+
+
 def _tokenizer(directory: str) -> TextTokenizer:
     """The tokenizer of `directory` (--tokenizer, else the model the workers serve), or StartupError."""
-    if Path(directory).is_dir():  # anything else is left to the tokenizer (e.g. a Hub id)
-        try:
-            check_files(directory, (TOKENIZER_FILE,), "--tokenizer / the workers' --model")
-        except CheckpointError as err:
-            raise StartupError(str(err)) from None
     try:
+        _check_tokenizer_files(directory)
         return TextTokenizer(directory)
+    except CheckpointError as err:
+        raise StartupError(str(err)) from None
     except Exception as err:  # tokenizers raises plain Exceptions for unreadable files
         raise StartupError(f"cannot load the tokenizer of {directory}: {err}") from None
 
