@@ -63,9 +63,7 @@ class WorkerGroup:
         self.max_steps_in_flight = min(info.max_steps_in_flight for info in self.infos)
         # Together too: on a GPU each rank's graph capture runs collectives with the others.
         await self._on_every_rank(self._allocate)
-        self.streams = [stub.Step(metadata=self.metadata) for stub in self.stubs]
-        # Opened now, not at the first step: an open stream is what keeps this session on the workers.
-        await asyncio.gather(*(stream.wait_for_connection() for stream in self.streams))
+        self.streams = await self._on_every_rank(self._open_step_stream)
         log.info("connected to %d worker rank(s); KV pool %d blocks of %d tokens; %d steps in flight",
                  len(self.stubs), self.num_blocks, self.infos[0].block_size, self.max_steps_in_flight)
 
@@ -79,6 +77,15 @@ class WorkerGroup:
         if unexpected is not None:
             raise unexpected
         return results
+
+    async def _open_step_stream(self, rank: int):
+        """Opened now, not at the first step: an open stream is what keeps this session on the worker."""
+        stream = self.stubs[rank].Step(metadata=self.metadata)
+        try:
+            await stream.wait_for_connection()
+        except grpc.aio.AioRpcError as err:
+            raise WorkerUnavailable(f"{self.name(rank)} refused the step stream: {err.details()}") from err
+        return stream
 
     async def _allocate(self, rank: int) -> None:
         try:
