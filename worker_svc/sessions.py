@@ -79,11 +79,12 @@ class Sessions:
             holder = self._holder
             if holder is None or holder.session_id != session_id:
                 held = f"is held by {holder.describe(now)}" if holder is not None else "has no KV cache allocated"
-                raise SessionRefused(f"a step stream of scheduler session {session_id[:8] or '(none)'} was "
+                raise SessionRefused(f"a step stream of scheduler session {session_id[:8]} was "
                                      f"refused: this worker {held}; call AllocateKVCache first")
             if not holder.live(now):
-                raise SessionRefused(f"scheduler session {session_id[:8]} has ended (its step stream closed); "
-                                     "start a new session with AllocateKVCache")
+                raise SessionRefused(f"scheduler session {session_id[:8]} has ended (its step stream closed, or "
+                                     f"none opened within {OPEN_STREAM_SECONDS:.0f}s of its allocation); start a "
+                                     "new session with AllocateKVCache")
             holder.streams += 1
             holder.streamed = True
 
