@@ -4,16 +4,20 @@ import sys
 
 import grpc
 
-from nanoserve.client import Client
+from nanoserve.flags import defaults
 from nanoserve.v1 import llm_pb2
+from nanoserve_cli.client_commands import open_client, rpc_error_line
+
+SERVER_DEFAULT = defaults("generate")["temperature"]  # send none: the server applies the model's default
 
 
 def stream_to_terminal(args: argparse.Namespace) -> int:
     """Prints the text as it streams, then the usage line on stderr; 1 on a gRPC error."""
-    with Client(args.address) as client:
+    temperature = None if args.temperature == SERVER_DEFAULT else args.temperature
+    with open_client(args) as client:
         try:
             for msg in client.stream(args.prompt, max_tokens=args.max_tokens,
-                                     temperature=args.temperature, ignore_eos=args.ignore_eos,
+                                     temperature=temperature, ignore_eos=args.ignore_eos,
                                      seed=None if args.seed < 0 else args.seed):
                 sys.stdout.write(msg.text)
                 sys.stdout.flush()
@@ -23,6 +27,6 @@ def stream_to_terminal(args: argparse.Namespace) -> int:
                     print(f"\n[{reason}: {u.prompt_tokens} prompt tokens ({u.cached_prompt_tokens} "
                           f"cached), {u.completion_tokens} generated]", file=sys.stderr)
         except grpc.RpcError as err:
-            print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
+            print("\n" + rpc_error_line(err, args), file=sys.stderr)
             return 1
     return 0

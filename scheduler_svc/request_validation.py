@@ -57,3 +57,11 @@ def sampling_options(params: llm_pb2.SamplingParams, vocab_size: int,
     return SamplingOptions(temperature=temperature, max_tokens=max_tokens, ignore_eos=params.ignore_eos,
                            seed=params.seed if params.HasField("seed") else None,
                            stop_token_ids=tuple(params.stop_token_ids))
+
+
+def check_room(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """A max_tokens the model's length limit cannot give is refused, not silently cut short."""
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise _invalid(f"the prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}, "
+                       f"{num_prompt_tokens + max_tokens} in all, but the model's length limit is {max_model_len}: "
+                       f"ask for at most {max_model_len - num_prompt_tokens} tokens, or leave max_tokens unset")
