@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kernels import flash_attn_backend
+from nanoserve_kernels import flash_attn_backend
 from nanoserve_cli.demo_model import SHAPE, config_json, random_weights, write_checkpoint
 from tests.worker.worker_steps import StepWriter, generate
 from worker_svc.config import WorkerConfig
