@@ -3,7 +3,7 @@
 A decode step runs ~40 small elementwise kernels per layer; each costs a few microseconds even
 inside a CUDA graph, so fusing them matters. On CPU (tests, CI) the plain functions run: no
 compiler is needed and numerics stay the reference ones. The fused ops themselves live with their
-concepts (norm, activation, sampler, Qwen3's q/k norm and rotary).
+concepts (norm, activation, sampler); rotary and Qwen3's q/k norm have a Triton kernel of their own.
 """
 import functools
 from typing import Callable

@@ -2,7 +2,6 @@
 q, k, v and o alike."""
 import torch
 
-from nanoserve_model.compiled import fused_on_cuda
 from nanoserve_model.config import ModelConfig
 from nanoserve_model.decoder import DecoderAttention, DecoderForCausalLM
 from nanoserve_model.norm import RMSNorm, rms_normalize
@@ -10,12 +9,15 @@ from nanoserve_model.qwen2 import qwen_sliding_window
 from nanoserve_model.rotary import RotaryEmbedding, rotate
 
 
-@fused_on_cuda
 def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
                    cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3's per-head RMSNorm of q [N, heads, head_dim] and k [N, kv_heads, head_dim], then
-    rotary by each token's row of the cos/sin tables: one pass instead of six kernels a layer."""
+    rotary by each token's row of the cos/sin tables; on CUDA in place, in one Triton launch instead
+    of the six kernels torch.compile makes of it."""
+    if q.is_cuda:  # Triton is a GPU requirement only, so imported here
+        from nanoserve_kernels.triton_rotary import rotate_qk_
+        return rotate_qk_(q, k, cos_table, sin_table, positions, q_weight, k_weight, eps)
     cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
     return (rotate(rms_normalize(q, q_weight, eps), cos, sin),
             rotate(rms_normalize(k, k_weight, eps), cos, sin))

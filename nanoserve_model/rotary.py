@@ -1,12 +1,12 @@
 """Rotary position embedding (the rotate-half form of Llama, Qwen and Mistral): the precomputed cos/sin
 tables, with Llama 3.x's frequency scaling, and the rotation of q and k. Qwen3 runs the rotation fused
-with its q/k norms (nanoserve_model.qwen3.qk_norm_rotary)."""
+with its q/k norms (nanoserve_model.qwen3.qk_norm_rotary); on CUDA both are one Triton kernel
+(nanoserve_kernels.triton_rotary)."""
 import math
 
 import torch
 from torch import nn
 
-from nanoserve_model.compiled import fused_on_cuda
 from nanoserve_model.config import RopeConfig
 
 
@@ -16,10 +16,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-@fused_on_cuda
 def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [N, heads, head_dim] and k [N, kv_heads, head_dim] rotated by each token's row of the tables."""
+    """q [N, heads, head_dim] and k [N, kv_heads, head_dim] rotated by each token's row of the tables;
+    on CUDA in place, in one Triton launch."""
+    if q.is_cuda:  # Triton is a GPU requirement only, so imported here
+        from nanoserve_kernels.triton_rotary import rotate_qk_
+        return rotate_qk_(q, k, cos_table, sin_table, positions)
     cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
     return rotate(q, cos, sin), rotate(k, cos, sin)
 

@@ -10,9 +10,10 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from nanoserve_kernels import flash_attn_backend, race_sampling, triton_decode  # noqa: E402
-from nanoserve_kernels import triton_kv_store, triton_prefill, triton_sampling  # noqa: E402
+from nanoserve_kernels import triton_kv_store, triton_prefill, triton_rotary, triton_sampling  # noqa: E402
+from nanoserve_model import qwen3  # noqa: E402
 from tests.worker.test_triton_kernels import (  # noqa: E402
-    Case, check_decode, check_prefill, check_sampling, check_store, make_paged_batch)
+    Case, check_decode, check_prefill, check_rotary, check_sampling, check_store, make_paged_batch)
 
 BF16 = dict(head_dim=128, dtype=torch.bfloat16)
 STORE_CASES = [Case(new_lens=(700,), context_lens=(1500,), heads=16, kv_heads=8, block_size=256, **BF16)]
@@ -92,6 +93,24 @@ def test_triton_decode_replays_in_cuda_graph() -> None:
 
     for seed, lengths in enumerate([(10, 3000, 0), (4000, 1, 77)]):
         check_decode(replay, dataclasses.replace(capacity, context_lens=lengths), "cuda", seed)
+
+
+def test_triton_rotary() -> None:
+    check_rotary(triton_rotary.rotate_qk_, "cuda", (torch.float32, torch.bfloat16))
+
+
+def test_qwen3_qk_norm_rotary_on_cuda_rounds_as_the_cpu_path() -> None:
+    """Qwen3-sized bf16 q/k: the kernel (CUDA) and the plain functions (CPU) agree to bf16 rounding."""
+    gen = torch.Generator("cuda").manual_seed(0)
+    q, k = (torch.randn(300, heads, 128, generator=gen, device="cuda").bfloat16() for heads in (16, 8))
+    q_weight, k_weight = (1 + 0.3 * torch.randn(2, 128, generator=gen, device="cuda")).bfloat16().unbind(0)
+    angles = torch.outer(torch.arange(4096.0), 1e6 ** -(torch.arange(0, 128, 2) / 128)).cuda()
+    positions = torch.randint(0, 4096, (300,), generator=gen, device="cuda")
+    args = (q_weight, k_weight, 1e-6, angles.cos(), angles.sin(), positions)
+    expected = qwen3.qk_norm_rotary(q.cpu(), k.cpu(), *(a.cpu() if torch.is_tensor(a) else a for a in args))
+    got = qwen3.qk_norm_rotary(q, k, *args)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g.cpu(), e)
 
 
 def test_triton_sampling() -> None:

@@ -1,5 +1,5 @@
-"""Triton KV-store, paged prefill, paged decode and sampling kernels vs the plain-torch reference,
-on CPU through Triton's interpreter.
+"""Triton KV-store, paged prefill, paged decode and sampling kernels vs the plain-torch reference, and
+the rotary kernel vs transformers, on CPU through Triton's interpreter.
 
 Triton decides between interpreter and compiler when a kernel is decorated, i.e. when
 kernels.triton_* is first imported, so TRITON_INTERPRET=1 must be set before that import; any
@@ -180,12 +180,52 @@ def check_sampling(race_sample: Callable, device: str) -> None:
             assert (tokens[~greedy] != logits[~greedy].argmax(dim=-1)).any()
 
 
+def check_rotary(rotate_qk_: Callable, device: str, dtypes: tuple[torch.dtype, ...]) -> None:
+    """q and k rotated in place inside a QKV buffer equal transformers' own functions (Qwen3's per-head
+    RMSNorm first, or plain rotary as Llama's); v and the rest of the buffer are untouched."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+    gen = torch.Generator(device).manual_seed(0)
+    shapes = ((4, 2, 16, True), (3, 1, 32, False), (6, 6, 24, True))  # head_dim 24: a masked half
+    for (heads, kv_heads, head_dim, norm), dtype in ((s, d) for s in shapes for d in dtypes):
+        tokens, eps = 5, 1e-6
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen, device=device).to(dtype)
+        before = qkv.clone()
+        q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+        inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        angles = torch.outer(torch.arange(64, dtype=torch.float32), inv_freq).to(device)
+        positions = torch.tensor([0, 63, 5, 5, 17], device=device)
+        weights = [(1 + 0.2 * torch.randn(head_dim, generator=gen, device=device)).to(dtype) for _ in "qk"]
+        expected = [x.clone() for x in (q, k)]
+        if norm:
+            for i, weight in enumerate(weights):
+                layer = Qwen3RMSNorm(head_dim, eps).to(device=device, dtype=dtype).requires_grad_(False)
+                layer.weight.data.copy_(weight)
+                expected[i] = layer(expected[i])
+        cos = torch.cat([angles.cos()[positions]] * 2, dim=-1)[None]  # transformers' [batch, tokens, head_dim]
+        sin = torch.cat([angles.sin()[positions]] * 2, dim=-1)[None]
+        expected = [x.transpose(0, 1)[None] for x in expected]  # [batch, heads, tokens, head_dim]
+        expected = [x[0].transpose(0, 1) for x in apply_rotary_pos_emb(*expected, cos, sin)]
+        out_q, out_k = rotate_qk_(q, k, angles.cos(), angles.sin(), positions,
+                                  *(weights if norm else (None, None)), eps)
+        assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()  # in place
+        for got, want in zip((q, k), expected):
+            error = (got.float() - want.float()).norm() / want.float().norm()
+            assert error < TOLERANCE[dtype], (heads, kv_heads, head_dim, dtype, error)
+        untouched = (heads + kv_heads) * head_dim
+        assert torch.equal(qkv[:, untouched:], before[:, untouched:])
+
+
 def run_interpreted_cases(kernel: str) -> None:
     """Runs in the child process: TRITON_INTERPRET is already set, so import the kernels now."""
     if kernel == "sampling":
         from nanoserve_kernels.triton_sampling import num_splits, race_sample
         check_sampling(race_sample, "cpu")
         assert num_splits(2, 70_001, torch.device("cpu")) > 1 and num_splits(9, 5, torch.device("cpu")) == 1
+        return
+    if kernel == "rotary":
+        from nanoserve_kernels.triton_rotary import rotate_qk_
+        check_rotary(rotate_qk_, "cpu", (torch.float32, torch.float16))
         return
     from nanoserve_kernels.triton_decode import paged_decode
     from nanoserve_kernels.triton_kv_store import store_kvcache
@@ -236,7 +276,7 @@ def _fix_interpreter_for_numpy_2_4() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-@pytest.mark.parametrize("kernel", ["store", "prefill", "decode", "sampling"])
+@pytest.mark.parametrize("kernel", ["store", "prefill", "decode", "sampling", "rotary"])
 def test_triton_kernel_matches_reference_in_interpreter(kernel: str) -> None:
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath}
