@@ -145,7 +145,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     group = heads // kv_heads
     group_pad = max(16, triton.next_power_of_2(group))  # tl.dot takes 16 rows at least
     splits = num_splits(num_seqs, kv_heads, q.device)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous for o_proj (see triton_prefill)
     part_out = torch.empty(num_seqs, heads, splits, head_dim, dtype=torch.float32, device=q.device)
     part_max = torch.empty(num_seqs, heads, splits, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)

@@ -19,7 +19,7 @@ from nanoserve_model.config import ModelConfig, resolve_dtype
 from nanoserve_model.loader import load_model
 from nanoserve_model.parallel import broadcast_from_first_rank, tp_rank, tp_world_size
 from nanoserve_model.registry import read_model_config
-from nanoserve_model.sampler import Sampler, SamplingRow
+from nanoserve_model.sampler import Sampler
 from nanoserve_model.step_context import step_context
 from nanoserve.hub import resolve_model_dir
 from nanoserve.mathutil import cdiv
@@ -144,7 +144,7 @@ class ModelRunner:
                              device=self.device)
         logits = self.model.compute_logits(hidden)
         if logits is not None:
-            self.sampler(logits, self.sampler.batch([SamplingRow(1.0, None, 0)] * len(hidden)))
+            self.sampler.warm_up(logits)
         del hidden, logits
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_reserved(self.device) - base

@@ -99,8 +99,9 @@ def test_triton_rotary() -> None:
     check_rotary(triton_rotary.rotate_qk_, "cuda", (torch.float32, torch.bfloat16))
 
 
-def test_qwen3_qk_norm_rotary_on_cuda_rounds_as_the_cpu_path() -> None:
-    """Qwen3-sized bf16 q/k: the kernel (CUDA) and the plain functions (CPU) agree to bf16 rounding."""
+def test_qwen3_qk_norm_rotary_on_cuda_agrees_with_the_cpu_path() -> None:
+    """Qwen3-sized bf16 q/k: the kernel (CUDA) and the plain functions (CPU) round alike: nearly every
+    element equal, the rest one bf16 step apart (float32 sums and cos/sin differ in their last bits)."""
     gen = torch.Generator("cuda").manual_seed(0)
     q, k = (torch.randn(300, heads, 128, generator=gen, device="cuda").bfloat16() for heads in (16, 8))
     q_weight, k_weight = (1 + 0.3 * torch.randn(2, 128, generator=gen, device="cuda")).bfloat16().unbind(0)
@@ -110,7 +111,8 @@ def test_qwen3_qk_norm_rotary_on_cuda_rounds_as_the_cpu_path() -> None:
     expected = qwen3.qk_norm_rotary(q.cpu(), k.cpu(), *(a.cpu() if torch.is_tensor(a) else a for a in args))
     got = qwen3.qk_norm_rotary(q, k, *args)
     for g, e in zip(got, expected):
-        torch.testing.assert_close(g.cpu(), e)
+        torch.testing.assert_close(g.cpu(), e, rtol=2**-7, atol=2**-6)
+        assert (g.cpu() == e).float().mean() > 0.98
 
 
 def test_triton_sampling() -> None:

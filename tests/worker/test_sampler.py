@@ -26,6 +26,14 @@ def test_temperature_zero_is_argmax_even_beside_sampled_rows():
     assert greedy.all_greedy and Sampler(CPU, seed=0)(logits, greedy).tolist() == argmax
 
 
+def test_warm_up_races_every_row_count_so_serving_compiles_nothing():
+    sampler, seen = Sampler(CPU, seed=0), []
+    race = sampler._race
+    sampler._race = lambda logits, *columns: seen.append(len(logits)) or race(logits, *columns)
+    sampler.warm_up(torch.randn(5, 100))
+    assert seen == [5, 4, 3, 2, 1]
+
+
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
 def test_draws_follow_softmax_of_scaled_logits(temperature):
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
