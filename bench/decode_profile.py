@@ -4,6 +4,7 @@ the step time when each step is launched before the previous one is read back, a
 pipelined worker runs them, and the host time a launch takes (StepResponse.host_seconds).
 
     python3 bench/decode_profile.py [--batch 256] [--context 1024] [--attention-backend triton]
+        [--model DIR --load-format dummy]
 """
 import argparse
 import json
@@ -60,13 +61,14 @@ def main() -> None:
     p.add_argument("--attention-backend", default="triton")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--temperature", type=float, default=0.6, help="0: greedy")
+    p.add_argument("--load-format", default="auto", help="dummy: random weights for a config-only directory")
     args = p.parse_args()
     if not (Path(args.model) / "config.json").exists():
         build_bench_model(Path(args.model))
     bs, blocks = 256, cdiv(args.context + 64, 256)
     runner = ModelRunner(WorkerConfig(model=args.model, block_size=bs, num_kv_blocks=args.batch * blocks + 8,
                                       attention_backend=args.attention_backend, max_num_seqs=args.batch,
-                                      max_model_len=args.max_model_len))
+                                      max_model_len=args.max_model_len, load_format=args.load_format))
     runner.allocate_kv_cache(args.batch * blocks + 8)
     sampling = llm_pb2.SamplingParams(temperature=args.temperature)
     per_step = max(1, runner.config.max_num_batched_tokens // args.context)
@@ -100,7 +102,7 @@ def main() -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         runner.step(step)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
     result.update(batch=args.batch, context=args.context, backend=runner.backend.name)
     print(json.dumps(result, indent=2))
 
