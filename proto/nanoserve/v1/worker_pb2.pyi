@@ -58,7 +58,7 @@ class AllocateKVCacheResponse(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
 
 class SeqStep(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "num_computed", "new_block_ids", "reset", "sample", "sampling", "num_generated")
+    __slots__ = ("seq_id", "token_ids", "num_computed", "new_block_ids", "reset", "sample", "sampling", "num_generated", "prompt_logprob_targets", "history_token_ids")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,8 @@ class SeqStep(_message.Message):
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROB_TARGETS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed: int
@@ -75,7 +77,9 @@ class SeqStep(_message.Message):
     sample: bool
     sampling: _llm_pb2.SamplingParams
     num_generated: int
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[_llm_pb2.SamplingParams, _Mapping]] = ..., num_generated: _Optional[int] = ...) -> None: ...
+    prompt_logprob_targets: _containers.RepeatedScalarFieldContainer[int]
+    history_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[_llm_pb2.SamplingParams, _Mapping]] = ..., num_generated: _Optional[int] = ..., prompt_logprob_targets: _Optional[_Iterable[int]] = ..., history_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("step_id", "seqs", "forget_seq_ids")
@@ -88,17 +92,35 @@ class StepRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqStep, _Mapping]]] = ..., forget_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "token_ids", "error", "busy_seconds", "idle_seconds", "host_seconds")
+    __slots__ = ("step_id", "token_ids", "error", "busy_seconds", "idle_seconds", "host_seconds", "sampled_logprobs", "prompt_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HOST_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     error: str
     busy_seconds: float
     idle_seconds: float
     host_seconds: float
-    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., busy_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., host_seconds: _Optional[float] = ...) -> None: ...
+    sampled_logprobs: LogprobRows
+    prompt_logprobs: LogprobRows
+    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., busy_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., host_seconds: _Optional[float] = ..., sampled_logprobs: _Optional[_Union[LogprobRows, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[LogprobRows, _Mapping]] = ...) -> None: ...
+
+class LogprobRows(_message.Message):
+    __slots__ = ("token_ids", "logprobs", "ranks", "top_token_ids", "top_logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., ranks: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
