@@ -23,6 +23,7 @@ from worker_svc.config import WorkerConfig
 from worker_svc.cuda_graphs import DecodeGraphs
 from worker_svc.distributed import uses_cuda
 from worker_svc.launched_step import LaunchedStep, StepClock
+from worker_svc.sampling_extras import SamplingExtras
 from worker_svc.sequence_table import SequenceTable, StepWork
 from worker_svc.step_buffers import StepBuffers
 from worker_svc.step_inputs import StepInputs, build_step_inputs
@@ -159,6 +160,8 @@ class ModelRunner:
             layer.bind_kv_cache(self.kv_cache[0, i], self.kv_cache[1, i])
         self.seqs = SequenceTable(self.config.max_num_seqs, num_blocks, self.config.block_size,
                                   self.model_config.vocab_size, self.max_model_len)
+        self.extras = SamplingExtras(self.config.max_num_seqs, self.model_config.vocab_size,
+                                     tuple(self.model_config.eos_token_ids), self.device, samples=tp_rank() == 0)
         self.last_tokens = torch.zeros(self.config.max_num_seqs, dtype=torch.int64, device=self.device)
 
     def _bind_device(self) -> None:
@@ -178,11 +181,13 @@ class ModelRunner:
         logits, inputs = self._compute(work)
         tokens = None
         if inputs is not None and inputs.sampling:
-            tokens = (self.sampler(logits, inputs.sampling) if logits is not None else
+            tokens = (self.sampler(self.extras.process(logits, work, inputs.sampled_slots), inputs.sampling)
+                      if logits is not None else
                       torch.empty(len(inputs.sampling), dtype=torch.int64, device=self.device))
             broadcast_from_first_rank(tokens)
             self.last_tokens[inputs.sampled_slots] = tokens
-        return LaunchedStep(self.clock, start, tokens if logits is not None else None, host_started)
+        logprobs = self.extras.finish(logits, tokens, inputs and inputs.sampled_slots) if work else None
+        return LaunchedStep(self.clock, start, tokens if logits is not None else None, host_started, logprobs)
 
     def step(self, request: worker_pb2.StepRequest) -> list[int]:
         """launch() and wait: the step's sampled tokens."""
@@ -203,7 +208,10 @@ class ModelRunner:
             raise ValueError(f"step of {len(request.seqs)} sequences and {num_tokens} tokens exceeds this "
                              f"worker's limits ({self.config.max_num_seqs} sequences, "
                              f"{self.config.max_num_batched_tokens} tokens)")
-        return self.seqs.apply(request)
+        work = self.seqs.apply(request)
+        if work is not None and work.resets:
+            self.extras.reset(work)
+        return work
 
     def _compute(self, work: StepWork | None) -> tuple[torch.Tensor | None, StepInputs | None]:
         """Queues the forward pass; the logits of the sampled rows on rank 0."""
@@ -219,6 +227,8 @@ class ModelRunner:
         else:
             with step_context(inputs.context):
                 hidden = self._run_model(inputs.input_ids, inputs.positions)
+        if work.scored:  # prompt_logprobs; on every rank (a collective with tensor parallelism)
+            self.extras.score_prompts(work, hidden, self.model.compute_logits)
         if not inputs.sampling:
             return None, inputs
         return self.model.compute_logits(hidden[inputs.sample_indices]), inputs

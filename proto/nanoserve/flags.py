@@ -5,7 +5,8 @@ config defaults and the README's flag table come from it:
 
     python -m nanoserve.flags --markdown
 
-A flag's type is its default's type (a bool becomes --flag / --no-flag). Every flag falls back to
+A flag's type is its default's type (a bool becomes --flag / --no-flag; a tuple, a flag given once
+per value, whose environment variable holds one value). Every flag falls back to
 the environment variable NANOSERVE_<FLAG> (NANOSERVE_TENSOR_PARALLEL_SIZE for
 --tensor-parallel-size), so containers can be configured either way. Commands that share a row
 take the same flag with the same meaning; a flag spelled alike but meaning something else in
@@ -25,11 +26,13 @@ COMMANDS = {  # command -> what it does (`python -m nanoserve.healthcheck` runs 
     "scheduler": "serve the public LLM API, driving the workers",
     "up": "start a scheduler and its workers as local processes",
     "generate": "stream one completion to the terminal",
+    "chat": "stream the model's answer to one chat message to the terminal",
     "healthcheck": "exit 0 only when the server reports SERVING",
 }
 ENGINE = ("worker", "scheduler", "up")  # limits a scheduler and its workers must agree on
 WORKER = ("worker", "up")
 SCHEDULER = ("scheduler", "up")
+GENERATE = ("generate", "chat")  # the client commands that generate
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _KIND_NAMES = {int: "an integer", float: "a number"}
 
@@ -52,7 +55,12 @@ class Flag:
 
     @property
     def kind(self) -> type:
-        return type(self.default)
+        """The type of one value (str for a repeated flag)."""
+        return str if self.repeated else type(self.default)
+
+    @property
+    def repeated(self) -> bool:
+        return isinstance(self.default, tuple)
 
     def convert(self, raw: str) -> Any:
         """A command-line or environment string as this flag's value, or the error a person reads."""
@@ -74,6 +82,8 @@ class Flag:
         """The command-line words that give this flag `value`."""
         if self.kind is bool:
             return [self.name if value else "--no-" + self.name.removeprefix("--")]
+        if self.repeated:
+            return [word for item in value for word in (self.name, str(item))]
         return [self.name, str(value)]
 
 
@@ -113,16 +123,31 @@ FLAGS = (
     Flag("--enable-prefix-caching", True, "reuse KV blocks of shared prompt prefixes", SCHEDULER),
     Flag("--worker-connect-timeout", 300.0, "seconds to wait for every worker at start-up", SCHEDULER),
     Flag("--metrics-port", 0, "port serving Prometheus metrics at /metrics; 0 = off", SCHEDULER),
+    Flag("--max-n", 16, "most completions one request may ask for (n)", SCHEDULER),
+    Flag("--max-logprobs", 20, "most alternatives per token a request may ask for (logprobs, prompt_logprobs)",
+         SCHEDULER),
     # the local launcher
     Flag("--host", "127.0.0.1", "address the scheduler listens on", ("up",)),
     Flag("--worker-base-port", WORKER_PORT, "rank r listens on this port + r", ("up",)),
     # clients
     Flag("--address", f"127.0.0.1:{SCHEDULER_PORT}", "host:port of the server to ask",
-         ("generate", "healthcheck")),
-    Flag("--max-tokens", 64, "most tokens to generate", ("generate",)),
-    Flag("--temperature", 0.0, "0 = greedy", ("generate",)),
-    Flag("--seed", -1, "sampling seed; -1 = none", ("generate",)),
-    Flag("--ignore-eos", False, "keep going past end-of-sequence", ("generate",)),
+         ("generate", "chat", "healthcheck")),
+    Flag("--max-tokens", 64, "most tokens to generate", GENERATE),
+    Flag("--temperature", 0.0, "0 = greedy", GENERATE),
+    Flag("--seed", -1, "sampling seed; -1 = none", GENERATE),
+    Flag("--ignore-eos", False, "keep going past end-of-sequence", GENERATE),
+    Flag("--top-p", 1.0, "draw from the most likely tokens covering this probability; 1 = all", GENERATE),
+    Flag("--top-k", 0, "draw from this many most likely tokens; 0 = all", GENERATE),
+    Flag("--min-p", 0.0, "drop tokens less likely than this times the most likely one", GENERATE),
+    Flag("--repetition-penalty", 1.0, "penalize tokens of the prompt and output so far; 1 = off", GENERATE),
+    Flag("--presence-penalty", 0.0, "subtract from tokens already in the output", GENERATE),
+    Flag("--frequency-penalty", 0.0, "subtract per occurrence in the output", GENERATE),
+    Flag("--min-tokens", 0, "tokens to generate before eos or a stop may end the output", GENERATE),
+    Flag("--stop", (), "stop string, left out of the output (repeat the flag for several)", GENERATE),
+    Flag("--logprobs", -1, "print each token's logprob and this many alternatives; -1 = none", GENERATE),
+    Flag("--system", "", "system message before the user's", ("chat",)),
+    Flag("--chat-template-kwargs", "", "JSON object of extra chat template variables, e.g. "
+         "'{\"enable_thinking\": false}'", ("chat",)),
     Flag("--service", "", "service name to ask about; empty = the whole server", ("healthcheck",)),
     Flag("--timeout", 2.0, "seconds to wait for the answer", ("healthcheck",)),
 )
@@ -142,6 +167,14 @@ def defaults(command: str) -> dict[str, Any]:
     return {flag.dest: flag.default for flag in flags_of(command)}
 
 
+class _Repeated(argparse.Action):
+    """Each use adds a value; the first replaces the default (the environment's one value)."""
+
+    def __call__(self, parser, namespace, values, option_string: str | None = None) -> None:
+        given = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, [*([] if given is self.default else given), values])
+
+
 class _Switch(argparse.Action):
     """--flag sets True, --no-flag False."""
 
@@ -158,10 +191,14 @@ def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
     that reads it, with the same message as the flag would."""
     for flag in flags_of(command):
         default = os.environ.get(flag.env, flag.default)
-        help = f"{flag.help} (default: {default}; env {flag.env})".replace("%", "%%")
+        shown = default if default not in ("", ()) else "none"
+        help = f"{flag.help} (default: {shown}; env {flag.env})".replace("%", "%%")
         if flag.kind is bool:
             parser.add_argument(flag.name, "--no-" + flag.name.removeprefix("--"), action=_Switch,
                                 default=default, type=flag.convert, help=help)
+        elif flag.repeated:
+            parser.add_argument(flag.name, action=_Repeated, default=[default] if flag.env in os.environ else [],
+                                help=help)
         else:
             parser.add_argument(flag.name, default=default, type=flag.convert, help=help,
                                 metavar="{" + ",".join(flag.choices) + "}" if flag.choices else None)
@@ -191,7 +228,7 @@ def markdown() -> str:
     def shown(flag: Flag) -> str:
         if flag.kind is bool:
             return "on" if flag.default else "off"
-        return f"`{flag.default}`" if flag.default != "" else "none"
+        return f"`{flag.default}`" if flag.default not in ("", ()) else "none"
 
     rows = ["| flag | commands | default | meaning | environment |", "| --- | --- | --- | --- | --- |"]
     for flag in FLAGS:
