@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # nanoserve scheduler: the public nanoserve.v1.LLM API on CPU. No torch, no CUDA: only gRPC,
-# protobuf, xxhash, tokenizers and prometheus-client, the contract package, the scheduler and the
-# `nanoserve` CLI (which runs the scheduler as `python -m scheduler_svc`).
+# protobuf, xxhash, tokenizers, prometheus-client and jinja2 (chat templates), the contract
+# package, the scheduler and the `nanoserve` CLI (which runs the scheduler as `python -m scheduler_svc`).
 #   docker build -f docker/scheduler.Dockerfile -t nanoserve-scheduler .
 
 FROM python:3.12-slim-bookworm

@@ -25,8 +25,6 @@ def build_parser() -> argparse.ArgumentParser:
         ("host", "0.0.0.0", "address to listen on"),
         ("port", DEFAULT_PORT, "HTTP port"),
         ("served-model-name", "", "model id in the API; default: the model directory's name"),
-        ("tokenizer", "", "directory with the tokenizer files (chat template, detokenize); "
-                          "default: the model directory the scheduler reports"),
         ("log-level", "info", "uvicorn's log level: critical, error, warning, info, debug"),
     ]:
         value = _env(flag, default)
@@ -36,8 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    app = create_app(GatewayConfig(scheduler=args.scheduler, served_model_name=args.served_model_name,
-                                   tokenizer=args.tokenizer))
+    app = create_app(GatewayConfig(scheduler=args.scheduler, served_model_name=args.served_model_name))
     # The plain asyncio loop: grpc.aio channels are made for it.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, loop="asyncio")
     return 0

@@ -1,4 +1,4 @@
-"""`nanoserve` command line: worker, scheduler, up (local launcher) and generate.
+"""`nanoserve` command line: worker, scheduler, up (local launcher), generate and chat.
 
 Flags come from the contract's table (nanoserve.flags), each with its NANOSERVE_<FLAG> fallback.
 `worker` and `scheduler` check their flags here, then replace this process with the service
@@ -10,10 +10,10 @@ import os
 import sys
 
 from nanoserve import flags
-from nanoserve_cli.generate import stream_to_terminal
+from nanoserve_cli.generate import chat_to_terminal, stream_to_terminal
 from nanoserve_cli.launcher import SERVICE_MODULES, run_local
 
-COMMANDS = (*SERVICE_MODULES, "up", "generate")
+COMMANDS = (*SERVICE_MODULES, "up", "generate", "chat")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
         flags.add_flags(sub.add_parser(command, help=flags.COMMANDS[command],
                                        description=flags.COMMANDS[command]), command)
     sub.choices["generate"].add_argument("prompt", help="prompt text")
+    sub.choices["chat"].add_argument("message", help="the user's message")
     return parser
 
 
@@ -38,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         exec_service(SERVICE_MODULES[args.command], argv[argv.index(args.command) + 1:])
     if args.command == "up":
         return run_local(args)
+    if args.command == "chat":
+        return chat_to_terminal(args)
     return stream_to_terminal(args)
 
 

@@ -77,7 +77,7 @@ def test_scheduler_pins_are_the_projects_own():
     project = pins(REPO / "requirements.txt")
     scheduler = pins(REPO / "docker/requirements-scheduler.txt")
     assert set(scheduler) == {"grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf",
-                              "xxhash", "tokenizers", "prometheus-client"}
+                              "xxhash", "tokenizers", "prometheus-client", "jinja2"}
     assert all(scheduler[name] == project[name] and scheduler[name].startswith("==") for name in scheduler)
 
 
