@@ -2,7 +2,7 @@
 # On a lent GPU machine, from the repo root: builds the minimal flash-attn (when .fa/ is carried),
 # runs tests/gpu and the service integration suite on CUDA, then the throughput benchmark.
 #   bench/gpu_checks.sh [tests|bench|all|tp]   (results under $OUT, default bench/out)
-# `tp` (on nvidia-h200-x2): two ranks against one on GPU (tests/gpu/test_tensor_parallel_gpu.py), the
+# `tp` (on nvidia-h200-x2): two ranks against one on GPU (tests/gpu/test_tensor_parallel*_gpu.py), the
 # tensor-parallel service tests on CUDA, then throughput at 1 and 2 ranks.
 set -uo pipefail
 mode=${1:-all}
@@ -18,7 +18,8 @@ fi
 [ -d .fa/fa_pkg ] && export PYTHONPATH=$PYTHONPATH:$PWD/.fa/fa_pkg
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "$mode" = tp ]; then
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py 2>&1 | tee "$out/tp_gpu_test.log" | tail -15
+  timeout 540 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py \
+    tests/gpu/test_tensor_parallel_8b_gpu.py 2>&1 | tee "$out/tp_gpu_test.log" | tail -15
   NANOSERVE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider tests/services/test_tensor_parallel.py \
     -k "two_ranks_generate or client_against" 2>&1 | tee "$out/tp_tests.log" | tail -8
   for tp in 1 2; do

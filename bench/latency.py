@@ -4,6 +4,8 @@ inter-token latency at batch 1, 8 and 64 (DESIGN §8 "latency" workload).
     python3 bench/latency.py                      # starts `nanoserve up` on the demo model (CPU works)
     python3 bench/latency.py --model DIR          # ... on a checkpoint (e.g. on the GPU machine)
     python3 bench/latency.py --address HOST:PORT  # against a server that is already running
+    python3 bench/latency.py --model DIR --extra "--load-format dummy"  # a shape without its weights
+                                                  # (DIR: config.json + tokenizer, see bench/throughput.py)
 
 Every prompt is fresh random token ids, so the prefix cache never serves one. The worker's own view
 of the steps (host time spent building and launching them vs device time, from GetStats) is

@@ -7,6 +7,19 @@ workload over gRPC, plus batch-1 time to first token on both paths: what the gat
 
 With --null-worker every step returns at once, so the tokens per second are the services' own
 ceiling (scheduler, gateway, clients), not a model's.
+
+On the GPU machine, whose image (DESIGN §9) has no HTTP stack, carry these wheels in .whl/
+(bench/gpu_checks.sh installs .whl/*.whl with --no-deps), fetched on a CPU machine with
+
+    pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl \
+      fastapi==0.165.0 starlette==1.10.0 opentelemetry-api==1.45.2 pydantic==2.14.3 pydantic-core==2.50.4 \
+      annotated-types==0.8.0 annotated-doc==0.0.7 typing-inspection==0.4.5 typing-extensions==4.16.0 \
+      uvicorn==0.54.0 click==8.5.1 h11==0.16.0 anyio==4.16.0 idna==3.20 Jinja2==3.1.6 MarkupSafe==3.0.4 \
+      httpx==0.28.1 httpcore==1.0.9 certifi==2026.10.18 prometheus-client==0.26.0 \
+      grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0
+
+(22 wheels, 4 MB: this bench, the scheduler and the gateway ran with --null-worker on these plus grpcio,
+protobuf, tokenizers, xxhash and nothing else; some of them come with transformers there already.)
 """
 import argparse
 import asyncio
@@ -26,8 +39,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "proto"), str(REPO / "bench")]
 
 from nanoserve.client import make_request  # noqa: E402
-from nanoserve.launcher import free_port, stop_all, wait_serving  # noqa: E402
 from nanoserve.v1 import llm_pb2_grpc, worker_pb2_grpc  # noqa: E402
+from nanoserve_cli.cache import cache_dir  # noqa: E402
+from nanoserve_cli.launcher import free_port, stop_all, wait_http_ok, wait_serving  # noqa: E402
 from service_overhead import NullWorker  # noqa: E402
 from throughput import drive, workload  # noqa: E402
 
@@ -82,16 +96,16 @@ async def batch1_ttft(scheduler: str, url: str, count: int, prompt_len: int = 51
 
 
 def start_null_service() -> tuple[str, grpc.Server, subprocess.Popen]:
-    """A scheduler on a NullWorker; the tiny demo checkpoint (built on first use) lends its tokenizer."""
-    tokenizer = Path(os.environ.get("NANOSERVE_CACHE", REPO / ".cache")) / "tiny-qwen3"
+    """A scheduler on a NullWorker; the Qwen3 tokenizer files (fetched with the demo model) lend their tokenizer."""
+    tokenizer = cache_dir() / "tokenizer-qwen3"
     if not (tokenizer / "tokenizer.json").exists():
-        subprocess.run([sys.executable, "-m", "model.tiny", str(tokenizer)], check=True, cwd=REPO, env=ENV)
+        subprocess.run([sys.executable, "-m", "nanoserve_cli.demo_model"], check=True, cwd=REPO, env=ENV)
     worker = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     worker_pb2_grpc.add_WorkerServicer_to_server(NullWorker(str(tokenizer)), worker)
     worker_port = worker.add_insecure_port("127.0.0.1:0")
     worker.start()
     address = f"127.0.0.1:{free_port()}"
-    scheduler = subprocess.Popen([sys.executable, "-m", "nanoserve.cli", "scheduler", "--host", "127.0.0.1",
+    scheduler = subprocess.Popen([sys.executable, "-m", "scheduler_svc", "--host", "127.0.0.1",
                                   "--port", address.split(":")[1], "--workers", f"127.0.0.1:{worker_port}"], env=ENV)
     wait_serving(address, [scheduler], timeout=120)
     return address, worker, scheduler
@@ -102,16 +116,12 @@ def start_gateway(scheduler: str) -> tuple[str, subprocess.Popen]:
     proc = subprocess.Popen([sys.executable, "-m", "gateway_svc", "--scheduler", scheduler, "--host", "127.0.0.1",
                              "--port", str(port), "--log-level", "warning"], env=ENV)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return url, proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    stop_all([proc])
-    raise RuntimeError(f"the gateway at {url} did not become healthy")
+    try:
+        wait_http_ok(url + "/health", [proc], timeout=60)
+    except RuntimeError:
+        stop_all([proc])
+        raise
+    return url, proc
 
 
 def main() -> None:

@@ -2,6 +2,12 @@
 
 Starts `nanoserve up` on a Qwen3-0.6B-shaped checkpoint with random bf16 weights (built on first
 use), drives it with 256 concurrent gRPC Generate streams, prints a table and writes JSON.
+
+Any shape without its weights: write a directory holding only config.json and the tokenizer, and let
+the worker make random weights on the GPU:
+
+    python -m nanoserve_cli.demo_model /tmp/qwen3-8b --shape qwen3-8b --no-weights
+    python3 bench/throughput.py --model /tmp/qwen3-8b --extra "--load-format dummy"
 """
 import argparse
 import asyncio

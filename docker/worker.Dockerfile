@@ -1,13 +1,18 @@
 # syntax=docker/dockerfile:1
-# nanoserve worker: one tensor-parallel rank on one GPU (torch, triton, flash-attn, the model code).
+# nanoserve worker: one tensor-parallel rank on one GPU (torch, triton, the model code).
 #   docker build -f docker/worker.Dockerfile -t nanoserve-worker .
-# flash-attn has no wheel on PyPI, so the first stage compiles one from the pinned sdist for the
-# GPU architectures in FLASH_ATTN_CUDA_ARCHS (90 = H100/H200; "80;90" adds A100). That takes tens
-# of minutes once; the layer cache keeps it until the torch pin changes.
+# The host needs an NVIDIA driver of the R580 series or newer: the base image is CUDA 13.0 and
+# torch 2.11's PyPI wheels are built for CUDA 13 (the container toolkit refuses older drivers).
+# Attention runs on nanoserve's Triton kernels by default. FLASH_ATTN=yes adds flash-attn, which
+# has no wheel on PyPI: a stage of its own compiles one from the pinned sdist for the GPU
+# architectures in FLASH_ATTN_CUDA_ARCHS (90 = H100/H200; "80;90" adds A100). That takes tens of
+# minutes once (the layer cache keeps it until the torch pin changes); with FLASH_ATTN=no, the
+# default, that stage is never built.
 
 ARG CUDA_VERSION=13.0.2
+ARG FLASH_ATTN=no
 
-FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu24.04 AS flash-attn
+FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu24.04 AS flash-attn-yes
 ARG FLASH_ATTN_VERSION=2.8.3
 ARG FLASH_ATTN_CUDA_ARCHS=90
 RUN apt-get update \
@@ -26,7 +31,15 @@ RUN FLASH_ATTENTION_FORCE_BUILD=TRUE FLASH_ATTN_CUDA_ARCHS="${FLASH_ATTN_CUDA_AR
     pip wheel --no-cache-dir --no-build-isolation --no-deps --wheel-dir /wheels \
       "flash-attn==${FLASH_ATTN_VERSION}"
 
+FROM scratch AS flash-attn-no
+WORKDIR /wheels
+
+# The stage FLASH_ATTN names (BuildKit builds only the stages the image uses).
+# hadolint ignore=DL3006
+FROM flash-attn-${FLASH_ATTN} AS flash-attn
+
 FROM nvidia/cuda:${CUDA_VERSION}-base-ubuntu24.04
+ARG FLASH_ATTN
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -34,8 +47,11 @@ ENV PYTHONUNBUFFERED=1 \
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3.12-dev python3.12-venv g++ \
  && rm -rf /var/lib/apt/lists/*
+# /models: where compose mounts the model volume; a fresh named volume takes this owner, so the
+# download service (this image, user 10001) can write to it.
 RUN python3.12 -m venv /opt/venv \
- && useradd --system --create-home --uid 10001 nanoserve
+ && useradd --system --create-home --uid 10001 nanoserve \
+ && install -d -o nanoserve -g nanoserve /models
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /app
 
@@ -45,7 +61,7 @@ RUN pip install --no-cache-dir -r docker/requirements-worker.txt
 COPY requirements.txt ./
 RUN pip install --no-cache-dir -r requirements.txt
 RUN --mount=type=bind,from=flash-attn,source=/wheels,target=/wheels \
-    pip install --no-cache-dir --no-deps /wheels/*.whl
+    if [ "${FLASH_ATTN}" = yes ]; then pip install --no-cache-dir --no-deps /wheels/*.whl; fi
 
 COPY pyproject.toml ./
 COPY proto/ proto/
@@ -54,11 +70,14 @@ COPY model/ model/
 COPY worker_svc/ worker_svc/
 COPY nanoserve_cli/ nanoserve_cli/
 # Build-time check: consistent dependencies, the worker, the CLI and the probe import, flash-attn is
-# there (found, not imported: the build has no GPU driver).
+# there exactly when asked for (found, not imported: the build has no GPU driver), and the `hf`
+# command of the compose download service runs.
 RUN pip install --no-cache-dir --no-deps . \
  && pip check \
  && python -c "import torch, triton, worker_svc.server, nanoserve.healthcheck, nanoserve_cli.cli" \
- && python -c "import importlib.util; assert importlib.util.find_spec('flash_attn'), 'no flash-attn'" \
+ && python -c "import importlib.util as u, sys; assert bool(u.find_spec('flash_attn')) == (sys.argv[1] == 'yes'), \
+      'flash-attn is not as FLASH_ATTN=' + sys.argv[1] + ' asks'" "${FLASH_ATTN}" \
+ && hf download --help > /dev/null \
  && nanoserve worker --help > /dev/null \
  && python -m worker_svc --help > /dev/null
 

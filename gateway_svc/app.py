@@ -53,7 +53,9 @@ def create_app(config: GatewayConfig) -> HTTPMetrics:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         gateway.client = SchedulerClient(config.scheduler)
+        waiting = asyncio.create_task(gateway.client.wait_serving())  # the port opens at once: /health says why not
         yield
+        waiting.cancel()
         await gateway.client.close()
 
     app = FastAPI(title="nanoserve OpenAI-compatible gateway", lifespan=lifespan)

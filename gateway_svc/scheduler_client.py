@@ -1,5 +1,8 @@
 """The gateway's one connection to the scheduler: a single grpc.aio channel for every request."""
+import asyncio
+import logging
 import os
+import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -9,6 +12,9 @@ from nanoserve.v1 import llm_pb2, llm_pb2_grpc
 from nanoserve.wire import GRPC_OPTIONS
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
+# A scheduler that (re)starts is seen within a second: gRPC's default reconnect backoff grows to minutes.
+_CHANNEL_OPTIONS = [*GRPC_OPTIONS, ("grpc.max_reconnect_backoff_ms", 1000)]
+log = logging.getLogger("nanoserve.gateway")
 
 
 class SchedulerClient:
@@ -17,7 +23,7 @@ class SchedulerClient:
     def __init__(self, address: str, rpc_timeout: float = 10.0):
         self.address = address
         self.rpc_timeout = rpc_timeout  # for the short calls; Generate runs as long as it generates
-        self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self.llm = llm_pb2_grpc.LLMStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self._info: llm_pb2.ModelInfo | None = None
@@ -54,6 +60,27 @@ class SchedulerClient:
             return (f"the scheduler at {self.address} reports "
                     f"{health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
         return ""
+
+    async def wait_serving(self, poll_seconds: float = 0.5, remind_seconds: float = 60.0) -> None:
+        """Returns once the scheduler says SERVING, logging that the gateway waits for it (and why, again
+        every `remind_seconds`), then what it serves. Meanwhile /health answers 503 with the same reason."""
+        problem = await self.health()
+        started = reminded = time.monotonic()
+        if problem:
+            log.info("waiting for the scheduler: %s", problem)
+        while problem:
+            await asyncio.sleep(poll_seconds)
+            problem = await self.health()
+            if problem and time.monotonic() - reminded >= remind_seconds:
+                log.info("still waiting for the scheduler after %.0fs: %s", time.monotonic() - started, problem)
+                reminded = time.monotonic()
+        try:
+            info = await self.model_info()
+        except OpenAIError as err:  # gone again at once; requests say so with a 503 of their own
+            log.warning("the scheduler at %s went away right after it said SERVING: %s", self.address, err)
+            return
+        log.info("the scheduler at %s serves %s (max model len %d): the OpenAI API is ready", self.address,
+                 info.model, info.max_model_len)
 
     async def _call(self, method, request):
         try:

@@ -4,21 +4,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from model.parallel import CheckpointTensor, all_reduce, check_shape, divide, tp_rank, tp_world_size
+from model.parallel import CheckpointTensor, all_reduce, divide, set_weight_loader, tp_rank, tp_world_size
 
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
         self.rank, self.world_size = tp_rank(), tp_world_size()
-        self.full_shape = (vocab_size, hidden_size)
         rows = divide(vocab_size, self.world_size, "vocab size")
         self.vocab_start, self.vocab_end = self.rank * rows, (self.rank + 1) * rows
-        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
-        self.weight.weight_loader = self.load_weight
+        self.weight = set_weight_loader(nn.Parameter(torch.empty(rows, hidden_size)), self.load_weight,
+                                        {None: (vocab_size, hidden_size)})
 
     def load_weight(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
-        check_shape(loaded, self.full_shape)
         param.data.copy_(loaded.narrow(0, self.vocab_start, self.vocab_end - self.vocab_start))
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,13 @@
-"""Tensor-parallel linear layers (no bias: Qwen3 has none). Each keeps only its rank's slice of the
-weight and knows how to cut that slice out of a full checkpoint tensor (its weight loader).
-At world size 1 they are plain linear layers."""
+"""Tensor-parallel linear layers, with an optional bias (Qwen2's q/k/v, Llama's `attention_bias` and
+`mlp_bias`). Each keeps only its rank's slice of the weight and knows how to cut that slice out of a
+full checkpoint tensor (its weight loader). At world size 1 they are plain linear layers."""
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.parallel import CheckpointTensor, all_reduce, check_shape, divide, tp_rank, tp_world_size
+from model.parallel import CheckpointTensor, all_reduce, divide, set_weight_loader, tp_rank, tp_world_size
 
 
 @dataclass(frozen=True)
@@ -21,44 +21,45 @@ class PackedPart:
 class ColumnParallelLinear(nn.Module):
     """Output features split across ranks: each rank computes its slice of y, no communication.
     Several checkpoint matrices of the same input (`parts`, by shard id) are packed side by side
-    so that they run as one matmul."""
+    so that they run as one matmul; a bias is split and packed like the weight's rows."""
 
-    def __init__(self, input_size: int, parts: dict[int | str, PackedPart]):
+    def __init__(self, input_size: int, parts: dict[int | str, PackedPart], bias: bool = False):
         super().__init__()
         self.input_size = input_size
         self.parts = parts
         self.offsets, offset = {}, 0
         for shard_id, part in parts.items():
             self.offsets[shard_id], offset = offset, offset + part.rows
-        self.weight = nn.Parameter(torch.empty(offset, input_size))
-        self.weight.weight_loader = self.load_weight
+        self.weight = set_weight_loader(nn.Parameter(torch.empty(offset, input_size)), self.load_rows,
+                                        {i: (part.full_rows, input_size) for i, part in parts.items()})
+        self.bias = set_weight_loader(nn.Parameter(torch.empty(offset)), self.load_rows,
+                                      {i: (part.full_rows,) for i, part in parts.items()}) if bias else None
 
-    def load_weight(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | str) -> None:
+    def load_rows(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | str) -> None:
         part = self.parts[shard_id]
-        check_shape(loaded, (part.full_rows, self.input_size))
         param.data.narrow(0, self.offsets[shard_id], part.rows).copy_(loaded.narrow(0, part.start, part.rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Projections of one input (gate and up), each split evenly across ranks; shard ids 0, 1, ..."""
 
-    def __init__(self, input_size: int, output_sizes: list[int]):
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         rank, world_size = tp_rank(), tp_world_size()
         parts = {}
         for shard_id, size in enumerate(output_sizes):
             rows = divide(size, world_size, "output features")
             parts[shard_id] = PackedPart(size, rank * rows, rows)
-        super().__init__(input_size, parts)
+        super().__init__(input_size, parts, bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v (shard ids "q", "k", "v") split across ranks by heads. With fewer KV heads than
     ranks, each KV head is replicated on the ranks whose query heads share it."""
 
-    def __init__(self, hidden_size: int, head_dim: int, total_heads: int, total_kv_heads: int):
+    def __init__(self, hidden_size: int, head_dim: int, total_heads: int, total_kv_heads: int, bias: bool = False):
         rank, world_size = tp_rank(), tp_world_size()
         self.num_heads = divide(total_heads, world_size, "attention heads")
         if total_kv_heads >= world_size:
@@ -73,24 +74,31 @@ class QKVParallelLinear(ColumnParallelLinear):
         q_rows, kv_rows = self.num_heads * head_dim, self.num_kv_heads * head_dim
         kv = PackedPart(total_kv_heads * head_dim, kv_start * head_dim, kv_rows)
         super().__init__(hidden_size, {"q": PackedPart(total_heads * head_dim, rank * q_rows, q_rows),
-                                       "k": kv, "v": kv})
+                                       "k": kv, "v": kv}, bias)
 
 
 class RowParallelLinear(nn.Module):
     """Input features split across ranks (a column-parallel layer's output slices): each rank
-    computes a partial y and the all-reduce sums them."""
+    computes a partial y and the all-reduce sums them; the bias, whole on every rank, is added
+    once, after the sum."""
 
-    def __init__(self, input_size: int, output_size: int):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
         self.rank = tp_rank()
-        self.full_shape = (output_size, input_size)
-        self.weight = nn.Parameter(torch.empty(output_size, divide(input_size, tp_world_size(), "input features")))
-        self.weight.weight_loader = self.load_weight
+        columns = divide(input_size, tp_world_size(), "input features")
+        self.weight = set_weight_loader(nn.Parameter(torch.empty(output_size, columns)), self.load_columns,
+                                        {None: (output_size, input_size)})
+        self.bias = set_weight_loader(nn.Parameter(torch.empty(output_size)), self.load_whole,
+                                      {None: (output_size,)}) if bias else None
 
-    def load_weight(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
-        check_shape(loaded, self.full_shape)
+    def load_columns(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
         columns = param.shape[1]
         param.data.copy_(loaded.narrow(1, self.rank * columns, columns))
 
+    @staticmethod
+    def load_whole(param: nn.Parameter, loaded: CheckpointTensor) -> None:
+        param.data.copy_(loaded.narrow(0, 0, param.shape[0]))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(F.linear(x, self.weight))
+        y = all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from model.compiled import fused_on_cuda
-from model.parallel import check_shape
+from model.parallel import set_weight_loader
 
 
 def rms_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -28,11 +28,10 @@ class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size))
-        self.weight.weight_loader = self.load_weight
+        self.weight = set_weight_loader(nn.Parameter(torch.ones(size)), self.load_weight, {None: (size,)})
 
-    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        check_shape(loaded, param.shape)
+    @staticmethod
+    def load_weight(param: nn.Parameter, loaded: torch.Tensor) -> None:
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None

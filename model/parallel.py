@@ -1,9 +1,12 @@
 """This process's place in the tensor-parallel group. The group itself is joined elsewhere
 (worker_svc.distributed); without it every layer is a plain, unsharded layer."""
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+ShardId = int | str | None  # which checkpoint tensor of a packed parameter (None: the parameter's only one)
 
 
 def tp_rank() -> int:
@@ -42,7 +45,11 @@ class CheckpointTensor(Protocol):
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor: ...
 
 
-def check_shape(loaded: CheckpointTensor, expected: tuple[int, ...]) -> None:
-    """Checkpoint tensors are checked against the full (unsharded) shape before a rank slices them."""
-    if tuple(loaded.shape) != tuple(expected):
-        raise ValueError(f"shape {tuple(loaded.shape)} in the checkpoint, expected {tuple(expected)}")
+def set_weight_loader(param: nn.Parameter, loader: Callable[..., None],
+                      checkpoint_shapes: dict[ShardId, tuple[int, ...]]) -> nn.Parameter:
+    """How `param` is filled from a checkpoint: `loader(param, tensor[, shard_id])` copies this rank's
+    part of each checkpoint tensor, whose full (unsharded) shape is `checkpoint_shapes[shard_id]`. The
+    model loader checks every shape against these before it reads any weight."""
+    param.weight_loader = loader
+    param.checkpoint_shapes = {shard_id: tuple(shape) for shard_id, shape in checkpoint_shapes.items()}
+    return param

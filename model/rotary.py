@@ -1,7 +1,13 @@
-"""Rotary position embedding (the rotate-half form Qwen3 uses): the precomputed cos/sin tables and
-the rotation. Qwen3 runs the rotation fused with its q/k norms (model.qwen3.qk_norm_rotary)."""
+"""Rotary position embedding (the rotate-half form of Llama, Qwen and Mistral): the precomputed cos/sin
+tables, with Llama 3.x's frequency scaling, and the rotation of q and k. Qwen3 runs the rotation fused
+with its q/k norms (model.qwen3.qk_norm_rotary)."""
+import math
+
 import torch
 from torch import nn
+
+from model.compiled import fused_on_cuda
+from model.config import RopeConfig
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -10,11 +16,30 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+@fused_on_cuda
+def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, heads, head_dim] and k [N, kv_heads, head_dim] rotated by each token's row of the tables."""
+    cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
+    return rotate(q, cos, sin), rotate(k, cos, sin)
+
+
+def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """theta^(-2i / head_dim) for i < head_dim / 2, float32; llama3 scaling divides the low frequencies
+    (wavelengths beyond original / low_freq_factor) by `factor`, keeps the high ones (wavelengths below
+    original / high_freq_factor) and blends linearly, in original / wavelength, in between."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if rope.type == "default":
+        return inv_freq
+    periods_in_context = rope.original_max_position_embeddings * inv_freq / (2 * math.pi)  # original / wavelength
+    kept = ((periods_in_context - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)).clamp(0, 1)
+    return inv_freq / rope.factor * (1 - kept) + inv_freq * kept
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, theta: float):
+    def __init__(self, head_dim: int, max_position: int, rope: RopeConfig):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inverse_frequencies(head_dim, rope))
         # [max_position, head_dim / 2] each; not a parameter, so the loader never sees it.
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)

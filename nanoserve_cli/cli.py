@@ -1,9 +1,9 @@
-"""`nanoserve` command line: worker, scheduler, up (local launcher), generate and chat.
+"""`nanoserve` command line: worker, scheduler, gateway, up (local launcher), generate and chat.
 
 Flags come from the contract's table (nanoserve.flags), each with its NANOSERVE_<FLAG> fallback.
-`worker` and `scheduler` check their flags here, then replace this process with the service
-(`python -m worker_svc ...`), which parses the same flags from the same table: the CLI imports no
-service, and signals and the exit status are the service's own.
+`worker`, `scheduler` and `gateway` check their flags here, then replace this process with the
+service (`python -m worker_svc ...`), which parses the same flags from the same table: the CLI
+imports no service, and signals and the exit status are the service's own.
 """
 import argparse
 import os

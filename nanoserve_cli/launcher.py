@@ -1,8 +1,9 @@
-"""`nanoserve up`: a scheduler and its worker ranks as local processes, stopped together.
+"""`nanoserve up`: a scheduler and its worker ranks (and, with --openai-port, the OpenAI gateway)
+as local processes, stopped together.
 
-Each child is the service itself (`python -m worker_svc`, `python -m scheduler_svc`), never imported
-here. It gets the flags `up` shares with its command in the flag table, as `up` parsed them, plus the
-ones only the launcher can know (ports, ranks, addresses).
+Each child is the service itself (`python -m worker_svc`, `python -m scheduler_svc`,
+`python -m gateway_svc`), never imported here. It gets the flags `up` shares with its command in the
+flag table, as `up` parsed them, plus the ones only the launcher can know (ports, ranks, addresses).
 """
 import argparse
 import itertools
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -19,7 +21,7 @@ from nanoserve import flags
 from nanoserve.healthcheck import SERVING, serving_status
 from nanoserve_cli.cache import demo_model_dir
 
-SERVICE_MODULES = {"worker": "worker_svc", "scheduler": "scheduler_svc"}  # command -> module it runs
+SERVICE_MODULES = {"worker": "worker_svc", "scheduler": "scheduler_svc", "gateway": "gateway_svc"}  # command -> module
 
 
 def demo_model() -> Path:
@@ -53,6 +55,11 @@ def scheduler_command(args: argparse.Namespace) -> list[str]:
     return service_command("scheduler", args, host=args.host, workers=",".join(workers))
 
 
+def gateway_command(args: argparse.Namespace) -> list[str]:
+    return service_command("gateway", args, scheduler=f"{args.host}:{args.port}", host=args.host,
+                           port=args.openai_port)
+
+
 def describe(proc: subprocess.Popen) -> str:
     """A child as a person tells it apart: "worker_svc --rank 1", "nanoserve_cli scheduler"."""
     words = [str(word) for word in proc.args[2:]]
@@ -75,6 +82,21 @@ def wait_serving(address: str, procs: list[subprocess.Popen], timeout: float) ->
             pass
         time.sleep(0.5)
     raise RuntimeError(f"the scheduler at {address} was not serving after {timeout:.0f}s")
+
+
+def wait_http_ok(url: str, procs: list[subprocess.Popen], timeout: float) -> None:
+    """Blocks until `url` answers 200 (the gateway's /health: up, its scheduler serving); fails fast if a
+    process exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if dead := [p for p in procs if p.poll() is not None]:
+            raise RuntimeError(f"{describe(dead[0])} exited with code {dead[0].returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:  # not listening yet, or 503 (an HTTPError) until its scheduler serves
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer 200 within {timeout:.0f}s")
 
 
 def stop_all(procs: list[subprocess.Popen]) -> None:
@@ -100,12 +122,19 @@ def run_local(args: argparse.Namespace) -> int:
     dist_init_addr = f"127.0.0.1:{free_port()}"
     procs = [subprocess.Popen(worker_command(args, model, rank, dist_init_addr)) for rank in range(size)]
     procs.append(subprocess.Popen(scheduler_command(args)))
+    if args.openai_port:  # started now: it waits for the scheduler itself, and says so
+        procs.append(subprocess.Popen(gateway_command(args)))
     signal.signal(signal.SIGTERM, _interrupt)
     address = f"{args.host}:{args.port}"
     try:
         wait_serving(address, procs, args.worker_connect_timeout + 60)
-        print(f"nanoserve is serving {model} on {address} "
-              f"({size} worker rank{'s' if size > 1 else ''}); Ctrl-C stops it", flush=True)
+        openai = ""
+        if args.openai_port:
+            url = f"http://{args.host}:{args.openai_port}"
+            wait_http_ok(url + "/health", procs, 60)
+            openai = f", the OpenAI API on {url}/v1"
+        print(f"nanoserve is serving {model} on {address} ({size} worker rank{'s' if size > 1 else ''}{openai}); "
+              "Ctrl-C stops it", flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)
         print("a nanoserve process exited; stopping the others", file=sys.stderr)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from nanoserve.v1 import llm_pb2
+from nanoserve.v1 import llm_pb2, worker_pb2
 from scheduler_svc.sequence import SamplingOptions
 from scheduler_svc.tokenizer import TextTokenizer
 
@@ -56,7 +56,7 @@ def checked_length(ids: list[int], limits: RequestLimits) -> list[int]:
 
 
 def _number(params: llm_pb2.SamplingParams, name: str, default: float, low: float, high: float,
-            low_open: bool = False, allowed: str = "") -> float:
+            low_open: bool = False) -> float:
     """The field's value (its default when unset), refused unless in [low, high] ((low, high] with low_open)."""
     if not params.HasField(name):
         return default
@@ -64,7 +64,7 @@ def _number(params: llm_pb2.SamplingParams, name: str, default: float, low: floa
     if not math.isfinite(value) or value < low or value > high or (low_open and value == low):
         interval = f"{'(' if low_open else '['}{low:g}, {high:g}]" if math.isfinite(high) else \
             f"{'>' if low_open else '>='} {low:g}"
-        raise _invalid(f"{name} must be in {allowed or interval}, got {value:g}")
+        raise _invalid(f"{name} must be in {interval}, got {value:g}")
     return value
 
 
@@ -83,9 +83,17 @@ def _count(params: llm_pb2.SamplingParams, name: str, limit: int, flag: str) -> 
     return value
 
 
-def sampling_options(params: llm_pb2.SamplingParams, limits: RequestLimits) -> SamplingOptions:
+def _model_default(defaults: worker_pb2.SamplingDefaults | None, name: str, api_default: float) -> float:
+    return getattr(defaults, name) if defaults is not None and defaults.HasField(name) else api_default
+
+
+def sampling_options(params: llm_pb2.SamplingParams, limits: RequestLimits,
+                     defaults: worker_pb2.SamplingDefaults | None = None) -> SamplingOptions:
+    """A temperature, top_p or top_k the request leaves unset is the model's default (its
+    generation_config.json, as the workers report it), else the API's."""
     vocab_size = limits.vocab_size
-    temperature = params.temperature if params.HasField("temperature") else 1.0
+    temperature = params.temperature if params.HasField("temperature") else \
+        _model_default(defaults, "temperature", 1.0)
     if math.isnan(temperature) or temperature < 0:
         raise _invalid(f"temperature must be a number >= 0 (0 = greedy), got {temperature}")
     if math.isinf(temperature):
@@ -94,7 +102,7 @@ def sampling_options(params: llm_pb2.SamplingParams, limits: RequestLimits) -> S
     if max_tokens == 0:
         raise _invalid("max_tokens must be at least 1 (leave it unset for no limit)")
     stop_token_ids = tuple(_token_id("stop_token_ids", t, vocab_size) for t in params.stop_token_ids)
-    top_k = params.top_k if params.HasField("top_k") else 0
+    top_k = params.top_k if params.HasField("top_k") else int(_model_default(defaults, "top_k", 0))
     if top_k < -1:
         raise _invalid(f"top_k must be -1 or 0 (off) or at least 1, got {top_k}")
     min_tokens = params.min_tokens if params.HasField("min_tokens") else 0
@@ -113,7 +121,7 @@ def sampling_options(params: llm_pb2.SamplingParams, limits: RequestLimits) -> S
     return SamplingOptions(
         temperature=temperature, max_tokens=max_tokens, ignore_eos=params.ignore_eos,
         seed=params.seed if params.HasField("seed") else None, stop_token_ids=stop_token_ids,
-        top_p=_number(params, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        top_p=_number(params, "top_p", _model_default(defaults, "top_p", 1.0), 0.0, 1.0, low_open=True),
         top_k=0 if top_k in (-1, 0) or top_k >= vocab_size else top_k,  # every token: no top-k at all
         min_p=_number(params, "min_p", 0.0, 0.0, 1.0),
         repetition_penalty=_number(params, "repetition_penalty", 1.0, 0.0, math.inf, low_open=True),

@@ -9,7 +9,8 @@ from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from nanoserve.v1 import llm_pb2, llm_pb2_grpc
+from nanoserve.hub import ModelNotFound
+from nanoserve.v1 import llm_pb2, llm_pb2_grpc, worker_pb2
 from nanoserve.wire import GRPC_OPTIONS
 from scheduler_svc.chat_template import ChatTemplate, ChatTemplateError
 from scheduler_svc.completions import CompletionOutput, completion_sequences
@@ -37,6 +38,7 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         self.chat_template: ChatTemplate | None = None
         self.info: llm_pb2.ModelInfo | None = None
         self.limits: RequestLimits | None = None
+        self.sampling_defaults = worker_pb2.SamplingDefaults()  # the model's, from its workers
 
     async def _ready_engine(self, context) -> Engine:
         if self.engine is None:
@@ -55,7 +57,7 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         engine = await self._ready_engine(context)
         try:
             ids = prompt_ids(request, self.tokenizer, self.limits)
-            options = sampling_options(request.sampling, self.limits)
+            options = sampling_options(request.sampling, self.limits, self.sampling_defaults)
         except BadRequest as err:
             await context.abort(err.code, str(err))
         async for message in self._stream(engine, ids, options, request.request_id, timer, context):
@@ -67,7 +69,7 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         engine = await self._ready_engine(context)
         try:
             ids = checked_length(self._conversation_ids(request), self.limits)
-            options = sampling_options(request.sampling, self.limits)
+            options = sampling_options(request.sampling, self.limits, self.sampling_defaults)
         except BadRequest as err:
             await context.abort(err.code, str(err))
         async for message in self._stream(engine, ids, options, request.request_id, timer, context):
@@ -211,12 +213,18 @@ async def _serve(args: argparse.Namespace) -> int:
         await server.stop(grace=0)
         return 1
     config = _scheduler_config(args, group)
-    tokenizer_dir = args.tokenizer or group.infos[0].model
-    service.tokenizer = TextTokenizer(tokenizer_dir)
-    service.chat_template = ChatTemplate(tokenizer_dir)
+    try:  # the model's own revision applies to its tokenizer, not to another --tokenizer
+        service.tokenizer = TextTokenizer(args.tokenizer or group.infos[0].model,
+                                          "" if args.tokenizer else args.revision, args.download_dir)
+    except ModelNotFound as err:
+        log.error("cannot start: %s", err)
+        await server.stop(grace=0)
+        return 1
+    service.chat_template = ChatTemplate(service.tokenizer.directory)
     service.limits = RequestLimits(group.infos[0].vocab_size, config.max_model_len, args.max_n,
                                    min(args.max_logprobs, group.infos[0].vocab_size))
     service.info = _model_info(config, group, service.limits)
+    service.sampling_defaults = group.infos[0].sampling_defaults
     engine = Engine(group, config, args.worker_connect_timeout)
 
     def set_health(healthy: bool) -> None:

@@ -4,14 +4,18 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from nanoserve.hub import resolve_model_dir
 from scheduler_svc.detokenizer import IncrementalDetokenizer
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 class TextTokenizer:
-    """A checkpoint's tokenizer: `tokenizer.json`, plus `tokenizer_config.json` when present."""
+    """A checkpoint's tokenizer: `tokenizer.json`, plus `tokenizer_config.json` when present. The model is
+    a directory or a Hugging Face Hub id, resolved as the workers resolve it (nanoserve.hub)."""
 
-    def __init__(self, model_dir: str | Path) -> None:
-        model_dir = Path(model_dir)
+    def __init__(self, model: str | Path, revision: str = "", download_dir: str = "") -> None:
+        model_dir = self.directory = resolve_model_dir(str(model), TOKENIZER_FILES, revision, download_dir)
         self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self._bos_ids = self._required_bos_ids(model_dir / "tokenizer_config.json")
         self._token_texts: dict[int, str] = {}

@@ -12,7 +12,10 @@ _DEFAULT = defaults("worker")
 
 @dataclass
 class WorkerConfig:
-    model: str
+    model: str                                              # a directory or a Hugging Face Hub id
+    load_format: str = _DEFAULT["load_format"]              # dummy: random weights from config.json
+    revision: str = _DEFAULT["revision"]                    # of a Hub model
+    download_dir: str = _DEFAULT["download_dir"]            # of a Hub model; empty: the Hub cache
     dtype: str = _DEFAULT["dtype"]
     device: str = _DEFAULT["device"]
     rank: int = _DEFAULT["rank"]

@@ -6,17 +6,21 @@ as well, where the next decode of their sequence reads them (every rank gets ran
 import hashlib
 import logging
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from kernels.backend import select_backend
+from model.checkpoint import CONFIG_FILES, weight_files
 from model.compiled import configure_compiler
+from model.config import ModelConfig, resolve_dtype
 from model.loader import load_model
 from model.parallel import broadcast_from_first_rank, tp_rank, tp_world_size
-from model.qwen3_config import Qwen3Config, resolve_dtype
+from model.registry import read_model_config
 from model.sampler import Sampler, SamplingRow
 from model.step_context import step_context
+from nanoserve.hub import resolve_model_dir
 from nanoserve.mathutil import cdiv
 from nanoserve.v1 import worker_pb2
 from worker_svc.config import WorkerConfig
@@ -31,13 +35,24 @@ from worker_svc.step_inputs import StepInputs, build_step_inputs
 log = logging.getLogger("nanoserve.worker")
 
 
-def model_fingerprint(path: Path, dtype: torch.dtype) -> str:
-    """Equal on ranks that serve the same checkpoint in the same dtype."""
+def model_fingerprint(path: Path, dtype: torch.dtype, load_format: str) -> str:
+    """Equal on ranks that serve the same checkpoint (or the same dummy weights) in the same dtype."""
     digest = hashlib.sha256((path / "config.json").read_bytes())
-    for file in sorted(path.glob("*.safetensors")):
+    for file in sorted(path.glob("*.safetensors")) if load_format != "dummy" else ():
         digest.update(f"{file.name}:{file.stat().st_size}".encode())
-    digest.update(str(dtype).encode())
+    digest.update(f"{dtype} dummy={load_format == 'dummy'}".encode())
     return digest.hexdigest()[:16]
+
+
+def fetch_checkpoint(config: WorkerConfig) -> tuple[Path, ModelConfig]:
+    """The checkpoint's directory and config. A Hub model's config comes first and is checked (an
+    architecture or feature nanoserve cannot serve is an error before any weight is fetched); then come
+    the weight files the loader will read, unless the weights are dummy."""
+    path = resolve_model_dir(config.model, CONFIG_FILES, config.revision, config.download_dir)
+    model_config = read_model_config(path)
+    if config.load_format != "dummy":
+        path = resolve_model_dir(config.model, weight_files(path), config.revision, config.download_dir)
+    return path, model_config
 
 
 class ModelRunner:
@@ -58,17 +73,13 @@ class ModelRunner:
                              f"process is rank {tp_rank()} of {tp_world_size()} in torch.distributed")
         self.device = (torch.device("cuda", torch.cuda.current_device()) if uses_cuda(config)
                        else torch.device("cpu"))
-        path = Path(config.model)
-        self.model_config = Qwen3Config.from_dir(path)
+        path, self.model_config = fetch_checkpoint(config)
         self.dtype = resolve_dtype(config.dtype, self.model_config)
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        if self.max_model_len > self.model_config.max_position_embeddings:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {self.model_config.max_position_embeddings}")
+        self.max_model_len = self.model_config.context_limit(config.max_model_len)
         self.backend = select_backend(config.attention_backend, self.device.type, config.block_size)
-        self.model = load_model(path, self.model_config, self.dtype, self.device)
+        self.model = load_model(path, self.model_config, self.dtype, self.device, config.load_format)
         self.sampler = Sampler(self.device, config.seed)
-        self.fingerprint = model_fingerprint(path, self.dtype)
+        self.fingerprint = model_fingerprint(path, self.dtype, config.load_format)
         self.clock = StepClock(self.device)
         self.kv_cache: torch.Tensor | None = None
         self.seqs: SequenceTable | None = None  # exists once the KV cache does
@@ -77,8 +88,9 @@ class ModelRunner:
         self.buffers = StepBuffers(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
                                    config.block_size, self.device)
         self.max_kv_blocks = self._max_kv_blocks()
-        log.info("rank %d: %s in %s, %s attention, room for %d KV blocks of %d tokens", config.rank,
-                 path.name, self.dtype, self.backend.name, self.max_kv_blocks, config.block_size)
+        log.info("rank %d: %s (%s%s) in %s, %s attention, room for %d KV blocks of %d tokens", config.rank,
+                 config.model, self.model_config.architecture, ", dummy weights" if config.load_format == "dummy" else "",
+                 self.dtype, self.backend.name, self.max_kv_blocks, config.block_size)
 
     def _kv_block_bytes(self) -> int:
         attn = self.model.attention_layers()[0]
@@ -134,7 +146,12 @@ class ModelRunner:
             max_model_len=self.max_model_len, eos_token_ids=self.model_config.eos_token_ids,
             attention_backend=self.backend.name, device=str(self.device),
             max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
-            model_fingerprint=self.fingerprint)
+            model_fingerprint=self.fingerprint, sampling_defaults=self._sampling_defaults())
+
+    def _sampling_defaults(self) -> worker_pb2.SamplingDefaults:
+        """generation_config.json's values, the ones it sets (unset fields stay unset on the wire)."""
+        values = asdict(self.model_config.sampling_defaults)
+        return worker_pb2.SamplingDefaults(**{name: value for name, value in values.items() if value is not None})
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """(Re)allocates the cache and, on CUDA, captures the decode graphs over it; any sequence

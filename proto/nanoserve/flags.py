@@ -20,11 +20,13 @@ from typing import Any
 
 SCHEDULER_PORT = 50051  # the public nanoserve.v1.LLM API
 WORKER_PORT = 50061     # the internal nanoserve.v1.Worker API
+OPENAI_PORT = 8000      # the gateway's OpenAI-compatible HTTP API
 
 COMMANDS = {  # command -> what it does (`python -m nanoserve.healthcheck` runs the last one)
     "worker": "serve one tensor-parallel rank of a model",
     "scheduler": "serve the public LLM API, driving the workers",
-    "up": "start a scheduler and its workers as local processes",
+    "gateway": "serve the OpenAI-compatible HTTP API in front of a scheduler",
+    "up": "start a scheduler and its workers (and a gateway) as local processes",
     "generate": "stream one completion to the terminal",
     "chat": "stream the model's answer to one chat message to the terminal",
     "healthcheck": "exit 0 only when the server reports SERVING",
@@ -94,8 +96,15 @@ FLAGS = (
          "most tokens computed in one step; longer prompts are prefilled in chunks", ENGINE),
     Flag("--max-model-len", 0, "prompt + output limit per sequence; 0 = the model's own", ENGINE),
     # a worker rank
-    Flag("--model", "", "checkpoint directory (config.json, *.safetensors, tokenizer files); "
-         "up without it serves the built-in tiny demo model", WORKER),
+    Flag("--model", "", "checkpoint directory (config.json, *.safetensors, tokenizer files) or Hugging Face Hub "
+         "id (owner/name, fetched into the Hub cache); up without it serves the built-in tiny demo model", WORKER),
+    Flag("--load-format", "auto", "where the weights come from: auto = safetensors, the checkpoint's files; dummy = "
+         "random weights of config.json's shapes, to benchmark a shape without its weights", WORKER,
+         ("auto", "safetensors", "dummy")),
+    Flag("--revision", "", "branch, tag or commit of a Hub model (its tokenizer too); empty = main",
+         ("worker", "scheduler", "up")),
+    Flag("--download-dir", "", "where Hub models are downloaded; empty = the Hugging Face cache ($HF_HOME)",
+         ("worker", "scheduler", "up")),
     Flag("--host", "0.0.0.0", "address to listen on", ("worker", "scheduler")),
     Flag("--port", WORKER_PORT, "port the worker listens on", ("worker",)),
     Flag("--rank", 0, "this worker's rank", ("worker",)),
@@ -118,7 +127,8 @@ FLAGS = (
     Flag("--workers", f"127.0.0.1:{WORKER_PORT}", "worker addresses (host:port), comma-separated, in rank order",
          ("scheduler",)),
     Flag("--port", SCHEDULER_PORT, "port the public LLM API listens on", SCHEDULER),
-    Flag("--tokenizer", "", "directory with tokenizer.json; empty = the model the workers serve", SCHEDULER),
+    Flag("--tokenizer", "", "directory with the tokenizer files (tokenizer.json, the chat template), or a Hub id; "
+         "empty = the model the workers serve", SCHEDULER),
     Flag("--max-waiting", 4096, "queued requests before RESOURCE_EXHAUSTED", SCHEDULER),
     Flag("--enable-prefix-caching", True, "reuse KV blocks of shared prompt prefixes", SCHEDULER),
     Flag("--worker-connect-timeout", 300.0, "seconds to wait for every worker at start-up", SCHEDULER),
@@ -126,9 +136,19 @@ FLAGS = (
     Flag("--max-n", 16, "most completions one request may ask for (n)", SCHEDULER),
     Flag("--max-logprobs", 20, "most alternatives per token a request may ask for (logprobs, prompt_logprobs)",
          SCHEDULER),
+    # the OpenAI-compatible gateway
+    Flag("--scheduler", f"127.0.0.1:{SCHEDULER_PORT}", "host:port of the scheduler's public gRPC API", ("gateway",)),
+    Flag("--host", "127.0.0.1", "address the HTTP API listens on", ("gateway",)),
+    Flag("--port", OPENAI_PORT, "port the HTTP API listens on", ("gateway",)),
+    Flag("--served-model-name", "", "model id the HTTP API lists and answers to; empty = the model directory's "
+         "name", ("gateway", "up")),
+    Flag("--log-level", "info", "the gateway's log level (uvicorn's included)", ("gateway",),
+         ("critical", "error", "warning", "info", "debug")),
     # the local launcher
     Flag("--host", "127.0.0.1", "address the scheduler listens on", ("up",)),
     Flag("--worker-base-port", WORKER_PORT, "rank r listens on this port + r", ("up",)),
+    Flag("--openai-port", 0, "also start the OpenAI-compatible gateway, listening on --host at this port; "
+         "0 = no gateway", ("up",)),
     # clients
     Flag("--address", f"127.0.0.1:{SCHEDULER_PORT}", "host:port of the server to ask",
          ("generate", "chat", "healthcheck")),

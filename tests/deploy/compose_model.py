@@ -1,7 +1,8 @@
 """compose.yaml as the tests read it: resolved by a real Compose implementation, and each
-service's `nanoserve` command line parsed by the CLI's own argument parser."""
+nanoserve service's command line parsed by the CLI's own argument parser."""
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -15,7 +16,7 @@ from nanoserve_cli.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "compose.yaml"
-PROFILES = ("one-rank",)
+PROFILES = ("tp2", "metrics", "download")
 
 
 def compose_clis() -> list[list[str]]:
@@ -48,8 +49,15 @@ def resolved_model(cli: list[str], variables: dict[str, str]) -> dict:
 
 
 def raw_services() -> dict[str, dict]:
-    """The services as written (YAML anchors merged, variables left as they are)."""
-    return yaml.safe_load(COMPOSE_FILE.read_text())["services"]
+    """The services as written (YAML anchors merged), each ${VAR:-default} taken at its default."""
+    text = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", COMPOSE_FILE.read_text())
+    assert "${" not in text, "a compose variable without a default"
+    return yaml.safe_load(text)["services"]
+
+
+def is_nanoserve(service: dict) -> bool:
+    """A service running `nanoserve COMMAND` from one of the project's images (not a one-shot tool)."""
+    return service.get("image", "").startswith("nanoserve-") and "entrypoint" not in service
 
 
 def cli_args(name: str, service: dict) -> argparse.Namespace:
@@ -66,16 +74,18 @@ def cli_args(name: str, service: dict) -> argparse.Namespace:
 
 @dataclass
 class Deployment:
-    """One scheduler service and the worker services it drives, in rank order."""
+    """One scheduler service, the worker services it drives (in rank order) and the gateways in
+    front of it."""
     scheduler: str
     workers: list[str]
+    gateways: list[str]
 
 
 def deployments(services: dict[str, dict]) -> list[Deployment]:
-    """Every scheduler service, with its workers named by the hosts in its --workers list."""
-    found = []
-    for name, service in services.items():
-        args = cli_args(name, service)
-        if args.command == "scheduler":
-            found.append(Deployment(name, [addr.split(":")[0] for addr in args.workers.split(",")]))
-    return found
+    """Every scheduler service, with its workers named by the hosts in its --workers list and the
+    gateways whose --scheduler names it."""
+    commands = {name: cli_args(name, service) for name, service in services.items() if is_nanoserve(service)}
+    return [Deployment(name, [addr.split(":")[0] for addr in args.workers.split(",")],
+                       [gw for gw, gw_args in commands.items()
+                        if gw_args.command == "gateway" and gw_args.scheduler.split(":")[0] == name])
+            for name, args in commands.items() if args.command == "scheduler"]

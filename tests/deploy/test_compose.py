@@ -1,17 +1,26 @@
 """compose.yaml: valid for a real Compose implementation, and the deployment contract holds on the
 model it resolves (run once per implementation found: Docker's plugin, Debian's docker-compose)."""
 import os
+import sys
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
+import yaml
 
-from tests.deploy.compose_model import (Deployment, cli_args, compose_clis, compose_config, deployments,
-                                  resolved_model)
+from nanoserve import flags
+from tests.deploy.compose_model import (REPO, Deployment, cli_args, compose_clis, compose_config, deployments,
+                                        is_nanoserve, resolved_model)
 
 CLIS = compose_clis()
-MODEL_DIR = "/srv/models/Qwen3-0.6B"
+MODEL_DIR = "/srv/models"
+MODEL = "Qwen/Qwen3-0.6B"  # the default the download fetches and the workers load
 NO_COMPOSE = ("no Compose implementation to validate compose.yaml with: "
               "`apt-get install docker-compose` (Debian) or Docker's compose plugin")
 HEALTHCHECK = ["CMD", "python", "-m", "nanoserve.healthcheck", "--address"]
+GATEWAY_HEALTHCHECK = ["CMD", "python", "-m", "gateway_svc.healthcheck"]
+TOOLS = {"download", "prometheus"}  # the services that are not nanoserve's own
 
 
 @pytest.fixture(scope="module", params=CLIS or [None], ids=lambda cli: " ".join(cli) if cli else "none")
@@ -25,7 +34,7 @@ def cli(request) -> list[str]:
 
 @pytest.fixture(scope="module")
 def model(cli) -> dict:
-    return resolved_model(cli, {"MODEL_DIR": MODEL_DIR})
+    return resolved_model(cli, {})
 
 
 @pytest.fixture(scope="module")
@@ -50,29 +59,46 @@ def mounts(service: dict) -> list[tuple[str, str, bool]]:
     return out
 
 
+def published(service: dict) -> list[tuple[str, int, int]]:
+    """(host address, host port, container port) of each published port; "" = every address."""
+    out = []
+    for port in service.get("ports", []):
+        if isinstance(port, str):  # docker-compose 1.x keeps the short form when it names an address
+            *host, target = port.split("/")[0].split(":")
+            out.append((host[0] if len(host) == 2 else "", int(host[-1]), int(target)))
+        else:
+            out.append((port.get("host_ip", ""), int(port["published"]), int(port["target"])))
+    return out
+
+
+def networks_of(service: dict) -> dict[str, list[str]]:
+    """network -> the aliases the service has there."""
+    nets = service.get("networks", {})
+    return {name: list((nets[name] or {}).get("aliases", [])) if isinstance(nets, dict) else [] for name in nets}
+
+
 def test_compose_file_is_valid(cli):
-    result = compose_config(cli, {"MODEL_DIR": MODEL_DIR})
-    assert result.returncode == 0, result.stderr
+    for variables in ({}, {"MODEL_DIR": MODEL_DIR, "MODEL": "Qwen3-0.6B"}):
+        result = compose_config(cli, variables)
+        assert result.returncode == 0, result.stderr
 
 
-def test_model_dir_is_required(cli):
-    result = compose_config(cli, {})
-    assert result.returncode != 0
-    assert "MODEL_DIR" in result.stderr
-
-
-def test_every_service_is_a_scheduler_or_one_of_its_workers(services, groups):
+def test_every_service_is_a_scheduler_its_workers_its_gateway_or_a_tool(services, groups):
     workers = [w for g in groups for w in g.workers]
     assert len(workers) == len(set(workers)), "a worker serves two schedulers"
-    assert set(services) == {g.scheduler for g in groups} | set(workers)
+    assert all(len(g.gateways) == 1 for g in groups), groups
+    assert set(services) == {g.scheduler for g in groups} | set(workers) | {gw for g in groups for gw in g.gateways} \
+        | TOOLS
+    assert not any(is_nanoserve(services[name]) for name in TOOLS)
 
 
-def test_default_is_two_ranks_and_a_profile_runs_one(services, groups):
+def test_default_is_one_rank_and_the_tp2_profile_runs_two(services, groups):
     by_profile = {tuple(services[g.scheduler].get("profiles", [])): len(g.workers) for g in groups}
-    assert by_profile == {(): 2, ("one-rank",): 1}
+    assert by_profile == {(): 1, ("tp2",): 2}
     for g in groups:
         profiles = services[g.scheduler].get("profiles", [])
-        assert all(services[w].get("profiles", []) == profiles for w in g.workers)
+        assert all(services[s].get("profiles", []) == profiles for s in g.workers + g.gateways)
+    assert services["download"]["profiles"] == ["download"] and services["prometheus"]["profiles"] == ["metrics"]
 
 
 def test_ranks_and_tensor_parallel_size_agree(services, groups):
@@ -89,23 +115,35 @@ def test_ranks_and_tensor_parallel_size_agree(services, groups):
             assert [getattr(args, k) for k in limits] == [getattr(scheduler, k) for k in limits], name
 
 
-def test_only_schedulers_publish_their_port(services, groups):
+def test_services_listen_on_every_address_of_their_container(services):
+    """The services bind loopback unless told otherwise; in a container that would reach nobody."""
+    for name, service in services.items():
+        if is_nanoserve(service):
+            assert "--host" in service["command"], f"{name} must pass --host explicitly"
+            assert cli_args(name, service).host == "0.0.0.0", name
+
+
+def test_the_gateway_is_the_only_http_port_published_beside_the_grpc_api(services, groups):
     for g in groups:
-        port = cli_args(g.scheduler, services[g.scheduler]).port
-        published = [(int(p["published"]), int(p["target"])) for p in services[g.scheduler]["ports"]]
-        assert published == [(50051, port)]
+        (gateway,) = g.gateways
+        assert published(services[gateway]) == [("", 8000, cli_args(gateway, services[gateway]).port)]
+        assert published(services[g.scheduler]) == [("", 50051, cli_args(g.scheduler, services[g.scheduler]).port)]
         for name in g.workers:
             assert "ports" not in services[name], f"{name} must not be published"
             assert str(cli_args(name, services[name]).port) in services[name]["expose"]
+    assert published(services["prometheus"]) == [("127.0.0.1", 9090, 9090)]  # the operator's, on loopback
+    assert "ports" not in services["download"]
 
 
 def test_workers_are_reachable_on_the_internal_network_alone(model, services, groups):
     internal = {name for name, net in model["networks"].items() if (net or {}).get("internal")}
     for g in groups:
-        scheduler_networks = set(services[g.scheduler]["networks"])
+        scheduler_networks = set(networks_of(services[g.scheduler]))
         assert scheduler_networks & internal and scheduler_networks - internal
         for name in g.workers:
-            assert set(services[name]["networks"]) <= internal & scheduler_networks, name
+            assert set(networks_of(services[name])) <= internal & scheduler_networks, name
+        for name in g.gateways:  # reaches its scheduler, and is reached from outside
+            assert set(networks_of(services[name])) <= scheduler_networks - internal, name
 
 
 def test_every_worker_reserves_its_own_gpu(services, groups):
@@ -116,6 +154,7 @@ def test_every_worker_reserves_its_own_gpu(services, groups):
             assert device["capabilities"] == ["gpu"] and device["driver"] == "nvidia", name
             device_ids += device["device_ids"]
         assert len(device_ids) == len(g.workers) == len(set(device_ids)), device_ids
+        assert not any("deploy" in services[name] for name in (g.scheduler, *g.gateways))
 
 
 def test_ranks_can_share_memory_for_nccl(services, groups):
@@ -126,25 +165,80 @@ def test_ranks_can_share_memory_for_nccl(services, groups):
 
 def test_health_checks_probe_each_service_port(services):
     for name, service in services.items():
-        check = service["healthcheck"]["test"]
-        assert check[:-1] == HEALTHCHECK, name
-        assert check[-1] == f"127.0.0.1:{cli_args(name, service).port}", name
+        if not is_nanoserve(service):
+            continue
+        check, args = service["healthcheck"]["test"], cli_args(name, service)
+        if args.command == "gateway":  # the probe takes the gateway's own flags
+            assert check[:4] == GATEWAY_HEALTHCHECK, name
+            assert flags.parse("gateway", check[4:]).port == args.port, name
+        else:
+            assert check[:-1] == HEALTHCHECK, name
+            assert check[-1] == f"127.0.0.1:{args.port}", name
 
 
-def test_scheduler_starts_after_every_worker_is_healthy(services, groups):
+def test_each_service_starts_once_what_it_needs_is_healthy(services, groups):
     for g in groups:
         depends_on = services[g.scheduler]["depends_on"]
         assert {name: dep["condition"] for name, dep in depends_on.items()} == \
             {name: "service_healthy" for name in g.workers}
+        for gateway in g.gateways:
+            assert {name: dep["condition"] for name, dep in services[gateway]["depends_on"].items()} == \
+                {g.scheduler: "service_healthy"}
+            port = cli_args(g.scheduler, services[g.scheduler]).port
+            assert cli_args(gateway, services[gateway]).scheduler == f"{g.scheduler}:{port}"
 
 
-def test_model_dir_is_mounted_read_only_where_the_workers_look(services, groups):
+@pytest.mark.parametrize("variables, source, model_path", [
+    ({}, "models", f"/models/{MODEL}"),  # the named volume the download fills
+    ({"MODEL_DIR": MODEL_DIR, "MODEL": "Qwen3-8B"}, MODEL_DIR, "/models/Qwen3-8B"),  # a host folder instead
+])
+def test_the_model_is_mounted_read_only_where_every_service_looks(cli, variables, source, model_path):
+    services = resolved_model(cli, variables)["services"]
+    for g in deployments(services):
+        for name in (g.scheduler, *g.workers, *g.gateways):
+            assert (source, "/models", True) in mounts(services[name]), name
+        assert all(cli_args(w, services[w]).model == model_path for w in g.workers)
+        assert all(cli_args(gw, services[gw]).served_model_name == variables.get("MODEL", MODEL)
+                   for gw in g.gateways)  # clients ask for the model by the name they know
+    download = services["download"]
+    assert (source, "/models", False) in mounts(download)
+    assert download["command"] == [variables.get("MODEL", MODEL), "--local-dir", model_path]
+
+
+def test_the_download_is_huggingface_hubs_own_command_in_the_worker_image(services, tmp_path):
+    download = services["download"]
+    assert download["entrypoint"] == ["hf", "download"] and download["image"] == services["worker"]["image"]
+    assert download["build"] == services["worker"]["build"]
+    assert "hf download --help" in (REPO / "docker/worker.Dockerfile").read_text()  # the image checks it has it
+    hf = shutil.which("hf", path=str(Path(sys.executable).parent))
+    assert hf, "huggingface_hub's `hf` command is missing from this environment"
+    repo_id, option, local_dir = download["command"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    result = subprocess.run([hf, "download", repo_id, option, str(tmp_path / local_dir.lstrip("/"))], env=env,
+                            capture_output=True, text=True, timeout=60)
+    # Offline, the command parses and gets as far as asking the Hub (a usage error would exit 2).
+    assert result.returncode == 1 and "offline" in result.stdout + result.stderr, result.stdout + result.stderr
+
+
+def test_long_running_services_restart(services):
+    assert {name: s.get("restart") for name, s in services.items() if name != "download"} == \
+        {name: "unless-stopped" for name in services if name != "download"}
+    assert services["download"].get("restart", "no") == "no"
+
+
+def test_prometheus_scrapes_every_deployments_scheduler_and_gateway(services, groups):
+    config_file, target = services["prometheus"]["volumes"][0].split(":")[:2]
+    assert target == "/etc/prometheus/prometheus.yml"
+    config = yaml.safe_load(Path(config_file).read_text())
+    scraped = {job["job_name"]: t for job in config["scrape_configs"] for c in job["static_configs"]
+               for t in c["targets"]}
+    prometheus_networks = set(networks_of(services["prometheus"]))
     for g in groups:
-        for name in (g.scheduler, *g.workers):
-            assert (MODEL_DIR, "/model", True) in mounts(services[name]), name
-        assert all(cli_args(w, services[w]).model == "/model" for w in g.workers)
-
-
-def test_every_service_restarts(services):
-    assert {name: s.get("restart") for name, s in services.items()} == \
-        {name: "unless-stopped" for name in services}
+        expected = {"nanoserve-scheduler": (g.scheduler, cli_args(g.scheduler, services[g.scheduler]).metrics_port),
+                    "nanoserve-gateway": (g.gateways[0], cli_args(g.gateways[0], services[g.gateways[0]]).port)}
+        for job, (name, port) in expected.items():
+            host, scraped_port = scraped[job].split(":")
+            assert int(scraped_port) == port != 0, (job, name)
+            reachable = [net for net, aliases in networks_of(services[name]).items()
+                         if net in prometheus_networks and host in (name, *aliases)]
+            assert reachable, f"Prometheus cannot reach {name} as {host}"

@@ -1,5 +1,6 @@
-"""The images: hadolint-clean Dockerfiles, their layout rules, their pins, and the scheduler image
-rebuilt without Docker (its files, its pinned packages, its own build-time checks, no torch)."""
+"""The images: hadolint-clean Dockerfiles, their layout rules, their pins, flash-attn compiled only
+when asked for, and the scheduler image (which runs the gateway too) rebuilt without Docker (its
+files, its pinned packages, its own build-time checks, no torch)."""
 import fnmatch
 import os
 import re
@@ -10,13 +11,14 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from tests.deploy.compose_model import REPO
 
 DOCKERFILES = {"scheduler": REPO / "docker/scheduler.Dockerfile", "worker": REPO / "docker/worker.Dockerfile"}
-CODE = ("proto/", "scheduler_svc/", "worker_svc/", "kernels/", "model/", "nanoserve_cli/")
+CODE = ("proto/", "scheduler_svc/", "gateway_svc/", "worker_svc/", "kernels/", "model/", "nanoserve_cli/")
 
 
 def hadolint(dockerfile: Path) -> subprocess.CompletedProcess:
@@ -77,7 +79,8 @@ def test_scheduler_pins_are_the_projects_own():
     project = pins(REPO / "requirements.txt")
     scheduler = pins(REPO / "docker/requirements-scheduler.txt")
     assert set(scheduler) == {"grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf",
-                              "xxhash", "tokenizers", "prometheus-client", "jinja2"}
+                              "xxhash", "tokenizers", "prometheus-client", "fastapi", "uvicorn", "jinja2",
+                              "huggingface-hub"}
     assert all(scheduler[name] == project[name] and scheduler[name].startswith("==") for name in scheduler)
 
 
@@ -94,6 +97,52 @@ def test_dockerignore_keeps_everything_the_images_copy():
             if instruction == "COPY" and not args.startswith("--from"):
                 for source in args.split()[:-1]:
                     assert not any(fnmatch.fnmatch(source.rstrip("/"), p) for p in patterns), source
+
+
+def stages(dockerfile: Path, build_args: dict[str, str]) -> dict[str, tuple[str, list[str]]]:
+    """Stage name -> (what it starts FROM, the stages it mounts or copies from), build arguments
+    expanded as BuildKit does (given, else the global ARG's default). The last stage is named ""."""
+    text = re.sub(r"\\\n", " ", dockerfile.read_text())
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+    first_from = next(i for i, line in enumerate(lines) if line.upper().startswith("FROM "))
+    defaults = dict(re.fullmatch(r"ARG (\w+)=?(.*)", line).groups() for line in lines[:first_from])
+    values = {**defaults, **build_args}
+
+    def expand(word: str) -> str:
+        return re.sub(r"\$\{(\w+)\}", lambda m: values[m[1]], word)
+
+    found, name = {}, None
+    for line in lines[first_from:]:
+        if line.upper().startswith("FROM "):
+            words = line.split()
+            name = words[3] if len(words) > 3 else ""
+            found[name] = (expand(words[1]), [])
+        else:
+            found[name][1].extend(expand(ref) for ref in re.findall(r"(?:from=|--from=)([\w${}-]+)", line))
+    return found
+
+
+def stages_built(dockerfile: Path, build_args: dict[str, str]) -> set[str]:
+    """The stages BuildKit builds for the image (its last stage and what that needs)."""
+    graph, todo, seen = stages(dockerfile, build_args), [""], set()
+    while todo:
+        stage = todo.pop()
+        if stage in seen:
+            continue
+        seen.add(stage)
+        base, refs = graph[stage]
+        todo += [s for s in (base, *refs) if s in graph]
+    return seen
+
+
+def test_flash_attn_is_compiled_only_when_asked_for():
+    dockerfile = DOCKERFILES["worker"]
+    compiling = [name for name, (base, _) in stages(dockerfile, {}).items() if "-devel-" in base]
+    assert compiling == ["flash-attn-yes"]
+    assert "flash-attn-yes" not in stages_built(dockerfile, {})  # the default: the Triton backend, no compile
+    assert "flash-attn-yes" in stages_built(dockerfile, {"FLASH_ATTN": "yes"})
+    compose = yaml.safe_load((REPO / "compose.yaml").read_text())
+    assert compose["x-worker-build"]["args"] == {"FLASH_ATTN": "${FLASH_ATTN:-no}"}
 
 
 def dependency_closure(requirements: list[Requirement]) -> set[str]:
@@ -147,7 +196,8 @@ def test_scheduler_image_builds_and_checks_itself_without_torch(tmp_path):
     console_script = str(site / "bin" / "nanoserve")  # what pip made of pyproject's entry point
     starts = [[console_script, command, "--help"] if command else ["-m", module, "--help"]
               for command, module in re.findall(r"(?:nanoserve (\w+)|python -m (\w+)) --help", runs)]
-    assert [console_script, "scheduler", "--help"] in starts and ["-m", "scheduler_svc", "--help"] in starts
+    for command in ("scheduler", "gateway"):
+        assert [console_script, command, "--help"] in starts and ["-m", f"{command}_svc", "--help"] in starts
     env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(site)}
     for argv in checks + starts:
         result = subprocess.run([sys.executable, "-S", *argv], env=env, cwd=tmp_path,

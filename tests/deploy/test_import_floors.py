@@ -57,13 +57,21 @@ def _resolve(name: str, modules: dict[str, Path]) -> str:
     return parts[0]
 
 
+def _is_type_checking_block(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+
+
 def imports(repo: Path) -> list[Import]:
     modules = product_modules(repo)
     found = []
     for module, path in modules.items():
         is_package = path.name == "__init__.py"
         where = path.relative_to(repo).as_posix()
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        type_only = {id(n) for block in ast.walk(tree) if _is_type_checking_block(block) for n in ast.walk(block)}
+        for node in ast.walk(tree):
+            if id(node) in type_only:  # `if TYPE_CHECKING:` imports never run: hints, not dependencies
+                continue
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):

@@ -20,7 +20,7 @@ import model.linear
 import model.loader
 from model.loader import load_weights
 from model.qwen3 import Qwen3ForCausalLM
-from model.qwen3_config import Qwen3Config
+from model.config import ModelConfig
 from nanoserve.client import Client
 from nanoserve_cli.cache import cache_dir
 from nanoserve_cli.demo_model import SHAPE, config_json, random_weights, write_checkpoint
@@ -85,7 +85,7 @@ def hf_greedy(hf_model: torch.nn.Module, token_ids: list[int], n: int) -> list[i
 def test_a_size_that_cannot_shard_the_model_is_named(monkeypatch, tiny_model_dir, world_size, change, message):
     for module in (model.linear, model.embedding):
         monkeypatch.setattr(module, "tp_world_size", lambda: world_size)
-    config = dataclasses.replace(Qwen3Config.from_dir(tiny_model_dir), **change)
+    config = dataclasses.replace(ModelConfig.from_dir(tiny_model_dir), **change)
     with torch.device("meta"), pytest.raises(ValueError, match=message):
         Qwen3ForCausalLM(config)
 
@@ -119,7 +119,7 @@ def test_a_rank_reads_whole_only_the_tensors_it_keeps_whole(monkeypatch, tiny_mo
             return self.file.get_tensor(name)
 
     monkeypatch.setattr(model.loader, "safe_open", RecordingFile)
-    load_weights(Qwen3ForCausalLM(Qwen3Config.from_dir(tiny_model_dir)), tiny_model_dir)
+    load_weights(Qwen3ForCausalLM(ModelConfig.from_dir(tiny_model_dir)), tiny_model_dir)
     assert read_whole and all(name.endswith("norm.weight") for name in read_whole), read_whole
 
 

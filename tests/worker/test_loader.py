@@ -11,7 +11,7 @@ import model.embedding
 import model.linear
 from model.loader import load_model, load_weights
 from model.qwen3 import Qwen3ForCausalLM
-from model.qwen3_config import Qwen3Config
+from model.config import ModelConfig
 
 LAYER = "model.layers.1."
 
@@ -22,7 +22,7 @@ def checkpoint(tiny_model_dir) -> dict[str, torch.Tensor]:
 
 
 def test_packed_weights_hold_the_checkpoint_tensors(tiny_model_dir, checkpoint):
-    qwen = load_model(tiny_model_dir, Qwen3Config.from_dir(tiny_model_dir), torch.float32, "cpu")
+    qwen = load_model(tiny_model_dir, ModelConfig.from_dir(tiny_model_dir), torch.float32, "cpu")
     layer = qwen.model.layers[1]
     assert torch.equal(layer.self_attn.qkv_proj.weight, torch.cat(
         [checkpoint[LAYER + f"self_attn.{name}_proj.weight"] for name in "qkv"]))
@@ -32,7 +32,7 @@ def test_packed_weights_hold_the_checkpoint_tensors(tiny_model_dir, checkpoint):
 
 
 def test_tied_checkpoint_shares_the_embedding(tiny_tied_model_dir):
-    qwen = load_model(tiny_tied_model_dir, Qwen3Config.from_dir(tiny_tied_model_dir), torch.bfloat16, "cpu")
+    qwen = load_model(tiny_tied_model_dir, ModelConfig.from_dir(tiny_tied_model_dir), torch.bfloat16, "cpu")
     assert qwen.lm_head.weight is qwen.model.embed_tokens.weight
     assert qwen.lm_head.weight.dtype == torch.bfloat16
 
@@ -43,7 +43,7 @@ def broken_checkpoint(tmp_path, tiny_model_dir, checkpoint, change) -> Qwen3ForC
     tensors = dict(checkpoint)
     change(tensors)
     save_file(tensors, tmp_path / "model.safetensors")
-    return Qwen3ForCausalLM(Qwen3Config.from_dir(tmp_path))
+    return Qwen3ForCausalLM(ModelConfig.from_dir(tmp_path))
 
 
 def test_missing_tensor_is_named(tmp_path, tiny_model_dir, checkpoint):
@@ -73,7 +73,7 @@ def test_misshaped_tensor_is_named(tmp_path, tiny_model_dir, checkpoint):
 def test_each_rank_loads_its_own_shard(monkeypatch, tiny_model_dir, checkpoint, world_size):
     """Ranks built as if in a group of `world_size` (4 ranks: each of the 2 KV heads replicated on
     the 2 ranks whose query heads use it); their slices put back together are the checkpoint."""
-    config = Qwen3Config.from_dir(tiny_model_dir)
+    config = ModelConfig.from_dir(tiny_model_dir)
     ranks = []
     for rank in range(world_size):
         for module in (model.linear, model.embedding):

@@ -1,0 +1,136 @@
+"""The decoder-only transformer that Llama, Qwen2, Qwen3 and Mistral share: token embedding; layers of
+GQA attention with rotary and a SiLU-gated MLP, each behind an RMSNorm with the residual add fused in;
+a final norm and a tied or untied LM head. It runs over a flat batch of tokens (all sequences of a
+step packed together) with its attention in the paged KV cache, built from tensor-parallel layers.
+
+A family (one file each, named in model.registry) subclasses DecoderForCausalLM and says only where it
+differs: which projections carry a bias, Qwen3's q/k norms, how its config.json sets a sliding window.
+Module names follow transformers', so checkpoint tensors map onto parameters by name."""
+from typing import Callable
+
+import torch
+from torch import nn
+
+from model.activation import SiluAndMul
+from model.attention import Attention
+from model.config import ModelConfig
+from model.embedding import ParallelLMHead, VocabParallelEmbedding
+from model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from model.norm import RMSNorm
+from model.rotary import RotaryEmbedding, rotary_qk
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, qkv_bias: bool = False,
+                 o_bias: bool = False):
+        super().__init__()
+        head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, o_bias)
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        head_dim = self.attn.head_dim
+        q, k, v = self.qkv_proj(hidden).split(
+            [self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim], dim=-1)
+        q, k = self.position(q.view(-1, self.num_heads, head_dim), k.view(-1, self.num_kv_heads, head_dim),
+                             positions)
+        out = self.attn(q, k, v.view(-1, self.num_kv_heads, head_dim))
+        return self.o_proj(out.flatten(1))
+
+    def position(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [N, heads, head_dim] and k [N, kv_heads, head_dim] made position-aware: rotary."""
+        return rotary_qk(q, k, self.rotary_emb.cos, self.rotary_emb.sin, positions)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, config: ModelConfig, bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, self_attn: DecoderAttention, mlp: GatedMLP):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the block's output and the residual stream it has not yet been added to."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, make_layer: Callable[[RotaryEmbedding], DecoderLayer]):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        # One cos/sin table shared by every layer (it is large for long-context models).
+        rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
+        self.layers = nn.ModuleList(make_layer(rotary_emb) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DecoderForCausalLM(nn.Module):
+    """The shared skeleton, without biases; a family overrides attention(), mlp() and sliding_window()
+    where its checkpoints differ."""
+    # checkpoint module name -> (our packed module, shard id in it)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, lambda rotary_emb: DecoderLayer(
+            config, self.attention(config, rotary_emb), self.mlp(config)))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def attention(self, config: ModelConfig, rotary_emb: RotaryEmbedding) -> DecoderAttention:
+        return DecoderAttention(config, rotary_emb)
+
+    def mlp(self, config: ModelConfig) -> GatedMLP:
+        return GatedMLP(config)
+
+    @classmethod
+    def sliding_window(cls, raw_config: dict) -> int | None:
+        """The attention window (tokens) config.json sets for this family; None: full attention."""
+        return None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [N, hidden] of N packed tokens at their positions."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits of the given rows (rank 0; None on other ranks)."""
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]

@@ -1,0 +1,31 @@
+"""Which model class serves a checkpoint: config.json's `architectures` name -> the family's class."""
+from pathlib import Path
+
+from model.config import ConfigError, ModelConfig, architecture, read_config_json
+from model.decoder import DecoderForCausalLM
+from model.llama import LlamaForCausalLM
+from model.mistral import MistralForCausalLM
+from model.qwen2 import Qwen2ForCausalLM
+from model.qwen3 import Qwen3ForCausalLM
+
+ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def model_class(name: str, where: str = "config.json") -> type[DecoderForCausalLM]:
+    if name not in ARCHITECTURES:
+        raise ConfigError(f"{where}: `architectures` {name!r} is not supported: one of {', '.join(ARCHITECTURES)}")
+    return ARCHITECTURES[name]
+
+
+def read_model_config(path: str | Path) -> ModelConfig:
+    """The checkpoint's config, once its architecture is known to be one nanoserve implements (the
+    family says how its config.json sets a sliding window)."""
+    path = Path(path)
+    raw = read_config_json(path)
+    family = model_class(architecture(raw, str(path / "config.json")), str(path / "config.json"))
+    return ModelConfig.from_dir(path, sliding_window=family.sliding_window(raw))
