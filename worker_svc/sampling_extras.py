@@ -118,6 +118,9 @@ class SamplingExtras:
 
     def process(self, logits: torch.Tensor, work: StepWork, device_slots: torch.Tensor) -> torch.Tensor:
         """The logits the sampler draws from: processed when a sampled sequence asks for it."""
+        self._flags = 0
+        if not (self.processors.num_flagged or self.any_logprobs):  # no live sequence asks for anything
+            return logits
         self._slots = work.slots[work.sampled]
         self._flags = self.processors.batch_flags(self._slots)
         return self.processors(logits, self._slots, device_slots, self._flags) if self._flags else logits
@@ -131,8 +134,10 @@ class SamplingExtras:
             if self._flags:
                 self.processors.observe(tokens, self._slots, device_slots, self._flags)
             sampled = self._score_sampled(raw_logits, tokens)
+        if not (sampled or self.prompt_rows):
+            return None
         prompt, self.prompt_rows = self.prompt_rows, []
-        return StepLogprobs(sampled, prompt) if sampled or prompt else None
+        return StepLogprobs(sampled, prompt)
 
     def _score_sampled(self, raw_logits: torch.Tensor, tokens: torch.Tensor):
         if not self.any_logprobs:

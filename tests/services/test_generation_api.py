@@ -131,11 +131,12 @@ def test_a_stop_string_across_tokens_ends_the_text_and_is_reported(client):
 
 
 def test_a_multibyte_stop_string_never_leaks_a_byte(client):
-    full = client.generate("写一首关于大海的诗 🌊", max_tokens=48, temperature=1.0, seed=3, ignore_eos=True)
+    request = dict(prompt="写一首关于大海的诗 🌊", max_tokens=48, temperature=1.0, seed=3, ignore_eos=True)
+    full = client.generate(**request)
     wide = [i for i, ch in enumerate(full.text) if ord(ch) > 0x7FF and i > 4]
     assert wide, f"no multi-byte character was generated: {full.text!r}"
     stop = full.text[wide[0] - 1:wide[0] + 1]
-    got = client.generate("写一首关于大海的诗 🌊", max_tokens=48, temperature=1.0, seed=3, ignore_eos=True, stop=[stop])
+    got = client.generate(**request, stop=[stop])
     assert got.text == full.text[:full.text.index(stop)] and got.stop_reason == stop
 
 

@@ -62,12 +62,19 @@ def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
 WARPERS = [
     ProcessorParams(top_k=1), ProcessorParams(top_k=40), ProcessorParams(top_p=0.9), ProcessorParams(top_p=0.3),
     ProcessorParams(temperature=0.7, top_p=0.8), ProcessorParams(temperature=1.5, min_p=0.05),
-    ProcessorParams(min_p=0.2), ProcessorParams(top_k=50, top_p=0.9), ProcessorParams(temperature=0.6, top_k=20, top_p=0.5),
+    ProcessorParams(min_p=0.2), ProcessorParams(top_k=50, top_p=0.9),
+    ProcessorParams(temperature=0.6, top_k=20, top_p=0.5),
     ProcessorParams(temperature=2.0, top_k=300, top_p=0.95, min_p=0.01), ProcessorParams(),
 ]
 
 
-@pytest.mark.parametrize("params", WARPERS, ids=str)
+def short(params: ProcessorParams) -> str:
+    """The fields that differ from the defaults, as a test id."""
+    changed = [f"{k}={v}" for k, v in params._asdict().items() if v != ProcessorParams._field_defaults[k]]
+    return ",".join(changed) or "none"
+
+
+@pytest.mark.parametrize("params", WARPERS, ids=short)
 def test_each_warper_removes_what_transformers_removes(params):
     logits = fixed_logits(1, seed=hash(params) % 1000)
     assert_same(ours([params], logits)[0], hf_row(logits[0], params))
@@ -157,8 +164,10 @@ def test_a_batch_asking_for_nothing_is_untouched():
     assert processors.num_flagged == 0 and processors.batch_flags(np.array([0, 1])) == 0
 
 
-@pytest.mark.parametrize("params", [ProcessorParams(top_k=3, temperature=1.0), ProcessorParams(top_p=0.8, temperature=0.8),
-                                    ProcessorParams(min_p=0.3, temperature=1.2, top_p=0.95)], ids=str)
+@pytest.mark.parametrize("params", [ProcessorParams(top_k=3, temperature=1.0),
+                                    ProcessorParams(top_p=0.8, temperature=0.8),
+                                    ProcessorParams(min_p=0.3, temperature=1.2, top_p=0.95)],
+                         ids=["top_k", "top_p", "min_p+top_p"])
 def test_draws_follow_the_processed_distribution(params):
     """Seeded draws of the sampler over the processed logits: only kept tokens, in the
     proportions of transformers' processed softmax."""
