@@ -1,6 +1,9 @@
 """Issue 18's API through real processes on CPU, with transformers as the oracle: sampling controls,
 penalties, logit_bias and min_tokens, stop strings, logprobs, n completions, Chat, Detokenize,
 deadlines and the errors of bad values."""
+import json
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -13,7 +16,7 @@ from transformers.generation.logits_process import SuppressTokensLogitsProcessor
 from model.logits_processors import ProcessorParams
 from nanoserve.client import Client
 from nanoserve.v1 import llm_pb2
-from tests.services.processes import running_service
+from tests.services.processes import REPO, running_service
 from tests.worker.test_logits_processors import hf_row
 
 BLOCK_SIZE = 16
@@ -250,3 +253,20 @@ def test_bad_chat_requests_are_refused(client):
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "messages" in raised.value.details()
     info = client.model_info()
     assert (info.max_n, info.max_logprobs) == (MAX_N, 20)
+
+
+def test_the_node_client_sends_the_sampling_controls(service, client):
+    node = shutil.which("node")
+    if node is None or not (REPO / "tests/services/node/node_modules").exists():
+        pytest.skip("node or tests/services/node/node_modules missing (make install provides them)")
+    controls = dict(temperature=1.0, seed=3, top_k=5, top_p=0.9)
+    argv = [word for name, value in controls.items() for word in (f"--{name.replace('_', '-')}", str(value))]
+    out = subprocess.run([node, str(REPO / "tests/services/node/generate.mjs"), service["address"], *argv],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    same = client.generate(result["prompt_token_ids"], max_tokens=len(result["token_ids"]), ignore_eos=True,
+                           **controls)
+    assert result["token_ids"] == same.token_ids
+    assert result["token_ids"] != client.generate(result["prompt_token_ids"], max_tokens=len(result["token_ids"]),
+                                                  ignore_eos=True, temperature=1.0, seed=3).token_ids
