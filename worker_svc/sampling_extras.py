@@ -20,13 +20,16 @@ from worker_svc.sequence_table import StepWork
 PROMPT_SCORING_ROWS = 256
 
 
-def processor_params(sampling: llm_pb2.SamplingParams, eos_token_ids: tuple[int, ...]) -> ProcessorParams:
+def processor_params(sampling: llm_pb2.SamplingParams, eos_token_ids: tuple[int, ...],
+                     vocab_size: int) -> ProcessorParams:
     def value(name: str, default):
         return getattr(sampling, name) if sampling.HasField(name) else default
 
     banned = (*sampling.stop_token_ids, *(() if sampling.ignore_eos else eos_token_ids))
+    top_k = value("top_k", 0)
     return ProcessorParams(
-        temperature=value("temperature", 1.0), top_p=value("top_p", 1.0), top_k=max(0, value("top_k", 0)),
+        temperature=value("temperature", 1.0), top_p=value("top_p", 1.0),
+        top_k=top_k if 0 < top_k < vocab_size else 0,  # -1, 0 or the whole vocabulary: every token
         min_p=value("min_p", 0.0), repetition_penalty=value("repetition_penalty", 1.0),
         presence_penalty=value("presence_penalty", 0.0), frequency_penalty=value("frequency_penalty", 0.0),
         min_tokens=value("min_tokens", 0), banned_until_min_tokens=tuple(dict.fromkeys(banned)),
@@ -95,7 +98,7 @@ class SamplingExtras:
             return
         for slot, entry in work.resets:
             sampling = entry.sampling
-            self.processors.reset(slot, processor_params(sampling, self.eos_token_ids),
+            self.processors.reset(slot, processor_params(sampling, self.eos_token_ids, self.processors.vocab_size),
                                   list(entry.history_token_ids), entry.num_generated)
             self.num_logprobs[slot] = sampling.logprobs if sampling.HasField("logprobs") else -1
             self.num_prompt_logprobs[slot] = sampling.prompt_logprobs

@@ -16,7 +16,7 @@ from transformers.generation.logits_process import SuppressTokensLogitsProcessor
 from model.logits_processors import ProcessorParams
 from nanoserve.client import Client
 from nanoserve.v1 import llm_pb2
-from tests.services.processes import REPO, running_service
+from tests.services.processes import CLI, ENV, REPO, running_service
 from tests.worker.test_logits_processors import hf_row
 
 BLOCK_SIZE = 16
@@ -270,3 +270,30 @@ def test_the_node_client_sends_the_sampling_controls(service, client):
     assert result["token_ids"] == same.token_ids
     assert result["token_ids"] != client.generate(result["prompt_token_ids"], max_tokens=len(result["token_ids"]),
                                                   ignore_eos=True, temperature=1.0, seed=3).token_ids
+
+
+def test_the_cli_takes_the_new_controls(service, client):
+    """`nanoserve generate` with sampling controls, a stop string and logprobs; `nanoserve chat`."""
+    full = client.generate(PROMPT, max_tokens=16, temperature=0, ignore_eos=True)
+    stop = full.text[5:8]
+    args = ["--address", service["address"], "--max-tokens", "16", "--ignore-eos", "--top-k", "5",
+            "--repetition-penalty", "1.0", "--stop", "~never~", "--stop", stop]
+    out = subprocess.run(CLI + ["generate", PROMPT, *args], env=ENV, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == full.text[:full.text.index(stop)]
+    assert f"[FINISH_REASON_STOP at {stop!r}:" in out.stderr
+    out = subprocess.run(CLI + ["generate", PROMPT, *args[:7], "--logprobs", "2"], env=ENV, capture_output=True,
+                         text=True, timeout=60)
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and len(lines) == 16, out.stderr
+    assert all(line.startswith(repr(client.detokenize([t])) + " -") and "(rank 1)" in line
+               for line, t in zip(lines, full.token_ids))  # greedy: each token the most likely
+    out = subprocess.run(CLI + ["chat", "Name a colour.", "--address", service["address"], "--max-tokens", "4",
+                                "--system", "Be brief.", "--chat-template-kwargs", '{"enable_thinking": false}'],
+                         env=ENV, capture_output=True, text=True, timeout=60)
+    want = client.chat(MESSAGES[:1] + [{"role": "user", "content": "Name a colour."}], max_tokens=4, temperature=0,
+                       chat_template_kwargs={"enable_thinking": False})
+    assert out.returncode == 0 and out.stdout == want.text
+    bad = subprocess.run(CLI + ["chat", "hi", "--address", service["address"], "--chat-template-kwargs", "[1]"],
+                         env=ENV, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "must be a JSON object" in bad.stderr
