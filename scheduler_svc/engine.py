@@ -17,7 +17,7 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.logprob_rows import ScoredToken, prompt_logprobs, sampled_logprobs
 from scheduler_svc.metrics import RequestTimer, SchedulerMetrics
 from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.sequence import Sequence
+from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.step_plan import StepPlan
 from scheduler_svc.worker_group import WorkerGroup, WorkerUnavailable
 
@@ -216,13 +216,10 @@ class Engine:
             self.metrics.steps_in_flight.set(len(in_flight))
             if done.scored:
                 self._deliver_prompt_logprobs(done, reply.prompt_logprobs)
-            if reply.HasField("sampled_logprobs"):
-                rows = sampled_logprobs(done, reply.sampled_logprobs)
-                delivered = [stream for seq in self.scheduler.postprocess(done, list(reply.token_ids))
-                             if (stream := self._deliver(seq, rows.get(seq))) is not None]
-            else:
-                delivered = [stream for seq in self.scheduler.postprocess(done, list(reply.token_ids))
-                             if (stream := self._deliver(seq)) is not None]
+            if reply.HasField("sampled_logprobs"):  # before the tokens: a finished stream is dropped with its last
+                self._deliver_sampled_logprobs(done, reply.sampled_logprobs)
+            delivered = [stream for seq in self.scheduler.postprocess(done, list(reply.token_ids))
+                         if (stream := self._deliver(seq)) is not None]
 
     async def _idle(self, ping_every: float = 2.0) -> None:
         self.work.clear()
@@ -237,21 +234,26 @@ class Engine:
                 self.scheduler.abort(seq_id)
         self.pending_aborts.clear()
 
-    def _deliver(self, seq: Sequence, logprobs: ScoredToken | None = None) -> RequestStream | None:
-        """Hands a sequence's new token (and its logprob row) to its request stream (woken later
-        by the loop)."""
+    def _deliver(self, seq: Sequence) -> RequestStream | None:
+        """Hands a sequence's new token to its request stream (woken later by the loop)."""
         stream = self.streams.get(seq.seq_id)
         if stream is None:
             return None
         stream.new_tokens.append(seq.completion_token_ids[-1])
-        if logprobs is not None:
-            stream.new_logprobs.append(logprobs)
         self.totals.generated_tokens += 1
         if seq.finish_reason is not None:
             stream.finished = True
             self.totals.requests_finished += 1
             del self.streams[seq.seq_id]
         return stream
+
+    def _deliver_sampled_logprobs(self, plan: StepPlan, rows: worker_pb2.LogprobRows) -> None:
+        """Each sampled token's logprob row, to the stream its token goes to next (the streams of
+        sequences that finished before the step are gone, as their tokens are dropped)."""
+        for seq, row in sampled_logprobs(plan, rows).items():
+            stream = self.streams.get(seq.seq_id)
+            if stream is not None and seq.status is not SequenceStatus.FINISHED:
+                stream.new_logprobs.append(row)
 
     def _deliver_prompt_logprobs(self, plan: StepPlan, rows: worker_pb2.LogprobRows) -> None:
         """Appends each scored entry's rows to its stream, from the position the stream has
