@@ -15,11 +15,15 @@ install: $(VENV)/.installed tests/services/node/node_modules/.installed
 # torch==2.13.0 resolves to the machine's local CPU wheel; installing it first keeps the
 # other requirements from pulling a CUDA build.
 # Compose files are validated by a real Compose parser: Debian's docker-compose when no
-# `docker compose` plugin is there.
+# `docker compose` plugin is there. That is the one system package this installs, and it says so.
 $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
-	docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null || \
+	@if ! docker compose version >/dev/null 2>&1 && ! command -v docker-compose >/dev/null; then \
+	  echo "make install: the tests check compose.yaml with a real Compose parser and none is installed:"; \
+	  echo "make install: installing Debian's docker-compose package (apt-get, needs root) ..."; \
 	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends docker-compose >/dev/null) || \
-	  echo "warning: no Compose parser could be installed; tests/deploy/test_compose.py will report it"
+	  echo "make install: could not install docker-compose (not root?): run 'sudo apt-get install docker-compose'" \
+	       "yourself; until then tests/deploy/test_compose.py skips (fails when CI is set)"; \
+	fi
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check torch==2.13.0
 	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements-dev.txt

@@ -51,6 +51,7 @@ def pipelined(runner: ModelRunner, step: worker_pb2.StepRequest, count: int = 20
     return 1e3 * (time.perf_counter() - start) / count, 1e3 * sorted(host)[len(host) // 2]
 
 
+@torch.inference_mode()
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default=str(bench_model_dir()))
@@ -58,6 +59,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--attention-backend", default="triton")
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--temperature", type=float, default=0.6, help="0: greedy")
     args = p.parse_args()
     if not (Path(args.model) / "config.json").exists():
         build_bench_model(Path(args.model))
@@ -66,7 +68,7 @@ def main() -> None:
                                       attention_backend=args.attention_backend, max_num_seqs=args.batch,
                                       max_model_len=args.max_model_len))
     runner.allocate_kv_cache(args.batch * blocks + 8)
-    sampling = llm_pb2.SamplingParams(temperature=0.6)
+    sampling = llm_pb2.SamplingParams(temperature=args.temperature)
     per_step = max(1, runner.config.max_num_batched_tokens // args.context)
     for first in range(0, args.batch, per_step):  # prefill every sequence to the context length
         runner.step(worker_pb2.StepRequest(seqs=[
@@ -77,18 +79,19 @@ def main() -> None:
                                                            sample=True, num_generated=1)
                                         for i in range(args.batch)])
     work = runner.seqs.apply(step)
-    num_rows = runner.graphs.batch_size(args.batch)
+    graphs = runner.graphs.decode
+    num_rows = graphs.batch_size(args.batch)
 
     def build():
-        return build_step_inputs(work, runner.seqs.block_tables, runner.backend, runner.last_tokens,
-                                 runner.buffers, num_rows)
+        return build_step_inputs(work, runner.seqs, runner.backend, runner.last_tokens, runner.buffers,
+                                 runner.sampler, num_rows)
 
     inputs = build()
-    hidden = runner.graphs.replay(args.batch)
+    hidden = graphs.replay(args.batch)
     result = {
         "host_apply_ms": timed(lambda: runner.seqs.apply(step)),
         "host_inputs_ms": timed(build),
-        "graph_forward_ms": timed(lambda: runner.graphs.replay(args.batch)),
+        "graph_forward_ms": timed(lambda: graphs.replay(args.batch)),
         "logits_and_sample_ms": timed(lambda: runner.sampler(runner.model.compute_logits(hidden),
                                                              inputs.sampling)),
         "whole_step_ms": timed(lambda: runner.step(step)),

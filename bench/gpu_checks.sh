@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On a lent GPU machine, from the repo root: builds the minimal flash-attn (when .fa/ is carried),
 # runs tests/gpu and the service integration suite on CUDA, then the throughput benchmark.
-#   bench/gpu_checks.sh [tests|bench|all|tp]   (results under $OUT, default bench/out)
+#   bench/gpu_checks.sh [tests|bench|all|tp|release]   (results under $OUT, default bench/out)
+# `release` fits one 10-minute call: tests/gpu, then throughput and latency on the 0.6B shape (triton),
+# the 8B shape at default flags on dummy weights, and throughput with flash-attn (built meanwhile).
 # `tp` (on nvidia-h200-x2): two ranks against one on GPU (tests/gpu/test_tensor_parallel*_gpu.py), the
 # tensor-parallel service tests on CUDA, then throughput at 1 and 2 ranks.
 set -uo pipefail
@@ -12,11 +14,28 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # packages the GPU image lacks (health, 
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+if [ "$mode" = release ]; then
+  [ -f .fa/flash_attn-2.8.3.tar.gz ] && { bash .fa/flash-attn-minimal.sh build .fa > "$out/fa_build.log" 2>&1 & }
+  timeout 170 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/gpu_tests.log" | tail -12
+  timeout 100 python3 bench/throughput.py --attention-backend triton --out "$out/throughput_triton.json" \
+    2>&1 | tee "$out/throughput_triton.log" | grep -v " INFO " | tail -16
+  timeout 90 python3 bench/latency.py --model .cache/qwen3-0.6b-random --repeats 10 --prompt-lens 16 512 2048 \
+    --batches 1 8 64 --itl-tokens 128 --extra "--attention-backend triton --max-model-len 4096" \
+    --out "$out/latency.json" 2>&1 | grep -v " INFO " | tail -9
+  python3 -m nanoserve_cli.demo_model .cache/qwen3-8b-dummy --shape qwen3-8b --no-weights >/dev/null
+  timeout 150 python3 bench/throughput.py --model .cache/qwen3-8b-dummy --attention-backend triton \
+    --extra "--load-format dummy" --out "$out/throughput_8b.json" 2>&1 | tee "$out/throughput_8b.log" \
+    | grep -v " INFO " | tail -16
+  wait
+  [ -d .fa/fa_pkg ] && PYTHONPATH=$PYTHONPATH:$PWD/.fa/fa_pkg timeout 90 python3 bench/throughput.py \
+    --attention-backend flash-attn --out "$out/throughput_flash-attn.json" 2>&1 | grep -v " INFO " | tail -16
+  exit
+fi
 if [ -f .fa/flash_attn-2.8.3.tar.gz ] && [ ! -d .fa/fa_pkg ]; then
   bash .fa/flash-attn-minimal.sh build .fa > "$out/fa_build.log" 2>&1 || echo "flash-attn build failed"
 fi
 [ -d .fa/fa_pkg ] && export PYTHONPATH=$PYTHONPATH:$PWD/.fa/fa_pkg
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "$mode" = tp ]; then
   timeout 540 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py \
     tests/gpu/test_tensor_parallel_8b_gpu.py 2>&1 | tee "$out/tp_gpu_test.log" | tail -15

@@ -7,10 +7,12 @@ import uvicorn
 
 from gateway_svc.app import GatewayConfig, create_app
 from nanoserve.flags import parse
+from nanoserve.lifeline import follow_launcher
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse("gateway", argv, prog="python -m gateway_svc")
+    follow_launcher()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     app = create_app(GatewayConfig(scheduler=args.scheduler, served_model_name=args.served_model_name))
     # The plain asyncio loop: grpc.aio channels are made for it.

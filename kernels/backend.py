@@ -24,6 +24,12 @@ class AttentionBackend:
     paged_prefill: Callable
     paged_decode: Callable
 
+    @property
+    def graph_safe(self) -> bool:
+        """Whether its store and decode can be captured in a CUDA graph: the torch reference reads
+        lengths back to the host and indexes by masks, which a capture forbids."""
+        return self.name != "torch"
+
 
 def _function(target: str) -> Callable:
     module, name = target.split(":")

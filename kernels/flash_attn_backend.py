@@ -19,12 +19,13 @@ __all__ = ["AVAILABLE", "store_kvcache", "paged_prefill", "paged_decode"]
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                  block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+                  block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """New tokens attend causally to their whole cache; flash-attn sizes its grid from the maxima,
-    which the caller knows on the host."""
-    return flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                  max_seqlen_k, softmax_scale=scale, causal=True,
-                                  block_table=block_tables)
+    which the caller knows on the host. Its public function takes no output buffer, so `out` is
+    filled by a copy."""
+    result = flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, softmax_scale=scale, causal=True, block_table=block_tables)
+    return result if out is None else out.copy_(result)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

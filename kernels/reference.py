@@ -10,7 +10,8 @@ Shapes (one layer):
   max_seqlen_q/k:   Python ints, the longest new-token count and context (known on the host)
 
 Every backend keeps these signatures: store_kvcache, paged_prefill (flash-attn's varlen names),
-paged_decode (per-row lengths on the device only, so a CUDA graph can replay it).
+paged_decode (per-row lengths on the device only, so a CUDA graph can replay it); paged_prefill
+also takes `out=`, the buffer to write (piecewise CUDA graphs read attention from a static one).
 """
 import torch
 
@@ -50,11 +51,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                  block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+                  block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """New tokens (q: [N, heads, head_dim], packed by cu_seqlens_q) attend causally to their
-    sequence's whole cache (cached prefix + themselves, already stored). The maxima are not needed
-    here (no grid to size)."""
-    out = torch.empty_like(q)
+    sequence's whole cache (cached prefix + themselves, already stored), into `out` if given.
+    The maxima are not needed here (no grid to size)."""
+    out = torch.empty_like(q) if out is None else out
     starts, ends = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for i in range(len(starts) - 1):
         lo, hi, length = starts[i], starts[i + 1], ends[i + 1] - ends[i]

@@ -116,14 +116,16 @@ def _launch_config(head_dim: int) -> dict:
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                  block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+                  block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """New tokens (q: [N, heads, head_dim], packed by cu_seqlens_q) attend causally to their
-    sequence's whole cache (cached prefix + themselves, already stored). No host sync; the grid
-    comes from shapes alone, so the maxima go unused."""
+    sequence's whole cache (cached prefix + themselves, already stored), into `out` if given (a
+    static buffer between CUDA-graph pieces). No host sync; the grid comes from shapes alone, so
+    the maxima go unused."""
     num_tokens, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
+    assert out.shape == q.shape and out.stride(2) == 1
     num_seqs = cu_seqlens_q.numel() - 1
     config = _launch_config(head_dim)
     # Enough tile slots for any split of num_tokens into num_seqs sequences (see _find_sequence).

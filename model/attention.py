@@ -3,7 +3,7 @@ named in the step context."""
 import torch
 from torch import nn
 
-from model.step_context import get_step_context
+from model.step_context import StepContext, get_step_context
 
 
 class Attention(nn.Module):
@@ -22,8 +22,16 @@ class Attention(nn.Module):
         ctx = get_step_context()
         backend = ctx.backend
         backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        if ctx.attention_cut is not None:
+            return ctx.attention_cut(self, q)
         if ctx.is_prefill:
-            return backend.paged_prefill(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
-                                         ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_tables, self.scale)
+            return self.prefill(q, ctx)
         return backend.paged_decode(q, self.k_cache, self.v_cache, ctx.context_lens,
                                     ctx.block_tables, self.scale)
+
+    def prefill(self, q: torch.Tensor, ctx: StepContext, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Prefill attention of q over the cache, which holds the step's K/V already; into `out`
+        if given (a piecewise graph's replay runs this between its pieces)."""
+        return ctx.backend.paged_prefill(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
+                                         ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_tables, self.scale,
+                                         out=out)

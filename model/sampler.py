@@ -1,56 +1,87 @@
-"""Next-token sampling: greedy at temperature 0, otherwise the exponential race (Gumbel-max):
-argmax(logits / T - log E) with E ~ Exp(1) draws exactly from softmax(logits / T)."""
-import hashlib
+"""Next-token sampling: greedy at temperature 0, otherwise the exponential race, which draws exactly
+from softmax(logits / T) (kernels/race_sampling.py): on CUDA two Triton launches for the whole
+batch, elsewhere plain torch. Logit processors (top-k/p, penalties) compose by changing the logits
+before the race.
+
+Every sampled row brings a temperature, a 64-bit key and a counter, which name its noise. A request
+with a seed draws under key = its seed and counter = the tokens it has produced so far, so each of
+its tokens depends on (seed, position in the output) alone: not on the batch, nor on a recompute
+after preemption. Other rows draw from the worker's own stream: key = the worker's seed, counter =
+the worker's running draw count with the top bit set, so the two kinds never share noise.
+"""
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
-from model.compiled import fused_on_cuda
+from kernels.race_sampling import race_sample
+
+# The worker's own draws count in the upper half of the counter space, which seeded rows (whose
+# counter is a token count) never reach.
+UNSEEDED_COUNTER = np.int64(-2**63)
 
 
-class SamplingRow(NamedTuple):  # a tuple: built once per sampled sequence per step, so cheap
+class SamplingRow(NamedTuple):
+    """One row's parameters as a request gives them (tests, warm-up); steps stage columns instead."""
     temperature: float
     seed: int | None     # per-request seed; None draws from the worker's own stream
     num_generated: int   # tokens this request has produced so far
 
 
-def seeded_noise_seed(seed: int, num_generated: int) -> int:
-    """The generator seed for one token of a seeded request: a function of (seed, position in the
-    output) only, so the token does not depend on the batch, nor on a recompute after preemption."""
-    digest = hashlib.blake2b(f"{seed}:{num_generated}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+class SamplingBatch(NamedTuple):
+    """Per sampled row, on the logits' device; and whether every row is greedy, known on the host."""
+    temperatures: torch.Tensor  # [S] float (0: greedy)
+    keys: torch.Tensor          # [S] int64
+    counters: torch.Tensor      # [S] int64
+    all_greedy: bool
 
 
-@fused_on_cuda
-def race_scores(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """logits / T - log(E) per row; rows with T = 0 keep their plain logits (greedy)."""
-    sampled = temperatures > 0
-    scale = torch.where(sampled, temperatures, 1.0)[:, None]
-    return logits.float() / scale - noise.log() * sampled[:, None]
+def seed_key(seed: int) -> int:
+    """A request's uint64 seed as the int64 with the same bits."""
+    return seed - 2**64 if seed >= 2**63 else seed
 
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int):
         self.device = device
-        self.generator = torch.Generator(device).manual_seed(seed)
+        self.key = seed_key(seed)
+        self.draws = 0  # draws taken from the worker's own stream
+        self._race = race_sample
+        if device.type == "cuda":  # Triton is a GPU requirement only, so imported here
+            from kernels.triton_sampling import race_sample as race_sample_on_gpu
+            self._race = race_sample_on_gpu
 
-    def _noise(self, rows: list[SamplingRow], vocab_size: int) -> torch.Tensor:
-        """Exp(1) noise [len(rows), vocab]: the worker's own stream, then each seeded row redrawn
-        from its own generator (greedy rows ignore theirs)."""
-        noise = torch.empty(len(rows), vocab_size, device=self.device).exponential_(generator=self.generator)
-        for i, row in enumerate(rows):
-            if row.temperature > 0 and row.seed is not None:
-                own = torch.Generator(self.device).manual_seed(seeded_noise_seed(row.seed, row.num_generated))
-                noise[i].exponential_(generator=own)
-        return noise
+    def stage(self, temperatures: np.ndarray, seeds: np.ndarray, seeded: np.ndarray, num_generated: np.ndarray,
+              out: "SamplingColumns") -> None:
+        """Writes the rows' keys and counters (and temperatures) into host columns: `seeds` holds
+        seed_key values where `seeded` is set."""
+        count = len(seeded)
+        out.temperatures[:count] = temperatures
+        out.keys[:count] = np.where(seeded, seeds, self.key)
+        out.counters[:count] = np.where(seeded, num_generated, (self.draws + np.arange(count)) | UNSEEDED_COUNTER)
+        self.draws += count
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """One token id per row of logits [len(rows), vocab], on the device (int64, no host sync);
-        temperature is applied in float32."""
-        if all(row.temperature == 0 for row in rows):
+    def batch(self, rows: list[SamplingRow]) -> SamplingBatch:
+        """The batch of the given rows, in fresh device tensors."""
+        columns = SamplingColumns(np.empty(len(rows)), np.empty(len(rows), np.int64), np.empty(len(rows), np.int64))
+        seeded = np.array([row.seed is not None for row in rows], bool)
+        self.stage(np.array([row.temperature for row in rows], np.float64),
+                   np.array([seed_key(row.seed or 0) for row in rows], np.int64), seeded,
+                   np.array([row.num_generated for row in rows], np.int64), columns)
+        return SamplingBatch(*(torch.from_numpy(column).to(self.device) for column in columns),
+                             all_greedy=not columns.temperatures.any())
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """One token id per row of logits [S, vocab], on the device (int64, no host sync);
+        temperature is applied in float32. An all-greedy batch takes one argmax (the race's own
+        greedy rule) and skips the race's launches."""
+        if batch.all_greedy:
             return logits.argmax(dim=-1)
-        temperatures = torch.tensor([row.temperature for row in rows])
-        if self.device.type == "cuda":  # pinned, so the copy does not wait for the work queued before it
-            temperatures = temperatures.pin_memory()
-        temperatures = temperatures.to(self.device, non_blocking=True)
-        return race_scores(logits, temperatures, self._noise(rows, logits.shape[-1])).argmax(dim=-1)
+        return self._race(logits, batch.temperatures, batch.keys, batch.counters)
+
+
+class SamplingColumns(NamedTuple):
+    """Host columns that Sampler.stage fills (numpy arrays, at least as long as the batch)."""
+    temperatures: np.ndarray  # float64
+    keys: np.ndarray          # int64
+    counters: np.ndarray      # int64

@@ -6,9 +6,10 @@ Python ints beside the device tensors, and no kernel wrapper reads a length back
 """
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
+from torch import nn
 
 from kernels.backend import AttentionBackend
 
@@ -28,6 +29,11 @@ class StepContext:
     # every step of its batch size, so nothing in it may depend on one step's lengths.
     max_seqlen_q: int
     max_seqlen_k: int
+    # Set while a piecewise CUDA graph is captured (worker_svc.prefill_graphs): each attention
+    # layer, once it has stored the step's K/V, hands its queries [N, heads, head_dim] to the cut
+    # instead of attending, and goes on with the [N, heads, head_dim] tensor it returns, which
+    # holds the layer's attention output when the graph is replayed.
+    attention_cut: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None  # (the Attention layer, q)
 
 
 _current: StepContext | None = None

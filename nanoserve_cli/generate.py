@@ -6,24 +6,26 @@ from typing import Iterator
 
 import grpc
 
-from nanoserve.client import Client
 from nanoserve.v1 import llm_pb2
+from nanoserve_cli.client_commands import open_client, rpc_error_line
+
+# Flag value -> what it means: "send none" (the server's default, possibly the model's own), or off.
+_SERVER_DEFAULT = {"temperature": -1.0, "top_p": -1.0, "top_k": 0}
+_OFF = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0}
 
 
 def sampling_fields(args: argparse.Namespace) -> dict:
-    """The SamplingParams fields the flags set; flags left at their neutral value send nothing."""
-    fields = dict(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos,
-                  seed=None if args.seed < 0 else args.seed, stop=args.stop,
-                  logprobs=None if args.logprobs < 0 else args.logprobs)
-    neutral = dict(top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
-                   frequency_penalty=0.0, min_tokens=0)
-    fields.update({name: getattr(args, name) for name, off in neutral.items() if getattr(args, name) != off})
+    """The SamplingParams fields the flags set: a flag at its server-default or off value sends nothing."""
+    fields = dict(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, seed=None if args.seed < 0 else args.seed,
+                  stop=args.stop, logprobs=None if args.logprobs < 0 else args.logprobs)
+    unsent = {**_SERVER_DEFAULT, **_OFF}
+    fields.update({name: getattr(args, name) for name, value in unsent.items() if getattr(args, name) != value})
     return fields
 
 
 def stream_to_terminal(args: argparse.Namespace) -> int:
-    with Client(args.address) as client:
-        return _print_stream(client.stream(args.prompt, **sampling_fields(args)), args.logprobs >= 0)
+    with open_client(args) as client:
+        return _print_stream(client.stream(args.prompt, **sampling_fields(args)), args)
 
 
 def chat_to_terminal(args: argparse.Namespace) -> int:
@@ -37,17 +39,17 @@ def chat_to_terminal(args: argparse.Namespace) -> int:
         return 2
     messages = [{"role": "system", "content": args.system}] if args.system else []
     messages.append({"role": "user", "content": args.message})
-    with Client(args.address) as client:
+    with open_client(args) as client:
         return _print_stream(client.chat_stream(messages, chat_template_kwargs=kwargs, **sampling_fields(args)),
-                             args.logprobs >= 0)
+                             args)
 
 
-def _print_stream(messages: Iterator[llm_pb2.GenerateResponse], logprobs: bool) -> int:
-    """Prints the text as it streams (or, with logprobs, a line per token), then the finish line
+def _print_stream(messages: Iterator[llm_pb2.GenerateResponse], args: argparse.Namespace) -> int:
+    """Prints the text as it streams (or, with --logprobs, a line per token), then the finish line
     on stderr; 1 on a gRPC error."""
     try:
         for msg in messages:
-            if logprobs:
+            if args.logprobs >= 0:
                 for entry in msg.logprobs:
                     alternatives = "  ".join(f"{top.text!r} {top.logprob:.3f}" for top in entry.top)
                     print(f"{entry.token.text!r} {entry.token.logprob:.3f} (rank {entry.token.rank})  "
@@ -58,7 +60,7 @@ def _print_stream(messages: Iterator[llm_pb2.GenerateResponse], logprobs: bool) 
             if msg.finish_reason:
                 _print_finish(msg)
     except grpc.RpcError as err:
-        print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
+        print("\n" + rpc_error_line(err, args), file=sys.stderr)
         return 1
     return 0
 

@@ -3,10 +3,16 @@ as local processes, stopped together.
 
 Each child is the service itself (`python -m worker_svc`, `python -m scheduler_svc`,
 `python -m gateway_svc`), never imported here. It gets the flags `up` shares with its command in the
-flag table, as `up` parsed them, plus the ones only the launcher can know (ports, ranks, addresses).
+flag table, as `up` parsed them, plus the ones only the launcher can know (ports, ranks, addresses)
+and, in its environment, a random --worker-token shared by this launcher's scheduler and workers.
+Busy ports and a checkpoint without its config.json or tokenizer.json fail before any child starts;
+children die with the launcher (children.py); when one fails, `up` stops the others and exits 1 with
+that child's last error line.
 """
 import argparse
 import itertools
+import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -18,19 +24,45 @@ from pathlib import Path
 import grpc
 
 from nanoserve import flags
+from nanoserve.checkpoint import CONFIG_FILE, TOKENIZER_FILE, CheckpointError, check_files
 from nanoserve.healthcheck import SERVING, serving_status
+from nanoserve.listen import ListenError, check_port_free
 from nanoserve_cli.cache import demo_model_dir
+from nanoserve_cli.children import Child
 
 SERVICE_MODULES = {"worker": "worker_svc", "scheduler": "scheduler_svc", "gateway": "gateway_svc"}  # command -> module
+
+
+class LaunchError(Exception):
+    """Why `up` cannot start, in one line."""
 
 
 def demo_model() -> Path:
     """The built-in tiny demo model, built once into the cache."""
     target = demo_model_dir()
     if not (target / "model.safetensors").exists():
-        print(f"building the tiny demo model into {target} ...", flush=True)
-        subprocess.run([sys.executable, "-m", "nanoserve_cli.demo_model", str(target)], check=True)
+        print(f"building the tiny demo model (random weights) into {target} ...", flush=True)
+        if subprocess.run([sys.executable, "-m", "nanoserve_cli.demo_model", str(target)]).returncode:
+            raise LaunchError("building the demo model failed (the lines above say why)")
     return target
+
+
+def check_before_start(args: argparse.Namespace, model: Path) -> None:
+    """Raises LaunchError for a busy port or a local checkpoint missing a file the children need."""
+    ports = [(args.host, args.port, "the scheduler's --port")]
+    ports += [("127.0.0.1", args.worker_base_port + rank, f"worker rank {rank}: --worker-base-port + {rank}")
+              for rank in range(args.tensor_parallel_size)]
+    if args.metrics_port:
+        ports.append((args.host, args.metrics_port, "--metrics-port"))
+    if args.openai_port:
+        ports.append((args.host, args.openai_port, "--openai-port"))
+    try:
+        for host, port, what in ports:
+            check_port_free(host, port, what)
+        if model.exists():  # anything else is left to the worker (e.g. a Hub id)
+            check_files(model, (CONFIG_FILE, TOKENIZER_FILE), "--model")
+    except (ListenError, CheckpointError) as err:
+        raise LaunchError(str(err)) from None
 
 
 def free_port() -> int:
@@ -68,13 +100,19 @@ def describe(proc: subprocess.Popen) -> str:
     return " ".join(name + rank)
 
 
+def failure(proc: subprocess.Popen) -> str:
+    """How a child ended, e.g. `worker_svc --rank 0 exited with code 1: <its last error line>`."""
+    why = proc.failure() if isinstance(proc, Child) else f"exited with code {proc.returncode}"
+    return f"{describe(proc)} {why}"
+
+
 def wait_serving(address: str, procs: list[subprocess.Popen], timeout: float) -> None:
     """Blocks until the scheduler's health check says SERVING; fails fast if a process exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         dead = [p for p in procs if p.poll() is not None]
         if dead:
-            raise RuntimeError(f"{describe(dead[0])} exited with code {dead[0].returncode}")
+            raise RuntimeError(failure(dead[0]))
         try:
             if serving_status(address, timeout=1) == SERVING:
                 return
@@ -117,13 +155,20 @@ def _interrupt(signum, frame) -> None:
 
 
 def run_local(args: argparse.Namespace) -> int:
-    model = Path(args.model) if args.model else demo_model()
+    try:
+        model = Path(args.model) if args.model else demo_model()
+        check_before_start(args, model)
+    except LaunchError as err:
+        print(f"nanoserve up: {err}", file=sys.stderr)
+        return 1
     size = args.tensor_parallel_size
     dist_init_addr = f"127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen(worker_command(args, model, rank, dist_init_addr)) for rank in range(size)]
-    procs.append(subprocess.Popen(scheduler_command(args)))
+    # Only this launcher's scheduler can drive its workers.
+    env = {**os.environ, "NANOSERVE_WORKER_TOKEN": os.environ.get("NANOSERVE_WORKER_TOKEN") or secrets.token_hex(16)}
+    procs = [Child(worker_command(args, model, rank, dist_init_addr), env) for rank in range(size)]
+    procs.append(Child(scheduler_command(args), env))
     if args.openai_port:  # started now: it waits for the scheduler itself, and says so
-        procs.append(subprocess.Popen(gateway_command(args)))
+        procs.append(Child(gateway_command(args), env))
     signal.signal(signal.SIGTERM, _interrupt)
     address = f"{args.host}:{args.port}"
     try:
@@ -137,7 +182,8 @@ def run_local(args: argparse.Namespace) -> int:
               "Ctrl-C stops it", flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)
-        print("a nanoserve process exited; stopping the others", file=sys.stderr)
+        dead = next(p for p in procs if p.poll() is not None)
+        print(f"nanoserve up: {failure(dead)}; stopping the others", file=sys.stderr)
         return 1
     except RuntimeError as err:
         print(f"nanoserve up failed: {err}", file=sys.stderr)

@@ -271,7 +271,7 @@ class Engine:
         self._fail_streams(reason)
         await self.group.close()
         while True:
-            self.group = WorkerGroup(self.group.addresses)
+            self.group = self.group.renewed()
             try:
                 await self.group.connect(self.reconnect_timeout)
                 break
@@ -279,6 +279,7 @@ class Engine:
                 log.error("group still incomplete: %s", err)
                 self.failure = str(err)
                 await self.group.close()
+                await asyncio.sleep(1)  # a refusal comes at once: do not spin on it
         # Worker KV memory was reset: the prefix cache and all block state start over.
         self.config.num_kv_blocks = self.group.num_blocks
         self.scheduler = Scheduler(self.config)

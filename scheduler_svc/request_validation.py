@@ -131,3 +131,11 @@ def sampling_options(params: llm_pb2.SamplingParams, limits: RequestLimits,
         include_stop_str_in_output=params.include_stop_str_in_output,
         logprobs=_count(params, "logprobs", limits.max_logprobs, "--max-logprobs"),
         prompt_logprobs=_count(params, "prompt_logprobs", limits.max_logprobs, "--max-logprobs"), n=n)
+
+
+def check_room(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """A max_tokens the model's length limit cannot give is refused, not silently cut short."""
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise _invalid(f"the prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}, "
+                       f"{num_prompt_tokens + max_tokens} in all, but the model's length limit is {max_model_len}: "
+                       f"ask for at most {max_model_len - num_prompt_tokens} tokens, or leave max_tokens unset")

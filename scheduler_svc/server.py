@@ -3,21 +3,26 @@ import argparse
 import asyncio
 import logging
 import signal
+from pathlib import Path
 
 import grpc
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from nanoserve.checkpoint import TOKENIZER_FILE, CheckpointError, check_files
 from nanoserve.hub import ModelNotFound
+from nanoserve.listen import ListenError, check_port_free, listen
+from nanoserve.mathutil import cdiv
+from nanoserve.tls import TLSConfigError, tls_files
 from nanoserve.v1 import llm_pb2, llm_pb2_grpc, worker_pb2
-from nanoserve.wire import GRPC_OPTIONS
+from nanoserve.wire import SERVER_OPTIONS
 from scheduler_svc.chat_template import ChatTemplate, ChatTemplateError
 from scheduler_svc.completions import CompletionOutput, completion_sequences
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine
 from scheduler_svc.metrics import RequestTimer
-from scheduler_svc.request_validation import (BadRequest, RequestLimits, checked_length, prompt_ids,
+from scheduler_svc.request_validation import (BadRequest, RequestLimits, check_room, checked_length, prompt_ids,
                                               sampling_options)
 from scheduler_svc.scheduler import AdmissionError
 from scheduler_svc.sequence import SamplingOptions
@@ -58,6 +63,7 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         try:
             ids = prompt_ids(request, self.tokenizer, self.limits)
             options = sampling_options(request.sampling, self.limits, self.sampling_defaults)
+            check_room(len(ids), options.max_tokens, self.limits.max_model_len)
         except BadRequest as err:
             await context.abort(err.code, str(err))
         async for message in self._stream(engine, ids, options, request.request_id, timer, context):
@@ -70,6 +76,7 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         try:
             ids = checked_length(self._conversation_ids(request), self.limits)
             options = sampling_options(request.sampling, self.limits, self.sampling_defaults)
+            check_room(len(ids), options.max_tokens, self.limits.max_model_len)
         except BadRequest as err:
             await context.abort(err.code, str(err))
         async for message in self._stream(engine, ids, options, request.request_id, timer, context):
@@ -165,6 +172,10 @@ class LLMService(llm_pb2_grpc.LLMServicer):
                              prefill_host_seconds=t.prefill_host_seconds, decode_host_seconds=t.decode_host_seconds)
 
 
+class StartupError(Exception):
+    """A configuration the scheduler cannot serve; the message names the flags that fix it."""
+
+
 def _scheduler_config(args: argparse.Namespace, group: WorkerGroup) -> SchedulerConfig:
     """The scheduler's limits: its own flags, narrowed to what every rank can take."""
     infos = group.infos
@@ -172,12 +183,36 @@ def _scheduler_config(args: argparse.Namespace, group: WorkerGroup) -> Scheduler
     def narrowest(flag: int, field: str) -> int:
         return min([flag] * bool(flag) + [getattr(info, field) for info in infos])
 
-    return SchedulerConfig(num_kv_blocks=group.num_blocks, block_size=infos[0].block_size,
-                           max_model_len=narrowest(args.max_model_len, "max_model_len"),
+    block_size = infos[0].block_size
+    return SchedulerConfig(num_kv_blocks=group.num_blocks, block_size=block_size,
+                           max_model_len=_fitting_max_model_len(narrowest(args.max_model_len, "max_model_len"),
+                                                                bool(args.max_model_len), group.num_blocks,
+                                                                block_size),
                            eos_token_ids=tuple(infos[0].eos_token_ids),
                            max_num_seqs=narrowest(args.max_num_seqs, "max_num_seqs"),
                            max_num_batched_tokens=narrowest(args.max_num_batched_tokens, "max_num_batched_tokens"),
                            enable_prefix_caching=args.enable_prefix_caching)
+
+
+def _fitting_max_model_len(max_model_len: int, asked: bool, num_blocks: int, block_size: int) -> int:
+    """max_model_len when one sequence that long fits the KV pool. Otherwise an explicit
+    --max-model-len is refused (the operator asked for something the pool cannot give), and the
+    model's own limit is capped to the pool with a warning, so a model whose limit is larger than
+    a small machine's pool (Qwen3's 40,960 tokens on CPU) still serves out of the box."""
+    pool_tokens = num_blocks * block_size
+    if max_model_len <= pool_tokens:
+        return max_model_len
+    more_memory = "give the KV cache more memory (--gpu-memory-utilization on GPU, --cpu-kv-cache-gb on CPU, " \
+                  "or --num-kv-blocks)"
+    if asked:
+        raise StartupError(f"--max-model-len {max_model_len} does not fit the KV pool: one sequence that long needs "
+                           f"{cdiv(max_model_len, block_size)} blocks of {block_size} tokens and the workers hold "
+                           f"{num_blocks} ({pool_tokens} tokens); lower --max-model-len to {pool_tokens} or less, "
+                           f"or {more_memory}")
+    log.warning("max model len capped to %d tokens, the most one sequence can hold in the KV pool (%d blocks of "
+                "%d tokens), below the model's %d: pass --max-model-len %d or less to silence this, or %s",
+                pool_tokens, num_blocks, block_size, max_model_len, pool_tokens, more_memory)
+    return pool_tokens
 
 
 def _model_info(config: SchedulerConfig, group: WorkerGroup, limits: RequestLimits) -> llm_pb2.ModelInfo:
@@ -190,34 +225,44 @@ def _model_info(config: SchedulerConfig, group: WorkerGroup, limits: RequestLimi
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    worker_tls = tls_files(args, "worker_tls")
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    try:  # what can fail at once, before any waiting
+        if args.metrics_port:
+            check_port_free(args.host, args.metrics_port, "the scheduler's --metrics-port")
+        if args.tokenizer:
+            _check_tokenizer_files(args.tokenizer)
+        worker_tls.channel_credentials()
+        address = listen(server, args.host, args.port, "the scheduler's --port", tls_files(args).server_credentials())
+    except (ListenError, CheckpointError, TLSConfigError) as err:
+        log.error("cannot start: %s", err)
+        return 1
     service = LLMService(args.max_waiting)
     llm_pb2_grpc.add_LLMServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (llm_pb2.DESCRIPTOR.services_by_name["LLM"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
-    address = f"{args.host}:{args.port}"
-    if server.add_insecure_port(address) == 0:
-        log.error("cannot listen on %s", address)
-        return 1
+    llm_service = llm_pb2.DESCRIPTOR.services_by_name["LLM"].full_name
+    reflection.enable_server_reflection((llm_service, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def set_health(healthy: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if healthy else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", llm_service):
+            await health_servicer.set(name, status)
+
+    await set_health(False)
     log.info("listening on %s; connecting to workers %s", address, args.workers)
 
-    group = WorkerGroup([a.strip() for a in args.workers.split(",") if a.strip()])
+    group = WorkerGroup([a.strip() for a in args.workers.split(",") if a.strip()], args.worker_token, worker_tls)
     try:
         await group.connect(args.worker_connect_timeout)
-    except WorkerUnavailable as err:
+        config = _scheduler_config(args, group)
+        # The model's own revision applies to its tokenizer, not to another --tokenizer.
+        service.tokenizer = _tokenizer(args.tokenizer or group.infos[0].model,
+                                       "" if args.tokenizer else args.revision, args.download_dir)
+    except (WorkerUnavailable, StartupError) as err:
         log.error("cannot start: %s", err)
-        await server.stop(grace=0)
-        return 1
-    config = _scheduler_config(args, group)
-    try:  # the model's own revision applies to its tokenizer, not to another --tokenizer
-        service.tokenizer = TextTokenizer(args.tokenizer or group.infos[0].model,
-                                          "" if args.tokenizer else args.revision, args.download_dir)
-    except ModelNotFound as err:
-        log.error("cannot start: %s", err)
+        await group.close()
         await server.stop(grace=0)
         return 1
     service.chat_template = ChatTemplate(service.tokenizer.directory)
@@ -226,17 +271,12 @@ async def _serve(args: argparse.Namespace) -> int:
     service.info = _model_info(config, group, service.limits)
     service.sampling_defaults = group.infos[0].sampling_defaults
     engine = Engine(group, config, args.worker_connect_timeout)
-
-    def set_health(healthy: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if healthy else health_pb2.HealthCheckResponse.NOT_SERVING
-        asyncio.get_running_loop().create_task(health_servicer.set("", status))
-
-    engine.on_health_change = set_health
+    engine.on_health_change = lambda healthy: asyncio.get_running_loop().create_task(set_health(healthy))
     engine.start()
     service.engine = engine
     if args.metrics_port:
         engine.metrics.serve(args.host, args.metrics_port)
-    set_health(True)
+    await set_health(True)
     log.info("serving %s (%d KV blocks, max model len %d)", service.info.model, config.num_kv_blocks,
              config.max_model_len)
 
@@ -250,6 +290,24 @@ async def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_tokenizer_files(directory: str) -> None:
+    """CheckpointError naming tokenizer.json when a local directory lacks it (anything that is not
+    a local directory, e.g. a Hub id, is left to the tokenizer)."""
+    if Path(directory).is_dir():
+        check_files(directory, (TOKENIZER_FILE,), "--tokenizer / the workers' --model")
+
+
+def _tokenizer(directory: str, revision: str, download_dir: str) -> TextTokenizer:
+    """The tokenizer of `directory` (--tokenizer, else the model the workers serve: a local
+    directory or a Hub id), or StartupError."""
+    try:
+        _check_tokenizer_files(directory)
+        return TextTokenizer(directory, revision, download_dir)
+    except (CheckpointError, ModelNotFound) as err:
+        raise StartupError(str(err)) from None
+    except Exception as err:  # tokenizers raises plain Exceptions for unreadable files
+        raise StartupError(f"cannot load the tokenizer of {directory}: {err}") from None
+
+
 def serve_scheduler(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     return asyncio.run(_serve(args))

@@ -2,12 +2,14 @@
 The transport: the only part of the scheduler that puts steps on the wire (step_encoder.py)."""
 import asyncio
 import logging
+import secrets
 import time
 
 import grpc
 
+from nanoserve.tls import TLSFiles, open_aio_channel
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
-from nanoserve.wire import GRPC_OPTIONS
+from nanoserve.wire import GRPC_OPTIONS, SESSION_KEY, TOKEN_KEY, TOKEN_SCHEME
 from scheduler_svc.step_encoder import encode_step
 from scheduler_svc.step_plan import StepPlan
 
@@ -18,21 +20,36 @@ class WorkerUnavailable(Exception):
     """A rank could not be reached or failed a step; the message names it."""
 
 
+# Answers that waiting will not change: a wrong or missing --worker-token, a port that is no worker.
+_FINAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED)
+
+
 class WorkerGroup:
     """The worker ranks of one deployment, one address each, rank order. connect() shakes hands
     with every rank and settles what they must agree on (the KV pool, the steps in flight); then
     send() puts a step plan on every rank's step stream and receive() collects their replies,
     in step order. Any rank failing raises WorkerUnavailable naming it; the group is then spent
-    and the engine builds a new one."""
+    and the engine builds a new one (renewed()).
 
-    def __init__(self, addresses: list[str]):
+    Each group is one session on its workers (a random id sent with the handshake and the step
+    streams): a worker serving another scheduler's live session refuses it (FAILED_PRECONDITION).
+    With a token every call carries it; with TLS files the channels are TLS."""
+
+    def __init__(self, addresses: list[str], token: str = "", tls: TLSFiles = TLSFiles()):
         self.addresses = addresses
-        self.channels = [grpc.aio.insecure_channel(a, options=GRPC_OPTIONS) for a in addresses]
+        self.token, self.tls = token, tls
+        self.session_id = secrets.token_hex(16)
+        self.metadata = ((SESSION_KEY, self.session_id),) + (((TOKEN_KEY, TOKEN_SCHEME + token),) if token else ())
+        self.channels = [open_aio_channel(a, tls, options=GRPC_OPTIONS) for a in addresses]
         self.stubs = [worker_pb2_grpc.WorkerStub(c) for c in self.channels]
         self.infos: list[worker_pb2.WorkerInfo] = []
         self.streams: list = []
         self.num_blocks = 0
         self.max_steps_in_flight = 0  # the smallest any rank reports: steps sent ahead of the replies
+
+    def renewed(self) -> "WorkerGroup":
+        """A new group (and session) on the same workers, for after this one failed."""
+        return WorkerGroup(self.addresses, self.token, self.tls)
 
     def name(self, rank: int) -> str:
         return f"worker rank {rank} at {self.addresses[rank]}"
@@ -46,7 +63,7 @@ class WorkerGroup:
         self.max_steps_in_flight = min(info.max_steps_in_flight for info in self.infos)
         # Together too: on a GPU each rank's graph capture runs collectives with the others.
         await self._on_every_rank(self._allocate)
-        self.streams = [stub.Step() for stub in self.stubs]
+        self.streams = await self._on_every_rank(self._open_step_stream)
         log.info("connected to %d worker rank(s); KV pool %d blocks of %d tokens; %d steps in flight",
                  len(self.stubs), self.num_blocks, self.infos[0].block_size, self.max_steps_in_flight)
 
@@ -61,10 +78,22 @@ class WorkerGroup:
             raise unexpected
         return results
 
+    async def _open_step_stream(self, rank: int):
+        """Opened now, not at the first step: an open stream is what keeps this session on the worker."""
+        stream = self.stubs[rank].Step(metadata=self.metadata)
+        try:
+            await stream.wait_for_connection()
+        except grpc.aio.AioRpcError as err:
+            raise WorkerUnavailable(f"{self.name(rank)} refused the step stream: {err.details()}") from err
+        return stream
+
     async def _allocate(self, rank: int) -> None:
         try:
-            await self.stubs[rank].AllocateKVCache(worker_pb2.AllocateKVCacheRequest(num_blocks=self.num_blocks))
+            await self.stubs[rank].AllocateKVCache(worker_pb2.AllocateKVCacheRequest(num_blocks=self.num_blocks),
+                                                   metadata=self.metadata)
         except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.FAILED_PRECONDITION:  # another scheduler's session holds it
+                raise WorkerUnavailable(f"{self.name(rank)} refused this scheduler: {err.details()}") from err
             raise WorkerUnavailable(f"{self.name(rank)} failed to allocate its KV cache: {err.details()}") from err
 
     async def _describe(self, rank: int, timeout: float) -> worker_pb2.WorkerInfo:
@@ -72,14 +101,17 @@ class WorkerGroup:
         next_log = 0.0
         while True:
             try:
-                return await self.stubs[rank].Describe(worker_pb2.DescribeRequest(), timeout=5)
+                return await self.stubs[rank].Describe(worker_pb2.DescribeRequest(), timeout=5, metadata=self.metadata)
             except grpc.aio.AioRpcError as err:
                 now = time.monotonic()
+                if err.code() in _FINAL_CODES:
+                    raise WorkerUnavailable(f"{self.name(rank)} refused the handshake: {err.code().name}: "
+                                            f"{err.details()}") from err
                 if now >= deadline:
                     raise WorkerUnavailable(f"{self.name(rank)} did not answer within {timeout:.0f}s: "
                                             f"{err.code().name}") from err
                 if now >= next_log:
-                    log.info("waiting for %s (%s)", self.name(rank), err.code().name)
+                    log.info("waiting for %s (%s: %s)", self.name(rank), err.code().name, err.details())
                     next_log = now + 10
                 await asyncio.sleep(1)
 
@@ -127,7 +159,7 @@ class WorkerGroup:
         """Raises WorkerUnavailable when a rank no longer answers (checked while idle)."""
         for rank, stub in enumerate(self.stubs):
             try:
-                await stub.Describe(worker_pb2.DescribeRequest(), timeout=2)
+                await stub.Describe(worker_pb2.DescribeRequest(), timeout=2, metadata=self.metadata)
             except grpc.aio.AioRpcError as err:
                 raise WorkerUnavailable(f"{self.name(rank)} is unavailable: {err.code().name}") from err
 

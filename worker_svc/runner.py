@@ -3,6 +3,7 @@
 Steps are launched, not run: the device work is queued and the call returns, so the worker can
 queue the next step before this one's tokens are read back. Sampled tokens stay on the device
 as well, where the next decode of their sequence reads them (every rank gets rank 0's)."""
+import gc
 import hashlib
 import logging
 import time
@@ -22,11 +23,12 @@ from model.sampler import Sampler, SamplingRow
 from model.step_context import step_context
 from nanoserve.hub import resolve_model_dir
 from nanoserve.mathutil import cdiv
-from nanoserve.v1 import worker_pb2
+from nanoserve.v1 import llm_pb2, worker_pb2
 from worker_svc.config import WorkerConfig
-from worker_svc.cuda_graphs import DecodeGraphs
+from worker_svc.cuda_graphs import StepGraphs, batch_buckets
 from worker_svc.distributed import uses_cuda
 from worker_svc.launched_step import LaunchedStep, StepClock
+from worker_svc.prefill_graphs import token_buckets
 from worker_svc.sampling_extras import SamplingExtras
 from worker_svc.sequence_table import SequenceTable, StepWork
 from worker_svc.step_buffers import StepBuffers
@@ -57,13 +59,14 @@ def fetch_checkpoint(config: WorkerConfig) -> tuple[Path, ModelConfig]:
 
 class ModelRunner:
     """One rank's model at work: its shard of the weights, the KV cache, the sequence table, the
-    step buffers and, on CUDA, the decode graphs. Each step message (worker.proto StepRequest) is
-    validated against the sequence table, staged into the step buffers, run through one forward
-    pass and, on rank 0, sampled.
+    step buffers and, on CUDA, the step graphs (decode and prefill). Each step message (worker.proto
+    StepRequest) is validated against the sequence table, staged into the step buffers, run through
+    one forward pass and, on rank 0, sampled.
 
     Construction is the worker's start-up: it makes the process settings the model needs, loads
-    the weights, and (on CUDA) runs a warm-up step to learn how many KV blocks fit; the KV cache
-    itself waits for allocate_kv_cache, which takes the block count every rank agreed on."""
+    the weights, and (on CUDA) measures what serving needs beside the KV cache to learn how many KV
+    blocks fit; the KV cache itself waits for allocate_kv_cache, which takes the block count every
+    rank agreed on, and captures the graphs over it."""
 
     def __init__(self, config: WorkerConfig):
         configure_compiler()
@@ -84,7 +87,7 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.seqs: SequenceTable | None = None  # exists once the KV cache does
         self.last_tokens: torch.Tensor | None = None  # [max_num_seqs] each slot's last sampled token
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         self.buffers = StepBuffers(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
                                    config.block_size, self.device)
         self.max_kv_blocks = self._max_kv_blocks()
@@ -99,44 +102,65 @@ class ModelRunner:
 
     def _max_kv_blocks(self) -> int:
         """KV blocks this rank can hold: forced by the config, else from the CPU budget, else what
-        gpu_memory_utilization of the GPU leaves after the weights and the largest step's activations."""
+        gpu_memory_utilization of the GPU leaves after the weights and _memory_beside_kv_cache."""
         if self.config.num_kv_blocks > 0:
             return self.config.num_kv_blocks
         if self.device.type == "cpu":
             return int(self.config.cpu_kv_cache_gb * 2**30 // self._kv_block_bytes())
-        activations = self._warm_up()
+        beside = self._memory_beside_kv_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = total * self.config.gpu_memory_utilization - (total - free) - activations
+        budget = total * self.config.gpu_memory_utilization - (total - free) - beside
         return max(0, int(budget // self._kv_block_bytes()))
 
     @torch.inference_mode()
-    def _warm_up(self) -> int:
-        """Runs the largest prefill step and the largest sampling batch once on a scratch cache;
-        returns the activation memory they peaked at, which the KV pool must leave free."""
+    def _memory_beside_kv_cache(self) -> int:
+        """The device memory that serving needs beside the weights and the KV cache, measured over a
+        scratch cache: the peak of the largest eager prefill step, or, with CUDA graphs, of their
+        static buffers and memory pool (the largest decode and prefill buckets captured once; the
+        smaller ones reuse that pool) under the largest sampling batch; plus what the capture took
+        outside torch's allocator (graph executables, kernel modules, library workspaces). Doubles
+        as the warm-up: the eager step and the sampler compile their kernels here."""
         started = time.perf_counter()
         size = self.config.block_size
         seq_len = min(self.max_model_len - 1, self.config.max_num_batched_tokens)
         num_seqs = max(1, min(self.config.max_num_seqs, self.config.max_num_batched_tokens // seq_len))
         blocks = cdiv(seq_len, size)
         self._allocate(num_seqs * blocks)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        step = worker_pb2.StepRequest(seqs=[
+        base, free_before = torch.cuda.memory_reserved(self.device), torch.cuda.mem_get_info(self.device)[0]
+        self.step(worker_pb2.StepRequest(seqs=[
             worker_pb2.SeqStep(seq_id=i, token_ids=[0] * seq_len, new_block_ids=range(i * blocks, (i + 1) * blocks),
-                               reset=True, sample=True) for i in range(num_seqs)])
-        self.step(step)
+                               reset=True, sample=True) for i in range(num_seqs)]))
+        torch.cuda.empty_cache()  # the eager step's activations go: the graphs' pool replaces them
+        graphs = self._capture_graphs([self.config.max_num_seqs], [self.config.max_num_batched_tokens])
         hidden = torch.zeros(self.config.max_num_seqs, self.model_config.hidden_size, dtype=self.dtype,
                              device=self.device)
         logits = self.model.compute_logits(hidden)
         if logits is not None:
-            self.sampler(logits, [SamplingRow(1.0, None, 0)] * len(hidden))
+            self.sampler(logits, self.sampler.batch([SamplingRow(1.0, None, 0)] * len(hidden)))
         del hidden, logits
-        peak = torch.cuda.max_memory_allocated(self.device) - base
-        self.kv_cache = self.seqs = None
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_reserved(self.device) - base
+        reserved = torch.cuda.memory_reserved(self.device) - base
+        outside = max(0, free_before - torch.cuda.mem_get_info(self.device)[0] - reserved)
+        del graphs
+        self._release_kv_cache()
+        gc.collect()  # the graphs and their pool must be gone before the cache is sized
         torch.cuda.empty_cache()
-        log.info("rank %d: warm-up of %d x %d tokens took %.1fs, peak activations %.2f GiB", self.config.rank,
-                 num_seqs, seq_len, time.perf_counter() - started, peak / 2**30)
-        return peak
+        log.info("rank %d: measured %.2f GiB beside the KV cache (step peak %.2f, outside torch %.2f) in %.1fs",
+                 self.config.rank, (peak + outside) / 2**30, peak / 2**30, outside / 2**30,
+                 time.perf_counter() - started)
+        return peak + outside
+
+    def _capture_graphs(self, decode_buckets: list[int], prefill_buckets: list[int]) -> StepGraphs | None:
+        """The step graphs for these buckets over the current cache; None where steps run eagerly
+        (CPU, --enforce-eager, a backend that cannot be captured)."""
+        if self.device.type != "cuda" or self.config.enforce_eager or not self.backend.graph_safe:
+            return None
+        return StepGraphs(self._run_model, self.model.attention_layers(), self.backend, self.buffers,
+                          self.model_config.hidden_size, self.dtype, decode_buckets, prefill_buckets)
 
     def info(self) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(
@@ -153,23 +177,50 @@ class ModelRunner:
         values = asdict(self.model_config.sampling_defaults)
         return worker_pb2.SamplingDefaults(**{name: value for name, value in values.items() if value is not None})
 
+    @torch.inference_mode()
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """(Re)allocates the cache and, on CUDA, captures the decode graphs over it; any sequence
-        state refers to the old cache and is dropped."""
+        """(Re)allocates the cache and, on CUDA, captures the step graphs over it (every shape a
+        step can take is compiled and captured here, none while serving); any sequence state
+        refers to the old cache and is dropped."""
         if not 0 < num_blocks <= self.max_kv_blocks:
             raise ValueError(f"cannot allocate {num_blocks} KV blocks: this rank holds 1 to {self.max_kv_blocks}")
         self.graphs = None
         self._bind_device()
         self._allocate(num_blocks)
-        if self.device.type == "cuda" and not self.config.enforce_eager:
-            started = time.perf_counter()
-            self.graphs = DecodeGraphs(self._run_model, self.backend, self.buffers,
-                                       self.model_config.hidden_size, self.dtype)
-            log.info("rank %d: captured %d decode graphs in %.1fs", self.config.rank, len(self.graphs.buckets),
-                     time.perf_counter() - started)
+        started, reserved = time.perf_counter(), self._reserved_bytes()
+        self.graphs = self._capture_graphs(batch_buckets(self.config.max_num_seqs),
+                                           token_buckets(self.config.max_num_batched_tokens))
+        if self.graphs is not None:
+            log.info("rank %d: captured %d decode and %d prefill buckets in %.1fs; they hold %.2f GiB",
+                     self.config.rank, len(self.graphs.decode.buckets), len(self.graphs.prefill.buckets),
+                     time.perf_counter() - started, (self._reserved_bytes() - reserved) / 2**30)
+        if self.device.type == "cuda":
+            self._first_steps(num_blocks)
+
+    def _first_steps(self, num_blocks: int) -> None:
+        """A two-token prefill and a decode through the serving path before any request comes, so
+        that the kernels outside the graphs (attention between prefill pieces, sampling) compile
+        now; their K/V land in the first blocks, which hold nothing yet."""
+        blocks = cdiv(3, self.config.block_size)
+        if blocks > num_blocks:
+            return
+        sampling = llm_pb2.SamplingParams(temperature=1.0)
+        self.step(worker_pb2.StepRequest(seqs=[worker_pb2.SeqStep(
+            seq_id=0, token_ids=[0, 0], reset=True, sample=True, new_block_ids=range(blocks), sampling=sampling)]))
+        self.step(worker_pb2.StepRequest(seqs=[worker_pb2.SeqStep(seq_id=0, num_computed=2, sample=True,
+                                                                  num_generated=1)]))
+        self.step(worker_pb2.StepRequest(forget_seq_ids=[0]))
+
+    def _reserved_bytes(self) -> int:
+        return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+
+    def _release_kv_cache(self) -> None:
+        self.kv_cache = self.seqs = None
+        for layer in self.model.attention_layers():  # their views would keep the old cache alive
+            layer.bind_kv_cache(torch.empty(0), torch.empty(0))
 
     def _allocate(self, num_blocks: int) -> None:
-        self.kv_cache = self.seqs = None  # release the old cache before taking memory for the new one
+        self._release_kv_cache()  # before taking memory for the new one
         layers = self.model.attention_layers()
         self.kv_cache = torch.empty(2, len(layers), num_blocks, self.config.block_size, layers[0].num_kv_heads,
                                     layers[0].head_dim, dtype=self.dtype, device=self.device)
@@ -197,10 +248,10 @@ class ModelRunner:
         start = self.clock.mark()  # after the host-only part: a device that waits for it shows idle
         logits, inputs = self._compute(work)
         tokens = None
-        if inputs is not None and inputs.sampling:
+        if inputs is not None and work.sampled:
             tokens = (self.sampler(self.extras.process(logits, work, inputs.sampled_slots), inputs.sampling)
                       if logits is not None else
-                      torch.empty(len(inputs.sampling), dtype=torch.int64, device=self.device))
+                      torch.empty(len(work.sampled), dtype=torch.int64, device=self.device))
             broadcast_from_first_rank(tokens)
             self.last_tokens[inputs.sampled_slots] = tokens
         logprobs = self.extras.finish(logits, tokens, inputs and inputs.sampled_slots) if work else None
@@ -234,19 +285,18 @@ class ModelRunner:
         """Queues the forward pass; the logits of the sampled rows on rank 0."""
         if work is None:
             return None, None
-        graphs = self.graphs if work.is_decode else None
-        num_seqs = len(work.slots)
-        num_rows = graphs.batch_size(num_seqs) if graphs is not None else num_seqs
-        inputs = build_step_inputs(work, self.seqs.block_tables, self.backend, self.last_tokens, self.buffers,
-                                   num_rows)
-        if graphs is not None:
-            hidden = graphs.replay(num_seqs)
+        num_rows = self.graphs.num_rows(work) if self.graphs is not None else None
+        own_rows = len(work.slots) if work.is_decode else len(work.token_ids)
+        inputs = build_step_inputs(work, self.seqs, self.backend, self.last_tokens, self.buffers, self.sampler,
+                                   num_rows or own_rows)
+        if num_rows is not None:
+            hidden = self.graphs.replay(work, num_rows, inputs.context)
         else:
             with step_context(inputs.context):
                 hidden = self._run_model(inputs.input_ids, inputs.positions)
         if work.scored:  # prompt_logprobs; on every rank (a collective with tensor parallelism)
             self.extras.score_prompts(work, hidden, self.model.compute_logits)
-        if not inputs.sampling:
+        if not work.sampled:
             return None, inputs
         return self.model.compute_logits(hidden[inputs.sample_indices]), inputs
 

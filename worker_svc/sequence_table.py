@@ -3,9 +3,10 @@ parameters each, updated by the delta entries of each step (worker.proto, SeqSte
 validated whole before any state changes, so a bad request is refused without disturbing the
 others.
 
-Each live sequence owns a row ("slot") of `block_tables`, kept between steps, so a decode step
-gathers its tables with one numpy index instead of rebuilding them, and of the sampled-token
-buffer the runner keeps on the device (a decode entry without tokens reads its token there).
+Each live sequence owns a row ("slot") of `block_tables` and of the sampling columns, kept between
+steps, so a step gathers its tables and sampling parameters with one numpy index each instead of
+rebuilding them, and of the sampled-token buffer the runner keeps on the device (a decode entry
+without tokens reads its token there).
 """
 import math
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from model.sampler import SamplingRow
+from model.sampler import seed_key
 from nanoserve.mathutil import cdiv
 from nanoserve.v1 import worker_pb2
 
@@ -35,7 +36,7 @@ class StepWork:
     fed_rows: list[int]         # packed positions that take the sequence's last sampled token
     fed_slots: list[int]        # ... from these slots
     sampled: list[int]          # entries that sample, in entry order
-    sampling: list[SamplingRow] # their parameters
+    num_generated: list[int]    # ... and the tokens each of their requests has produced so far
     is_decode: bool             # every entry computes exactly one token (decode kernels, CUDA graphs)
     resets: list[tuple[int, worker_pb2.SeqStep]] = field(default_factory=list)  # (slot, entry) of reset entries
     scored: list[tuple[int, list[int]]] = field(default_factory=list)  # (entry, prompt_logprob_targets)
@@ -55,6 +56,10 @@ class SequenceTable:
         self.block_tables = np.full((capacity, self.max_blocks_per_seq), -1, np.int32)
         self.num_blocks = np.zeros(capacity, np.int64)
         self.sampled_positions = np.full(capacity, -1, np.int64)
+        # Per slot, the sampling parameters of its request (model.sampler: a seed as its seed_key).
+        self.temperatures = np.zeros(capacity, np.float64)
+        self.seeds = np.zeros(capacity, np.int64)
+        self.seeded = np.zeros(capacity, bool)
         self.free_slots = list(range(capacity - 1, -1, -1))
         self.states: dict[int, SeqState] = {}
 
@@ -72,7 +77,7 @@ class SequenceTable:
         reset: dict[int, SeqState] = {}  # by entry index
         appends: list[tuple[int, list[int]]] = []  # (entry index, new block ids)
         slots, num_new, num_computed, token_ids = [], [], [], []
-        fed_rows, fed_entries, sampled, sampling, scored = [], [], [], [], []
+        fed_rows, fed_entries, sampled, num_generated, scored = [], [], [], [], []
         for index, entry in enumerate(entries):
             if entry.reset:
                 state = reset[index] = self._reset_state(entry, released, spare_slots)
@@ -96,7 +101,7 @@ class SequenceTable:
                 num_new.append(1)
             if entry.sample:
                 sampled.append(index)
-                sampling.append(SamplingRow(state.temperature, state.seed, entry.num_generated))
+                num_generated.append(entry.num_generated)
             slots.append(state.slot)
             num_computed.append(entry.num_computed)
         if not entries:
@@ -104,7 +109,7 @@ class SequenceTable:
             return None
         work = StepWork(np.array(slots, np.int64), np.array(num_new, np.int64), np.array(num_computed, np.int64),
                         np.zeros(len(slots), np.int64), token_ids, fed_rows, [slots[i] for i in fed_entries],
-                        sampled, sampling, is_decode=len(token_ids) == len(slots),
+                        sampled, num_generated, is_decode=len(token_ids) == len(slots),
                         resets=[(state.slot, entries[i]) for i, state in reset.items()], scored=scored)
         is_reset = np.zeros(len(slots), bool)
         is_reset[list(reset)] = True
@@ -192,6 +197,10 @@ class SequenceTable:
             self.states.pop(seq_id, None)
         self.states.update(reset)
         self.free_slots = spare_slots
+        for state in reset.values():
+            self.temperatures[state.slot] = state.temperature
+            self.seeded[state.slot] = state.seed is not None
+            self.seeds[state.slot] = seed_key(state.seed or 0)
         if work is None:
             return
         self.block_tables[[state.slot for state in reset.values()]] = -1  # a reused row starts empty

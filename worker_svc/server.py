@@ -9,27 +9,41 @@ from typing import Iterator
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from nanoserve.listen import ListenError, listen
+from nanoserve.tls import TLSConfigError, TLSFiles
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
-from nanoserve.wire import GRPC_OPTIONS
+from nanoserve.wire import SERVER_OPTIONS
 from worker_svc.config import WorkerConfig
 from worker_svc.distributed import exit_broken_rank, init_distributed
+from worker_svc.guard import WorkerGuard
 from worker_svc.launched_step import MAX_STEPS_IN_FLIGHT, LaunchedStep, RefusedStep
+from worker_svc.preflight import StartupError, check_startup
+from worker_svc.sessions import Sessions
 
 log = logging.getLogger("nanoserve.worker")
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, runner):
+    """The Worker API over one runner. The port is served while the model loads (runner None):
+    every call then answers UNAVAILABLE, so a scheduler waits and a second server on the port fails."""
+
+    def __init__(self, runner=None):
         self.runner = runner
         self.lock = threading.Lock()  # the runner is driven by one request at a time
         self.depth = MAX_STEPS_IN_FLIGHT
 
+    def _require_runner(self, context) -> None:
+        if self.runner is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "loading: this worker is still loading its model")
+
     def Describe(self, request, context) -> worker_pb2.WorkerInfo:
+        self._require_runner(context)
         info = self.runner.info()
         info.max_steps_in_flight = self.depth
         return info
 
     def AllocateKVCache(self, request, context) -> worker_pb2.AllocateKVCacheResponse:
+        self._require_runner(context)
         with self.lock:
             try:
                 self.runner.allocate_kv_cache(request.num_blocks)
@@ -44,6 +58,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         """Replies in order, one per request. A step is launched as soon as it arrives, even while
         the one before is still computing: the scheduler sends step N+1 before it has step N's
         tokens, and queuing it first keeps the device busy while this process replies."""
+        self._require_runner(context)
         log.info("step stream opened by %s", context.peer())
         inbox = _Inbox(requests)
         launched: deque[tuple[int, LaunchedStep | RefusedStep]] = deque()  # (step id, step)
@@ -109,27 +124,32 @@ class _Inbox:
                     return None
 
 
-def serve_worker(config: WorkerConfig, host: str, port: int) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from worker_svc.runner import ModelRunner
-
-    init_distributed(config)
-    log.info("rank %d/%d loading %s", config.rank, config.tensor_parallel_size, config.model)
+def serve_worker(config: WorkerConfig, host: str, port: int, tls: TLSFiles = TLSFiles(),
+                 token: str = "") -> int:
+    """Takes the port first (a busy one fails before anything loads), answers UNAVAILABLE while the
+    model loads, then serves; returns the exit status."""
     try:
-        runner = ModelRunner(config)
-    except ValueError as err:  # e.g. a tensor-parallel size that does not divide the model
-        log.error("rank %d cannot serve %s: %s", config.rank, config.model, err)
+        check_startup(config)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS,
+                             interceptors=[WorkerGuard(token, Sessions())])
+        address = listen(server, host, port, f"worker rank {config.rank}'s --port", tls.server_credentials())
+    except (StartupError, ListenError, TLSConfigError) as err:
+        log.error("cannot start: %s", err)
         return 1
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=GRPC_OPTIONS)
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(runner), server)
+    service = WorkerService()
+    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = f"{host}:{port}"
-    if server.add_insecure_port(address) == 0:
-        log.error("cannot listen on %s", address)
-        return 1
     server.start()
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+    log.info("rank %d listening on %s%s while it loads", config.rank, address, " (TLS)" if tls.enabled else "")
+    try:
+        service.runner = _load(config)
+    except StartupError as err:
+        log.error("rank %d cannot serve %s: %s", config.rank, config.model, err)
+        server.stop(grace=0).wait()
+        return 1
+    _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
     log.info("rank %d serving on %s", config.rank, address)
     try:
         server.wait_for_termination()
@@ -137,3 +157,20 @@ def serve_worker(config: WorkerConfig, host: str, port: int) -> int:
         pass
     server.stop(grace=1).wait()
     return 0
+
+
+def _load(config: WorkerConfig):
+    from worker_svc.runner import ModelRunner
+
+    init_distributed(config)
+    log.info("rank %d/%d loading %s", config.rank, config.tensor_parallel_size, config.model)
+    try:
+        return ModelRunner(config)
+    except (ValueError, OSError) as err:  # a tensor-parallel size that does not divide the model, a missing file
+        raise StartupError(str(err)) from None
+
+
+def _set_health(servicer: health.HealthServicer, status) -> None:
+    """The whole server and the Worker service by name (a client that finds it knows it reached a worker)."""
+    for service in ("", worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name):
+        servicer.set(service, status)

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import torch
 
 from kernels.backend import AttentionBackend
+from model.sampler import SamplingBatch, SamplingColumns
 from model.step_context import StepContext
 from nanoserve.mathutil import cdiv
 from worker_svc.launched_step import MAX_STEPS_IN_FLIGHT
@@ -47,25 +48,32 @@ class StepTensors:
         # never written and stays 0.
         self.lengths = zeros(3, max_seqs + 1, dtype=torch.int32)
         self.context_lens, self.cu_seqlens_q, self.cu_seqlens_k = self.lengths
-        self.indices = zeros(4, max_seqs, dtype=torch.int64)
-        self.sample_indices, self.sampled_slots, self.fed_rows, self.fed_slots = self.indices
+        self.indices = zeros(7, max_seqs, dtype=torch.int64)
+        (self.sample_indices, self.sampled_slots, self.fed_rows, self.fed_slots, self.sample_keys,
+         self.sample_counters, temperature_bits) = self.indices
+        # The sampled rows' temperatures ride in the same copy, as float64 over the last row's bits.
+        self.sample_temperatures = temperature_bits.view(torch.float64)
+        # What copy_from moves, as flat views made once (a view per copy per step costs host time).
+        self.copied = tuple(t.view(-1) for t in (self.input_ids, self.positions, self.slot_mapping,
+                                                 self.block_tables, self.lengths, self.indices))
 
     def copy_from(self, staged: "StepTensors", num_tokens: int, num_slots: int, num_seqs: int,
                   num_sampled: int, num_fed: int) -> None:
         """non_blocking copies of what a step uses: its tokens (the slot mapping over `num_slots`
         rows, CUDA-graph padding included), its sequences' table rows, lengths and indices."""
-        def front(dst: torch.Tensor, src: torch.Tensor, count: int) -> None:
+        counts = (num_tokens, num_tokens, num_slots, num_seqs * self.block_tables.shape[1],
+                  # through cu_seqlens_k[num_seqs]: the rows before it (context lengths, padding included) go whole
+                  2 * self.lengths.shape[1] + num_seqs + 1,
+                  _through_last_used(self.indices, [num_sampled, num_sampled, num_fed, num_fed, num_sampled,
+                                                    num_sampled, num_sampled]))
+        for dst, src, count in zip(self.copied, staged.copied, counts):
             if count:
-                dst.view(-1)[:count].copy_(src.view(-1)[:count], non_blocking=True)
+                dst[:count].copy_(src[:count], non_blocking=True)
 
-        front(self.input_ids, staged.input_ids, num_tokens)
-        front(self.positions, staged.positions, num_tokens)
-        front(self.slot_mapping, staged.slot_mapping, num_slots)
-        front(self.block_tables, staged.block_tables, num_seqs * self.block_tables.shape[1])
-        # Through cu_seqlens_k[num_seqs]: the rows before it (context lengths, padding included) go whole.
-        front(self.lengths, staged.lengths, 2 * self.lengths.shape[1] + num_seqs + 1)
-        front(self.indices, staged.indices,
-              _through_last_used(self.indices, [num_sampled, num_sampled, num_fed, num_fed]))
+    def sampling(self, num_sampled: int, all_greedy: bool) -> SamplingBatch:
+        """The sampled rows' parameters (Sampler.stage writes them into a staging set)."""
+        return SamplingBatch(self.sample_temperatures[:num_sampled], self.sample_keys[:num_sampled],
+                             self.sample_counters[:num_sampled], all_greedy)
 
 
 def _through_last_used(rows: torch.Tensor, used: list[int]) -> int:
@@ -79,7 +87,10 @@ class StagingSet:
 
     def __init__(self, tensors: StepTensors, cuda: bool):
         self.tensors = tensors
-        self.arrays = SimpleNamespace(**{name: t.numpy() for name, t in vars(tensors).items()})
+        self.arrays = SimpleNamespace(**{name: t.numpy() for name, t in vars(tensors).items()
+                                         if isinstance(t, torch.Tensor)})
+        self.sampling = SamplingColumns(self.arrays.sample_temperatures, self.arrays.sample_keys,
+                                        self.arrays.sample_counters)
         self.copied = torch.cuda.Event() if cuda else None
         self.pending = False
 
@@ -100,7 +111,8 @@ class StepBuffers:
 
     def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,
                  device: torch.device):
-        self.max_num_seqs, self.max_model_len, self.block_size = max_num_seqs, max_model_len, block_size
+        self.max_num_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.max_model_len, self.block_size = max_model_len, block_size
         self.max_blocks_per_seq = cdiv(max_model_len, block_size)
         sizes = (max_num_batched_tokens, max_num_seqs, self.max_blocks_per_seq)
         self.on_device = StepTensors(*sizes, device, pin=False)
@@ -110,6 +122,7 @@ class StepBuffers:
         else:
             self._staging = [StagingSet(self.on_device, cuda=False)]
         self._turn = 0
+        self._decode_contexts: dict[tuple[AttentionBackend, int], StepContext] = {}
 
     def next_staging(self) -> StagingSet:
         """The host set for the next step, once the copies out of it from its last use are done."""
@@ -134,8 +147,18 @@ class StepBuffers:
                            cu_seqlens_q=t.cu_seqlens_q[:num_seqs + 1], cu_seqlens_k=t.cu_seqlens_k[:num_seqs + 1],
                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
 
+    def prefill_graph_context(self, backend: AttentionBackend, num_rows: int) -> StepContext:
+        """The context a piecewise prefill graph of num_rows tokens is captured under: its K/V store
+        reads the slot mapping's first num_rows entries; its attention is cut out of the graph
+        (worker_svc.prefill_graphs), so the lengths are placeholders that no kernel reads."""
+        return self.context(backend, True, num_rows, 1, 1, 1, 1)
+
     def decode_context(self, backend: AttentionBackend, num_seqs: int) -> StepContext:
         """A decode step's context, the same for an eager step as for the CUDA graph of its batch
         size: full-width block tables (a kernel such as flash-attn's picks its split of the context
-        from the table width) and length bounds instead of this step's lengths."""
-        return self.context(backend, False, num_seqs, num_seqs, self.max_blocks_per_seq, 1, self.max_model_len)
+        from the table width) and length bounds instead of this step's lengths. Made once per size."""
+        key = (backend, num_seqs)
+        if key not in self._decode_contexts:
+            self._decode_contexts[key] = self.context(backend, False, num_seqs, num_seqs, self.max_blocks_per_seq, 1,
+                                                      self.max_model_len)
+        return self._decode_contexts[key]

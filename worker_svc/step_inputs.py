@@ -1,9 +1,10 @@
-"""Turns a validated step (StepWork columns) into the tensors the model and attention read.
+"""Turns a validated step (StepWork columns) into the tensors the model, attention and sampler read.
 
 This runs on the host before every step, so it never loops in Python and allocates no tensors:
 per-token columns come from numpy ranges written straight into a staging set of the step buffers,
-block tables from one gather of the sequence table's rows, and each used slice then goes to the
-device buffers in a non_blocking copy (worker_svc.step_buffers says why that is safe).
+block tables and sampling parameters from one gather each of the sequence table's rows, and each
+used slice then goes to the device buffers in a non_blocking copy (worker_svc.step_buffers says why
+that is safe).
 """
 from dataclasses import dataclass
 
@@ -11,9 +12,9 @@ import numpy as np
 import torch
 
 from kernels.backend import AttentionBackend
-from model.sampler import SamplingRow
+from model.sampler import Sampler, SamplingBatch
 from model.step_context import StepContext
-from worker_svc.sequence_table import StepWork
+from worker_svc.sequence_table import SequenceTable, StepWork
 from worker_svc.step_buffers import StepBuffers
 
 
@@ -25,15 +26,16 @@ class StepInputs:
     context: StepContext
     sample_indices: torch.Tensor   # [S] rows of the packed tokens whose next token is sampled
     sampled_slots: torch.Tensor    # [S] their sequences' slots (where the sampled tokens are kept)
-    sampling: list[SamplingRow]    # [S]
+    sampling: SamplingBatch        # [S] their sampling parameters
 
 
-def build_step_inputs(work: StepWork, block_tables: np.ndarray, backend: AttentionBackend,
-                      last_tokens: torch.Tensor, buffers: StepBuffers, num_rows: int) -> StepInputs:
-    """`block_tables` holds each slot's table; `last_tokens` each slot's last sampled token, fed in
-    where an entry sends none. `num_rows`: the rows a decode step fills, its CUDA graph's batch
-    size, past its own sequences with padding rows that every kernel skips (slot -1, context
-    length 0); the number of entries otherwise."""
+def build_step_inputs(work: StepWork, seqs: SequenceTable, backend: AttentionBackend, last_tokens: torch.Tensor,
+                      buffers: StepBuffers, sampler: Sampler, num_rows: int) -> StepInputs:
+    """`seqs` holds each slot's block table and sampling parameters; `last_tokens` each slot's last
+    sampled token, fed in where an entry sends none. `num_rows`: the rows the forward pass computes,
+    its CUDA graph's size (a decode's batch bucket, a prefill's token bucket) or the step's own rows
+    (sequences of a decode, tokens otherwise); rows past the step's own are padding that every
+    kernel skips (slot -1, and in a decode context length 0)."""
     staging = buffers.next_staging()
     host = staging.arrays
     num_seqs, num_tokens = len(work.slots), len(work.token_ids)
@@ -42,9 +44,10 @@ def build_step_inputs(work: StepWork, block_tables: np.ndarray, backend: Attenti
     cu_seqlens_q[1:] = np.cumsum(num_new)
     host.cu_seqlens_k[1:num_seqs + 1] = np.cumsum(context_lens)
     host.context_lens[:num_seqs] = context_lens
-    host.context_lens[num_seqs:num_rows] = 0
+    if work.is_decode:
+        host.context_lens[num_seqs:num_rows] = 0
     tables = host.block_tables[:num_seqs]
-    np.take(block_tables, work.slots, axis=0, out=tables, mode="clip")  # slots are valid rows
+    np.take(seqs.block_tables, work.slots, axis=0, out=tables, mode="clip")  # slots are valid rows
     # Each new token's position, then its slot through its own sequence's block table.
     if work.is_decode:
         seq_of_token, positions = np.arange(num_seqs), work.num_computed
@@ -60,8 +63,12 @@ def build_step_inputs(work: StepWork, block_tables: np.ndarray, backend: Attenti
     host.fed_rows[:num_fed] = work.fed_rows
     host.fed_slots[:num_fed] = work.fed_slots
     sampled = np.asarray(work.sampled, np.int64)
+    sampled_slots = work.slots[sampled]
+    temperatures = seqs.temperatures[sampled_slots]
     host.sample_indices[:num_sampled] = cu_seqlens_q[1:][sampled] - 1  # each sequence's last new token
-    host.sampled_slots[:num_sampled] = work.slots[sampled]
+    host.sampled_slots[:num_sampled] = sampled_slots
+    sampler.stage(temperatures, seqs.seeds[sampled_slots], seqs.seeded[sampled_slots],
+                  np.asarray(work.num_generated, np.int64), staging.sampling)
     buffers.upload(staging, num_tokens, max(num_tokens, num_rows), num_seqs, num_sampled, num_fed)
 
     device = buffers.on_device
@@ -74,4 +81,4 @@ def build_step_inputs(work: StepWork, block_tables: np.ndarray, backend: Attenti
         context = buffers.context(backend, True, num_tokens, num_seqs, int(work.num_blocks.max()),
                                   int(num_new.max()), int(context_lens.max()))
     return StepInputs(input_ids, device.positions[:num_tokens], context, device.sample_indices[:num_sampled],
-                      device.sampled_slots[:num_sampled], work.sampling)
+                      device.sampled_slots[:num_sampled], device.sampling(num_sampled, not temperatures.any()))

@@ -2,12 +2,19 @@
 from dataclasses import dataclass, field
 from typing import Iterator
 
-import grpc
-
-from nanoserve.flags import defaults
+from nanoserve.flags import SCHEDULER_PORT, defaults
+from nanoserve.tls import TLSFiles, open_channel
 from nanoserve.v1 import llm_pb2, llm_pb2_grpc
 
 DEFAULT_ADDRESS = defaults("generate")["address"]  # where `nanoserve generate` asks
+
+
+def with_default_port(address: str, port: int = SCHEDULER_PORT) -> str:
+    """`address` with the scheduler's port added when it names none ("localhost" -> "localhost:50051";
+    gRPC alone would take 443). IPv6 hosts are written in brackets: "[::1]", "[::1]:50051"."""
+    host, _, last = address.rpartition(":")
+    has_port = last.isdigit() and (not host.count(":") or host.endswith("]"))
+    return address if has_port or address.startswith(("unix:", "dns:", "ipv4:", "ipv6:")) else f"{address}:{port}"
 
 
 @dataclass
@@ -43,8 +50,11 @@ def gather(messages: Iterator[llm_pb2.GenerateResponse]) -> list[Completion]:
 
 
 class Client:
-    def __init__(self, address: str = DEFAULT_ADDRESS):
-        self.channel = grpc.insecure_channel(address)
+    """The public API of the server at `address` (host[:port]); `tls` for a server that serves TLS."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, tls: TLSFiles = TLSFiles()):
+        self.address = with_default_port(address)
+        self.channel = open_channel(self.address, tls)
         self.stub = llm_pb2_grpc.LLMStub(self.channel)
 
     def close(self) -> None:

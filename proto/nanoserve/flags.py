@@ -28,13 +28,20 @@ COMMANDS = {  # command -> what it does (`python -m nanoserve.healthcheck` runs 
     "gateway": "serve the OpenAI-compatible HTTP API in front of a scheduler",
     "up": "start a scheduler and its workers (and a gateway) as local processes",
     "generate": "stream one completion to the terminal",
+    "info": "print the served model's description (GetModelInfo) as JSON",
+    "stats": "print the server's counters (GetStats) as JSON",
+    "tokenize": "print the token ids of a text as a JSON list",
     "chat": "stream the model's answer to one chat message to the terminal",
     "healthcheck": "exit 0 only when the server reports SERVING",
 }
 ENGINE = ("worker", "scheduler", "up")  # limits a scheduler and its workers must agree on
 WORKER = ("worker", "up")
 SCHEDULER = ("scheduler", "up")
+SERVERS = ("worker", "scheduler")                          # each serves its own gRPC port
+LOGGING = ("worker", "scheduler", "up")
+CLIENTS = ("generate", "chat", "info", "stats", "tokenize", "healthcheck")  # ask a server over gRPC
 GENERATE = ("generate", "chat")  # the client commands that generate
+PORTS = (1, 65535)
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _KIND_NAMES = {int: "an integer", float: "a number"}
 
@@ -46,6 +53,7 @@ class Flag:
     help: str
     commands: tuple[str, ...]
     choices: tuple[str, ...] = ()
+    limits: tuple[Any, Any] = ()  # (lowest, highest) a number may take
 
     @property
     def dest(self) -> str:
@@ -78,6 +86,8 @@ class Flag:
             raise argparse.ArgumentTypeError(f"{raw!r} is not {_KIND_NAMES[self.kind]} ({source})") from None
         if self.choices and value not in self.choices:
             raise argparse.ArgumentTypeError(f"{raw!r} is not one of {', '.join(self.choices)} ({source})")
+        if self.limits and not self.limits[0] <= value <= self.limits[1]:
+            raise argparse.ArgumentTypeError(f"{raw!r} is outside {self.limits[0]}..{self.limits[1]} ({source})")
         return value
 
     def argv(self, value: Any) -> list[str]:
@@ -105,8 +115,9 @@ FLAGS = (
          ("worker", "scheduler", "up")),
     Flag("--download-dir", "", "where Hub models are downloaded; empty = the Hugging Face cache ($HF_HOME)",
          ("worker", "scheduler", "up")),
-    Flag("--host", "0.0.0.0", "address to listen on", ("worker", "scheduler")),
-    Flag("--port", WORKER_PORT, "port the worker listens on", ("worker",)),
+    Flag("--host", "127.0.0.1", "address to listen on; 0.0.0.0 = every interface (containers, other hosts)",
+         SERVERS),
+    Flag("--port", WORKER_PORT, "port the worker listens on", ("worker",), limits=PORTS),
     Flag("--rank", 0, "this worker's rank", ("worker",)),
     Flag("--dist-init-addr", "127.0.0.1:29500", "host:port where the ranks meet (rank 0's torch.distributed "
          "store)", ("worker",)),
@@ -126,45 +137,71 @@ FLAGS = (
     # the scheduler
     Flag("--workers", f"127.0.0.1:{WORKER_PORT}", "worker addresses (host:port), comma-separated, in rank order",
          ("scheduler",)),
-    Flag("--port", SCHEDULER_PORT, "port the public LLM API listens on", SCHEDULER),
+    Flag("--port", SCHEDULER_PORT, "port the public LLM API listens on", SCHEDULER, limits=PORTS),
     Flag("--tokenizer", "", "directory with the tokenizer files (tokenizer.json, the chat template), or a Hub id; "
          "empty = the model the workers serve", SCHEDULER),
     Flag("--max-waiting", 4096, "queued requests before RESOURCE_EXHAUSTED", SCHEDULER),
     Flag("--enable-prefix-caching", True, "reuse KV blocks of shared prompt prefixes", SCHEDULER),
     Flag("--worker-connect-timeout", 300.0, "seconds to wait for every worker at start-up", SCHEDULER),
-    Flag("--metrics-port", 0, "port serving Prometheus metrics at /metrics; 0 = off", SCHEDULER),
-    Flag("--max-n", 16, "most completions one request may ask for (n)", SCHEDULER),
+    Flag("--metrics-port", 0, "port serving Prometheus metrics at /metrics; 0 = off", SCHEDULER,
+         limits=(0, PORTS[1])),
+    Flag("--max-n", 16, "most completions one request may ask for (n)", SCHEDULER, limits=(1, 2**32 - 1)),
     Flag("--max-logprobs", 20, "most alternatives per token a request may ask for (logprobs, prompt_logprobs)",
-         SCHEDULER),
+         SCHEDULER, limits=(0, 2**32 - 1)),
+    # security between the scheduler and its workers, and on the public API
+    Flag("--worker-token", "", "shared secret the scheduler sends on every Worker RPC and the workers require; "
+         "empty = none (`up` makes a random one for its own processes)", SERVERS),
+    Flag("--tls-cert-file", "", "PEM certificate (chain) this server presents: serve TLS instead of plaintext",
+         SERVERS),
+    Flag("--tls-key-file", "", "PEM private key of --tls-cert-file", SERVERS),
+    Flag("--tls-ca-file", "", "PEM CA certificates that client certificates must chain to: clients must present "
+         "one (mutual TLS)", SERVERS),
+    Flag("--worker-tls-ca-file", "", "PEM CA certificates the workers' certificates must chain to: reach the "
+         "workers over TLS", ("scheduler",)),
+    Flag("--worker-tls-cert-file", "", "PEM certificate the scheduler presents to workers that require one",
+         ("scheduler",)),
+    Flag("--worker-tls-key-file", "", "PEM private key of --worker-tls-cert-file", ("scheduler",)),
+    # logs
+    Flag("--log-level", "info", "least severe log lines written", LOGGING, ("debug", "info", "warning", "error")),
+    Flag("--log-format", "text", "text lines, or one JSON object a line", LOGGING, ("text", "json")),
     # the OpenAI-compatible gateway
     Flag("--scheduler", f"127.0.0.1:{SCHEDULER_PORT}", "host:port of the scheduler's public gRPC API", ("gateway",)),
     Flag("--host", "127.0.0.1", "address the HTTP API listens on", ("gateway",)),
-    Flag("--port", OPENAI_PORT, "port the HTTP API listens on", ("gateway",)),
+    Flag("--port", OPENAI_PORT, "port the HTTP API listens on", ("gateway",), limits=PORTS),
     Flag("--served-model-name", "", "model id the HTTP API lists and answers to; empty = the model directory's "
          "name", ("gateway", "up")),
     Flag("--log-level", "info", "the gateway's log level (uvicorn's included)", ("gateway",),
          ("critical", "error", "warning", "info", "debug")),
     # the local launcher
     Flag("--host", "127.0.0.1", "address the scheduler listens on", ("up",)),
-    Flag("--worker-base-port", WORKER_PORT, "rank r listens on this port + r", ("up",)),
+    Flag("--worker-base-port", WORKER_PORT, "rank r listens on this port + r", ("up",), limits=PORTS),
     Flag("--openai-port", 0, "also start the OpenAI-compatible gateway, listening on --host at this port; "
-         "0 = no gateway", ("up",)),
+         "0 = no gateway", ("up",), limits=(0, PORTS[1])),
     # clients
-    Flag("--address", f"127.0.0.1:{SCHEDULER_PORT}", "host:port of the server to ask",
-         ("generate", "chat", "healthcheck")),
-    Flag("--max-tokens", 64, "most tokens to generate", GENERATE),
-    Flag("--temperature", 0.0, "0 = greedy", GENERATE),
-    Flag("--seed", -1, "sampling seed; -1 = none", GENERATE),
+    Flag("--address", f"127.0.0.1:{SCHEDULER_PORT}", f"host[:port] of the server to ask (port {SCHEDULER_PORT} "
+         "when none is given)", CLIENTS),
+    Flag("--tls-ca-file", "", "PEM CA certificates the server's certificate must chain to: connect over TLS",
+         CLIENTS),
+    Flag("--tls-cert-file", "", "PEM client certificate, for a server that requires one (with --tls-ca-file)",
+         CLIENTS),
+    Flag("--tls-key-file", "", "PEM private key of --tls-cert-file", CLIENTS),
+    Flag("--max-tokens", 64, "most tokens to generate", GENERATE, limits=(1, 2**32 - 1)),
+    Flag("--temperature", -1.0, "0 = greedy; -1 = the server's default (1.0, or the model's own)", GENERATE),
+    Flag("--seed", -1, "sampling seed; -1 = none", GENERATE, limits=(-1, 2**64 - 1)),
     Flag("--ignore-eos", False, "keep going past end-of-sequence", GENERATE),
-    Flag("--top-p", 1.0, "draw from the most likely tokens covering this probability; 1 = all", GENERATE),
-    Flag("--top-k", 0, "draw from this many most likely tokens; 0 = all", GENERATE),
+    Flag("--top-p", -1.0, "draw from the most likely tokens covering this probability (1 = all); -1 = the "
+         "server's default (1, or the model's own)", GENERATE),
+    Flag("--top-k", 0, "draw from this many most likely tokens (-1 = all); 0 = the server's default (all, or "
+         "the model's own)", GENERATE, limits=(-1, 2**31 - 1)),
     Flag("--min-p", 0.0, "drop tokens less likely than this times the most likely one", GENERATE),
     Flag("--repetition-penalty", 1.0, "penalize tokens of the prompt and output so far; 1 = off", GENERATE),
     Flag("--presence-penalty", 0.0, "subtract from tokens already in the output", GENERATE),
     Flag("--frequency-penalty", 0.0, "subtract per occurrence in the output", GENERATE),
-    Flag("--min-tokens", 0, "tokens to generate before eos or a stop may end the output", GENERATE),
+    Flag("--min-tokens", 0, "tokens to generate before eos or a stop may end the output", GENERATE,
+         limits=(0, 2**32 - 1)),
     Flag("--stop", (), "stop string, left out of the output (repeat the flag for several)", GENERATE),
-    Flag("--logprobs", -1, "print each token's logprob and this many alternatives; -1 = none", GENERATE),
+    Flag("--logprobs", -1, "print each token's logprob and this many alternatives; -1 = none", GENERATE,
+         limits=(-1, 2**32 - 1)),
     Flag("--system", "", "system message before the user's", ("chat",)),
     Flag("--chat-template-kwargs", "", "JSON object of extra chat template variables, e.g. "
          "'{\"enable_thinking\": false}'", ("chat",)),

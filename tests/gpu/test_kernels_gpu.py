@@ -1,5 +1,6 @@
 """The Triton kernels, and the flash-attn backend when flash_attn imports, vs the torch reference
-on CUDA at the benchmark model's sizes (16 query heads, 8 KV heads, head_dim 128) in bf16."""
+on CUDA at the benchmark model's sizes (16 query heads, 8 KV heads, head_dim 128, Qwen3's
+vocabulary) in bf16."""
 import dataclasses
 
 import pytest
@@ -8,9 +9,10 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from kernels import flash_attn_backend, triton_decode, triton_kv_store, triton_prefill  # noqa: E402
+from kernels import flash_attn_backend, race_sampling, triton_decode, triton_kv_store, triton_prefill  # noqa: E402
+from kernels import triton_sampling  # noqa: E402
 from tests.worker.test_triton_kernels import (  # noqa: E402
-    Case, check_decode, check_prefill, check_store, make_paged_batch)
+    Case, check_decode, check_prefill, check_sampling, check_store, make_paged_batch)
 
 BF16 = dict(head_dim=128, dtype=torch.bfloat16)
 STORE_CASES = [Case(new_lens=(700,), context_lens=(1500,), heads=16, kv_heads=8, block_size=256, **BF16)]
@@ -90,6 +92,24 @@ def test_triton_decode_replays_in_cuda_graph() -> None:
 
     for seed, lengths in enumerate([(10, 3000, 0), (4000, 1, 77)]):
         check_decode(replay, dataclasses.replace(capacity, context_lens=lengths), "cuda", seed)
+
+
+def test_triton_sampling() -> None:
+    check_sampling(triton_sampling.race_sample, "cuda")
+
+
+@pytest.mark.parametrize("rows", [1, 7, 256])
+def test_triton_sampling_of_bf16_logits_matches_the_cpu_reference(rows: int) -> None:
+    """Qwen3-sized bf16 logits, half the rows greedy: the same tokens as the plain-torch race on the
+    CPU (the noise is counter-based; only float rounding could part them, at an exact near-tie)."""
+    gen = torch.Generator("cuda").manual_seed(rows)
+    logits = (4 * torch.randn(rows, 151_936, generator=gen, device="cuda")).bfloat16()
+    temperatures = torch.arange(rows, device="cuda").remainder(2).double() * 0.8
+    keys = torch.arange(rows, device="cuda") * 7919 - 3
+    counters = torch.arange(rows, device="cuda") + 2**40
+    tokens = triton_sampling.race_sample(logits, temperatures, keys, counters)
+    expected = race_sampling.race_sample(*(t.cpu() for t in (logits, temperatures, keys, counters)))
+    assert tokens.cpu().tolist() == expected.tolist()
 
 
 @needs_flash_attn

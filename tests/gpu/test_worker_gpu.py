@@ -92,6 +92,40 @@ def test_cuda_graph_decode_gives_the_eager_tokens(bf16_model_dir, backend, batch
     assert graphs is not None and replayed == eager
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_graphs_give_the_eager_logits_and_tokens(bf16_model_dir, backend):
+    """Prefill steps replayed piecewise (padded to their token bucket, attention between the pieces)
+    against the same steps run eagerly on the same runner: a first prefill of several prompts, a
+    prefix-cache hit, a step mixing decodes with a chunk that continues mid-block, then greedy
+    decoding; logits close and every greedy token the same."""
+    runner = gpu_runner(bf16_model_dir, backend, False, "bfloat16", num_blocks=256 if backend == "triton" else 64)
+    size = runner.config.block_size
+    batch = prompts(5, seed=4)
+    long = list(range(1000, 1000 + 3 * size + 5))
+    hit_prompt, cached = batch[0] + [5, 6, 7], len(batch[0]) // size * size
+
+    def run() -> tuple[list[torch.Tensor], dict[int, list[int]]]:
+        writer = StepWriter(size)
+        first = writer.request(*(writer.entry(i, p, reset=True) for i, p in batch.items()),
+                               writer.entry(9, long[:size + 3], reset=True, sample=False))
+        hit = writer.request(writer.entry(10, hit_prompt[cached:], cached, reset=True,
+                                          shared_blocks=tuple(writer.tables[0][:cached // size])))
+        mixed = writer.request(writer.entry(9, long[size + 3:], size + 3),
+                               *(writer.entry(i, [17], len(p), num_generated=1) for i, p in batch.items()))
+        logits = [runner.step_logits(step).float() for step in (first, hit, mixed)]
+        runner.step(writer.request(forget=(9, 10, *batch)))
+        return logits, generate(runner, StepWriter(size), batch, 24)
+
+    first_tokens = sum(map(len, batch.values())) + size + 3
+    assert runner.graphs is not None and runner.graphs.prefill.num_rows(first_tokens) > first_tokens
+    replayed = run()
+    runner.graphs = None
+    eager = run()
+    for ours, reference in zip(replayed[0], eager[0]):
+        assert ((ours - reference).norm() / reference.norm()).item() < 1e-2
+    assert replayed[1] == eager[1]
+
+
 def test_kv_pool_sized_from_gpu_memory(tiny_model_dir):
     """No forced block count: the warm-up sizes the pool under gpu_memory_utilization."""
     runner = ModelRunner(WorkerConfig(model=str(tiny_model_dir), device="cuda", block_size=16,
@@ -100,6 +134,23 @@ def test_kv_pool_sized_from_gpu_memory(tiny_model_dir):
     budget = runner.max_kv_blocks * runner._kv_block_bytes()
     assert 0 < budget < 0.5 * total
     assert runner.info().max_kv_blocks == runner.max_kv_blocks
+
+
+def test_sized_cache_with_its_graphs_and_largest_step_stays_under_the_utilization(tiny_model_dir):
+    """Sized from memory, the whole cache allocated, every graph captured over it and the largest
+    prefill step run: the device holds no more than gpu_memory_utilization of its memory, give or
+    take how much more the pool of every bucket takes than that of the largest ones, which the
+    sizing measured (256 MiB)."""
+    runner = ModelRunner(WorkerConfig(model=str(tiny_model_dir), device="cuda", block_size=16,
+                                      gpu_memory_utilization=0.5, max_model_len=4096, max_num_seqs=64,
+                                      max_num_batched_tokens=8192))
+    runner.allocate_kv_cache(runner.max_kv_blocks)
+    assert runner.graphs is not None
+    writer = StepWriter(16)
+    runner.step(writer.request(writer.entry(1, [7] * 4096, reset=True), writer.entry(2, [8] * 4096, reset=True)))
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    assert total - free <= 0.5 * total + 2**28
 
 
 def test_host_staging_is_a_pinned_ring_one_deeper_than_the_steps_in_flight():

@@ -36,7 +36,7 @@ def test_worker_dying_mid_run_fails_in_flight_requests_then_recovers(tiny_model_
     with running_service(Path(tiny_model_dir), log, worker_flags=flags) as svc, Client(svc["address"]) as client:
         worker = svc["workers"][0]
         worker_port = worker.args[worker.args.index("--port") + 1]
-        stream = client.stream([1, 2, 3, 4], max_tokens=100000, temperature=0, ignore_eos=True, timeout=60)
+        stream = client.stream([1, 2, 3, 4], max_tokens=2000, temperature=0, ignore_eos=True, timeout=60)
         next(stream)
         worker.kill()
         with pytest.raises(grpc.RpcError) as info:

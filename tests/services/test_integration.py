@@ -136,9 +136,13 @@ def test_bad_requests_get_clear_errors(client):
     expect_error(client, INVALID, "temperature", [1, 2, 3], temperature=math.nan)
     limit = client.model_info().max_model_len
     expect_error(client, INVALID, "length limit", [5] * (limit + 1))
+    # The model's 4096 tokens are capped to what one sequence can hold in the pool, so a prompt
+    # larger than the pool is over the limit (the scheduler's RESOURCE_EXHAUSTED guard behind it
+    # is tested in tests/scheduler/test_scheduler_edges.py).
     pool_tokens = NUM_KV_BLOCKS * BLOCK_SIZE
-    assert pool_tokens + 100 < limit
-    expect_error(client, grpc.StatusCode.RESOURCE_EXHAUSTED, "blocks", [5] * (pool_tokens + 100))
+    assert limit == pool_tokens
+    expect_error(client, INVALID, "length limit", [5] * (pool_tokens + 100))
+    expect_error(client, INVALID, "ask for at most 10 tokens", [5] * (limit - 10), max_tokens=11)
 
 
 def test_bad_requests_do_not_disturb_good_ones(client):

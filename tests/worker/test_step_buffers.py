@@ -26,11 +26,11 @@ def test_prefill_context_carries_the_lengths_the_host_knows(tiny_model_dir):
     calls = []
 
     def recording_prefill(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          block_tables, scale):
+                          block_tables, scale, out=None):
         calls.append((cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), max_seqlen_q, max_seqlen_k,
                       block_tables.tolist()))
         return reference.paged_prefill(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                       max_seqlen_k, block_tables, scale)
+                                       max_seqlen_k, block_tables, scale, out=out)
 
     runner.backend = dataclasses.replace(runner.backend, paged_prefill=recording_prefill)
     writer = StepWriter(BLOCK_SIZE)
@@ -60,8 +60,8 @@ def test_decode_rows_past_the_batch_are_padding_that_disturbs_nothing(tiny_model
     expected = [plain.step_logits(decode), plain.step_logits(following)]
 
     buffers = runner.buffers
-    inputs = build_step_inputs(runner.seqs.apply(decode), runner.seqs.block_tables, runner.backend,
-                               runner.last_tokens, buffers, num_rows=8)
+    inputs = build_step_inputs(runner.seqs.apply(decode), runner.seqs, runner.backend, runner.last_tokens, buffers,
+                               runner.sampler, num_rows=8)
     device = buffers.on_device
     assert device.slot_mapping[3:8].tolist() == [-1] * 5 and device.context_lens[3:8].tolist() == [0] * 5
     assert device.context_lens[:3].tolist() == [len(p) + 1 for p in prompts.values()]

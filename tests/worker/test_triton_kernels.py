@@ -1,5 +1,5 @@
-"""Triton KV-store, paged prefill and paged decode kernels vs the plain-torch reference, on CPU
-through Triton's interpreter.
+"""Triton KV-store, paged prefill, paged decode and sampling kernels vs the plain-torch reference,
+on CPU through Triton's interpreter.
 
 Triton decides between interpreter and compiler when a kernel is decorated, i.e. when
 kernels.triton_* is first imported, so TRITON_INTERPRET=1 must be set before that import; any
@@ -157,8 +157,36 @@ DECODE_CASES = [
 ]
 
 
+def check_sampling(race_sample: Callable, device: str) -> None:
+    """The race kernel picks the reference's tokens: greedy rows their argmax (the first of tied
+    maxima), sampled rows the same noisy argmax, seeded or from a worker's stream (counter top bit
+    set); rows whose vocabulary ends mid-block or splits over several programs included."""
+    from kernels.race_sampling import race_sample as reference_race
+    gen = torch.Generator(device).manual_seed(0)
+    for rows, vocab in ((6, 3000), (2, 70_001), (9, 5)):
+        logits = 3 * torch.randn(rows, vocab, generator=gen, device=device)
+        logits[0, [7 % vocab, 1 % vocab]] = logits[0].max() + 1  # a greedy tie: the lower id wins
+        temperatures = torch.tensor([0.0, 1.0, 0.6, 2.0, 0.0, 1.3, 0.9, 1.0, 0.05][:rows], dtype=torch.float64,
+                                    device=device)
+        keys = torch.tensor([3, 3, -7, 2**62, 5, 5, 0, 1, 2][:rows], device=device)
+        counters = torch.tensor([0, 0, 4, -2**63 + 11, 1, 2, 9, 9, 3][:rows], device=device)
+        tokens = race_sample(logits, temperatures, keys, counters)
+        expected = reference_race(logits, temperatures, keys, counters)
+        assert tokens.tolist() == expected.tolist(), (rows, vocab)
+        greedy = temperatures == 0
+        assert tokens[0].item() == 1 % vocab
+        assert torch.equal(tokens[greedy], logits[greedy].argmax(dim=-1))
+        if vocab > 1000:  # the noise matters
+            assert (tokens[~greedy] != logits[~greedy].argmax(dim=-1)).any()
+
+
 def run_interpreted_cases(kernel: str) -> None:
     """Runs in the child process: TRITON_INTERPRET is already set, so import the kernels now."""
+    if kernel == "sampling":
+        from kernels.triton_sampling import num_splits, race_sample
+        check_sampling(race_sample, "cpu")
+        assert num_splits(2, 70_001, torch.device("cpu")) > 1 and num_splits(9, 5, torch.device("cpu")) == 1
+        return
     from kernels.triton_decode import paged_decode
     from kernels.triton_kv_store import store_kvcache
     from kernels.triton_prefill import paged_prefill
@@ -175,6 +203,25 @@ def run_interpreted_cases(kernel: str) -> None:
         assert 1 in splits and max(splits) > 1, splits
 
 
+def test_sampling_kernels_compile_for_hopper() -> None:
+    """The interpreter runs code the compiler refuses (a plain Python global, say), so the sampling
+    kernels are also compiled for sm_90, which Triton's own ptxas does without a GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels import triton_sampling
+    race = {"logits": "*bf16", "stride_row": "i32", "temperatures": "*fp64", "keys": "*i64", "counters": "*i64",
+            "best_scores": "*fp32", "best_tokens": "*i32", "vocab_size": "i32", "blocks_per_split": "i32",
+            "SPLITS": "constexpr", "BLOCK": "constexpr"}
+    pick = {"best_scores": "*fp32", "best_tokens": "*i32", "tokens": "*i64", "SPLITS": "constexpr"}
+    for kernel, signature, constexprs in ((triton_sampling._race_kernel, race, {"SPLITS": 64, "BLOCK": 1024}),
+                                          (triton_sampling._pick_kernel, pick, {"SPLITS": 64})):
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32))
+        assert compiled.asm["cubin"]
+
+
 def _fix_interpreter_for_numpy_2_4() -> None:
     """Triton 3.6's interpreter turns a scalar into a Python int with int(array of shape (1,)),
     which numpy >= 2.4 refuses, so `range(start, end)` over loaded values fails
@@ -189,7 +236,7 @@ def _fix_interpreter_for_numpy_2_4() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-@pytest.mark.parametrize("kernel", ["store", "prefill", "decode"])
+@pytest.mark.parametrize("kernel", ["store", "prefill", "decode", "sampling"])
 def test_triton_kernel_matches_reference_in_interpreter(kernel: str) -> None:
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath}

@@ -26,7 +26,13 @@ if _version_not_supported:
 
 
 class WorkerStub:
-    """Missing associated documentation comment in .proto file."""
+    """Call metadata (nanoserve.wire): `nanoserve-session` on AllocateKVCache and Step, a random id the
+    scheduler makes for each connection of its worker group; a worker serves one session at a
+    time and answers another's AllocateKVCache or Step with FAILED_PRECONDITION, naming the holder,
+    until the holder's Step stream has closed. `authorization: Bearer <secret>` on every call when
+    the worker runs with --worker-token (UNAUTHENTICATED otherwise). While its model loads, a
+    worker answers every call UNAVAILABLE ("loading").
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -52,7 +58,13 @@ class WorkerStub:
 
 
 class WorkerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Call metadata (nanoserve.wire): `nanoserve-session` on AllocateKVCache and Step, a random id the
+    scheduler makes for each connection of its worker group; a worker serves one session at a
+    time and answers another's AllocateKVCache or Step with FAILED_PRECONDITION, naming the holder,
+    until the holder's Step stream has closed. `authorization: Bearer <secret>` on every call when
+    the worker runs with --worker-token (UNAUTHENTICATED otherwise). While its model loads, a
+    worker answers every call UNAVAILABLE ("loading").
+    """
 
     def Describe(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -103,7 +115,13 @@ def add_WorkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Worker:
-    """Missing associated documentation comment in .proto file."""
+    """Call metadata (nanoserve.wire): `nanoserve-session` on AllocateKVCache and Step, a random id the
+    scheduler makes for each connection of its worker group; a worker serves one session at a
+    time and answers another's AllocateKVCache or Step with FAILED_PRECONDITION, naming the holder,
+    until the holder's Step stream has closed. `authorization: Bearer <secret>` on every call when
+    the worker runs with --worker-token (UNAUTHENTICATED otherwise). While its model loads, a
+    worker answers every call UNAVAILABLE ("loading").
+    """
 
     @staticmethod
     def Describe(request,

@@ -1,0 +1,72 @@
+"""Next-token sampling by the exponential race, in plain torch: the CPU path, and the oracle for the
+Triton kernel (kernels/triton_sampling.py), which draws the same noise and so picks the same tokens.
+
+A row at temperature T > 0 takes argmax(logits / T - log E) with E ~ Exp(1) drawn per vocabulary
+entry, which draws exactly from softmax(logits / T); a row at T = 0 takes argmax(logits) (greedy).
+Ties go to the lowest token id, as torch.argmax. Logit processors (top-k/p, penalties) compose by
+changing the logits before the race.
+
+The noise is counter-based, so a row's draw is a function of its (key, counter) pair alone, never of
+the batch around it: Philox4x32-10 keyed by the row's 64-bit key, with counter words (j, counter
+low half, counter high half, 0), gives the four 32-bit words u of vocabulary entries 4j .. 4j + 3.
+Each u becomes V = (u + 1/2) / 2^32 in float32, which the rounding of the largest words would make
+1, so V stops at the largest float32 below 1; then E = -log(1 - V), never 0 nor infinite. The race is
+decided where E is small, which is where 1 - V loses V's digits in float32, so there E comes from
+V directly (its series).
+"""
+import torch
+
+from nanoserve.mathutil import cdiv
+
+PHILOX_ROUNDS = 10
+PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57  # round multipliers
+PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85  # key increments
+WORD = 0xFFFFFFFF
+# Below this V, E = V + V^2/2 + V^3/3 + V^4/4 (the rest is under 2e-9 of E); above it, -log(1 - V).
+SERIES_BELOW = 2.0 ** -7
+THIRD = 0.3333333432674408  # 1/3 rounded to float32, written out so both implementations agree
+TWO_TO_MINUS_32 = 2.0 ** -32
+BELOW_ONE = 1.0 - 2.0 ** -24  # the largest float32 below 1
+
+
+def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch.Tensor]
+               ) -> tuple[torch.Tensor, ...]:
+    """Philox4x32-10 on int64 tensors holding 32-bit words (broadcastable): the four output words.
+    Products of two words wrap around 2^64 in int64, which keeps their bit pattern."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for _ in range(PHILOX_ROUNDS):
+        p0, p1 = PHILOX_M0 * c0, PHILOX_M1 * c2
+        hi0, hi1 = (p0 >> 32) & WORD, (p1 >> 32) & WORD
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, p1 & WORD, hi0 ^ c3 ^ k1, p0 & WORD
+        k0, k1 = (k0 + PHILOX_W0) & WORD, (k1 + PHILOX_W1) & WORD
+    return c0, c1, c2, c3
+
+
+def exponential_noise(words: torch.Tensor) -> torch.Tensor:
+    """Exp(1) draws (float32) from uniform 32-bit words (int64 tensor)."""
+    v = ((words.float() + 0.5) * TWO_TO_MINUS_32).clamp(max=BELOW_ONE)
+    series = v + v * v * (0.5 + v * (THIRD + v * 0.25))
+    return torch.where(v < SERIES_BELOW, series, -torch.log(1.0 - v))
+
+
+def race_noise(keys: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """E [rows, vocab_size] for rows of int64 keys and counters."""
+    j = torch.arange(cdiv(vocab_size, 4), dtype=torch.int64, device=keys.device)[None, :]
+    keys, counters = keys[:, None], counters[:, None]
+    words = philox4x32((j, counters & WORD, (counters >> 32) & WORD, torch.zeros_like(j)),
+                       (keys & WORD, (keys >> 32) & WORD))
+    return exponential_noise(torch.stack(words, dim=-1).flatten(1)[:, :vocab_size])
+
+
+def race_sample(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor,
+                counters: torch.Tensor) -> torch.Tensor:
+    """One token id (int64) per row of logits [rows, vocab]; temperatures [rows] (0: greedy), keys
+    and counters [rows] int64. Scores are float32, the temperature applied by division."""
+    scores = logits.to(torch.float32, copy=True)  # the caller's logits stay as they are
+    sampled = temperatures > 0
+    if sampled.any():
+        rows = sampled.nonzero().squeeze(1)
+        noise = race_noise(keys[rows], counters[rows], logits.shape[-1])
+        scores[rows] = scores[rows] / temperatures[rows, None].float() - torch.log(noise)
+    return scores.argmax(dim=-1)

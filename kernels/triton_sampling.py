@@ -1,0 +1,103 @@
+"""Triton exponential-race sampling: the tokens of kernels/race_sampling.py (its docstring gives
+the method and the noise) in two launches, whatever the mix of greedy, seeded and unseeded rows.
+
+The first kernel splits each row's vocabulary into equal ranges, one program each, so a single row
+still fills the GPU: a program keeps the best score and its token over its range, drawing noise
+only for rows at temperature > 0. The second picks each row's best over its ranges.
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import race_sampling
+
+BLOCK = 1024  # vocabulary entries per step of a program (four per Philox draw)
+PROGRAMS_PER_SM = 2
+MAX_SPLITS = 64
+# race_sampling's constants, as compiled kernels can read them
+_TWO_TO_MINUS_32 = tl.constexpr(race_sampling.TWO_TO_MINUS_32)
+_BELOW_ONE = tl.constexpr(race_sampling.BELOW_ONE)
+_SERIES_BELOW = tl.constexpr(race_sampling.SERIES_BELOW)
+_THIRD = tl.constexpr(race_sampling.THIRD)
+
+
+@triton.jit
+def _exponential_noise(words):
+    v = tl.minimum((words.to(tl.float32) + 0.5) * _TWO_TO_MINUS_32, _BELOW_ONE)
+    series = v + v * v * (0.5 + v * (_THIRD + v * 0.25))
+    return tl.where(v < _SERIES_BELOW, series, -tl.log(1.0 - v))
+
+
+@triton.jit(do_not_specialize=["vocab_size", "blocks_per_split"])
+def _race_kernel(logits, stride_row, temperatures, keys, counters, best_scores, best_tokens, vocab_size,
+                 blocks_per_split, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    temperature = tl.load(temperatures + row).to(tl.float32)
+    key = tl.load(keys + row)
+    counter = tl.load(counters + row)
+    zero = tl.zeros([BLOCK // 4], tl.uint32)
+    counter_lo = zero + (counter & 0xFFFFFFFF).to(tl.uint32)
+    counter_hi = zero + ((counter >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_token = tl.full([], 0, tl.int32)
+    first = split * blocks_per_split
+    for block in range(first, first + blocks_per_split):
+        entries = block * BLOCK + tl.arange(0, BLOCK)
+        scores = tl.load(logits + row.to(tl.int64) * stride_row + entries, mask=entries < vocab_size,
+                         other=float("-inf")).to(tl.float32)
+        if temperature > 0:
+            draws = (block * (BLOCK // 4) + tl.arange(0, BLOCK // 4)).to(tl.uint32)
+            w0, w1, w2, w3 = tl.philox(key, draws, counter_lo, counter_hi, zero)
+            # join stacks on a new last axis: this order lays the words out as entries 4j .. 4j + 3
+            words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [BLOCK])
+            scores = scores / temperature - tl.log(_exponential_noise(words))
+        top = tl.max(scores, 0)
+        top_token = block * BLOCK + tl.argmax(scores, 0, tie_break_left=True)
+        best_token = tl.where(top > best, top_token, best_token)  # strictly: earlier blocks win ties
+        best = tl.maximum(best, top)
+    tl.store(best_scores + row * SPLITS + split, best)
+    tl.store(best_tokens + row * SPLITS + split, best_token)
+
+
+@triton.jit
+def _pick_kernel(best_scores, best_tokens, tokens, SPLITS: tl.constexpr):
+    row = tl.program_id(0)
+    splits = tl.arange(0, SPLITS)
+    scores = tl.load(best_scores + row * SPLITS + splits)
+    winner = tl.argmax(scores, 0, tie_break_left=True)  # lower splits hold lower token ids
+    token = tl.sum(tl.where(splits == winner, tl.load(best_tokens + row * SPLITS + splits), 0))
+    tl.store(tokens + row, token.to(tl.int64))
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the CPU interpreter: a small stand-in, so that test rows still split
+
+
+def num_splits(rows: int, vocab_size: int, device: torch.device) -> int:
+    """Vocabulary ranges per row: enough programs to fill the GPU, from shapes alone."""
+    wanted = triton.next_power_of_2(triton.cdiv(PROGRAMS_PER_SM * _multiprocessors(device), rows))
+    return min(MAX_SPLITS, wanted, triton.next_power_of_2(triton.cdiv(vocab_size, BLOCK)))
+
+
+def race_sample(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor,
+                counters: torch.Tensor) -> torch.Tensor:
+    """kernels.race_sampling.race_sample: one token id (int64) per row of logits [rows, vocab]."""
+    rows, vocab_size = logits.shape
+    assert logits.stride(1) == 1
+    splits = num_splits(rows, vocab_size, logits.device)
+    best_scores = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
+    best_tokens = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
+    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return tokens
+    _race_kernel[(rows, splits)](logits, logits.stride(0), temperatures, keys, counters, best_scores, best_tokens,
+                                 vocab_size, triton.cdiv(triton.cdiv(vocab_size, BLOCK), splits),
+                                 SPLITS=splits, BLOCK=BLOCK)
+    _pick_kernel[(rows,)](best_scores, best_tokens, tokens, SPLITS=splits)
+    return tokens

@@ -1,0 +1,36 @@
+"""The launcher's child processes: started tied to the launcher's life (nanoserve.lifeline), their
+output relayed line by line to the launcher's stderr, their last error line kept for its summary."""
+import os
+import re
+import subprocess
+import sys
+import threading
+
+from nanoserve.lifeline import LAUNCHER_PID_ENV
+
+# A log line at level ERROR or CRITICAL (text or JSON format), or the last line of a traceback.
+_ERROR_LINE = re.compile(r'\b(ERROR|CRITICAL)\b|"level": "(ERROR|CRITICAL)"|^\w+(Error|Exception|Exit): ')
+
+
+class Child(subprocess.Popen):
+    """A service process whose output passes through the launcher."""
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None):
+        env = {**(os.environ if env is None else env), LAUNCHER_PID_ENV: str(os.getpid())}
+        super().__init__(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.last_error = ""
+        self.relay = threading.Thread(target=self._relay, name=f"relay-{self.pid}", daemon=True)
+        self.relay.start()
+
+    def _relay(self) -> None:
+        for raw in self.stdout:
+            line = raw.decode(errors="replace")
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            if _ERROR_LINE.search(line):
+                self.last_error = line.strip()
+
+    def failure(self) -> str:
+        """Why the child ended, for a one-line summary: its exit code and last error line."""
+        self.relay.join(timeout=2)  # the line that explains the exit may still be in the pipe
+        return f"exited with code {self.returncode}" + (f": {self.last_error}" if self.last_error else "")

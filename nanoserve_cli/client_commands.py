@@ -1,0 +1,68 @@
+"""The CLI's client side: `nanoserve info`, `stats` and `tokenize`, and what every client command
+shares: the connection (--address, TLS) and one line for any failure, never a traceback."""
+import argparse
+import json
+import sys
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from nanoserve.client import Client
+from nanoserve.flags import SCHEDULER_PORT
+from nanoserve.healthcheck import serving_status
+from nanoserve.tls import tls_files
+from nanoserve.v1 import worker_pb2
+
+WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+def open_client(args: argparse.Namespace) -> Client:
+    return Client(args.address, tls_files(args))
+
+
+def rpc_error_line(err: grpc.RpcError, args: argparse.Namespace) -> str:
+    """The one line a failed call prints; a worker's port is named as such."""
+    if err.code() == grpc.StatusCode.UNIMPLEMENTED and _is_worker(args):
+        return (f"error: {args.address} is a nanoserve worker (the internal Worker API), not the public API: "
+                f"point --address at the scheduler (port {SCHEDULER_PORT} unless it was given another)")
+    return f"error: {err.code().name}: {err.details()}"
+
+
+def _is_worker(args: argparse.Namespace) -> bool:
+    """Workers report their service by name in grpc.health.v1."""
+    try:
+        serving_status(args.address, WORKER_SERVICE, timeout=2, tls=tls_files(args))
+        return True
+    except grpc.RpcError:
+        return False
+
+
+def print_info(client: Client, args: argparse.Namespace) -> None:
+    _print_json(client.model_info())
+
+
+def print_stats(client: Client, args: argparse.Namespace) -> None:
+    _print_json(client.stats())
+
+
+def print_tokens(client: Client, args: argparse.Namespace) -> None:
+    print(json.dumps(client.tokenize(args.text)))
+
+
+def _print_json(message) -> None:
+    print(json.dumps(MessageToDict(message, preserving_proto_field_name=True,
+                                   always_print_fields_with_no_presence=True), indent=2))
+
+
+QUERIES = {"info": print_info, "stats": print_stats, "tokenize": print_tokens}
+
+
+def run_query(args: argparse.Namespace) -> int:
+    """Runs `info`, `stats` or `tokenize`: 0, or 1 with one line on stderr."""
+    try:
+        with open_client(args) as client:
+            QUERIES[args.command](client, args)
+    except grpc.RpcError as err:
+        print(rpc_error_line(err, args), file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,77 @@
+"""What `pip install` gets: the server distribution declares its dependencies (the scheduler's at its
+base, the worker's and the gateway's as extras), and the Python client installs on its own
+(proto/pyproject.toml) with grpcio and protobuf and none of the server code."""
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from importlib import metadata
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def names(requirements: list[str]) -> set[str]:
+    return {canonicalize_name(Requirement(r).name) for r in requirements}
+
+
+def pinned(path: Path) -> set[str]:
+    lines = [line.split("#")[0].strip() for line in path.read_text().splitlines()]
+    return names([line for line in lines if line and not line.startswith("-r")])
+
+
+def test_the_server_distribution_declares_what_each_part_imports():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    base, extras = names(project["dependencies"]), project["optional-dependencies"]
+    # the scheduler image runs the scheduler, the CLI and client, and the gateway
+    assert base | names(extras["gateway"]) == pinned(REPO / "docker/requirements-scheduler.txt")
+    assert {"torch", "safetensors", "numpy"} <= names(extras["worker"])
+    assert {"fastapi", "uvicorn", "jinja2"} <= names(extras["gateway"])
+    assert base | names(extras["worker"]) | names(extras["gateway"]) <= pinned(REPO / "requirements.txt") | {"torch"}
+
+
+def client_wheel(tmp_path: Path) -> Path:
+    source = tmp_path / "src"
+    shutil.copytree(REPO / "proto", source, ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path / "dist"), str(source)], check=True, capture_output=True, timeout=300)
+    (wheel,) = (tmp_path / "dist").glob("nanoserve_client-*.whl")
+    return wheel
+
+
+def closure(requirements: set[str]) -> set[str]:
+    """The installed distributions these need, their dependencies included (extras left out)."""
+    todo, seen = list(requirements), set()
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name not in seen:
+            seen.add(name)
+            todo += [r.name for r in map(Requirement, metadata.requires(name) or [])
+                     if not r.marker or r.marker.evaluate({"extra": ""})]
+    return seen
+
+
+def test_the_client_installs_alone_with_grpcio_and_protobuf(tmp_path: Path):
+    wheel = client_wheel(tmp_path)
+    with zipfile.ZipFile(wheel) as archive:
+        files = archive.namelist()
+        meta = archive.read(next(f for f in files if f.endswith(".dist-info/METADATA"))).decode()
+        archive.extractall(tmp_path / "site")
+    assert {f.split("/")[0] for f in files} == {"nanoserve", wheel.name.split("-py3")[0] + ".dist-info"}
+    requires = [line.removeprefix("Requires-Dist: ") for line in meta.splitlines() if line.startswith("Requires-Dist")]
+    assert names([r for r in requires if "extra ==" not in r]) == {"grpcio", "protobuf"}
+
+    site = tmp_path / "site"  # the wheel and grpcio + protobuf with their dependencies: nothing else
+    for name in closure({"grpcio", "protobuf"}):
+        for top in {f.parts[0] for f in metadata.distribution(name).files if f.parts[0] != ".."}:
+            if not (site / top).exists():
+                (site / top).symlink_to(metadata.distribution(name).locate_file(top))
+    check = ("from nanoserve.client import Client; Client('localhost').close(); import importlib.util as u; "
+             "assert not any(u.find_spec(m) for m in ('scheduler_svc', 'worker_svc', 'model', 'kernels'))")
+    result = subprocess.run([sys.executable, "-S", "-c", check], env={"PYTHONPATH": str(site)}, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
