@@ -117,7 +117,8 @@ class ModelRunner:
         """The device memory that serving needs beside the weights and the KV cache, measured over a
         scratch cache: the peak of the largest eager prefill step, or, with CUDA graphs, of their
         static buffers and memory pool (the largest decode and prefill buckets captured once; the
-        smaller ones reuse that pool) under the largest sampling batch; plus what the capture took
+        smaller ones reuse that pool) under the largest sampling batch, processed as the costliest
+        requests would (SamplingExtras.heaviest); plus what the capture took
         outside torch's allocator (graph executables, kernel modules, library workspaces). Doubles
         as the warm-up: the eager step and the sampler compile their kernels here."""
         started = time.perf_counter()
@@ -139,7 +140,7 @@ class ModelRunner:
                              device=self.device)
         logits = self.model.compute_logits(hidden)
         if logits is not None:
-            self.sampler(logits, self.sampler.batch([SamplingRow(1.0, None, 0)] * len(hidden)))
+            self.sampler(self.extras.heaviest(logits), self.sampler.batch([SamplingRow(1.0, None, 0)] * len(hidden)))
         del hidden, logits
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_reserved(self.device) - base
@@ -215,7 +216,7 @@ class ModelRunner:
         return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
 
     def _release_kv_cache(self) -> None:
-        self.kv_cache = self.seqs = None
+        self.kv_cache = self.seqs = self.extras = None
         for layer in self.model.attention_layers():  # their views would keep the old cache alive
             layer.bind_kv_cache(torch.empty(0), torch.empty(0))
 

@@ -104,6 +104,22 @@ class SamplingExtras:
             self.num_prompt_logprobs[slot] = sampling.prompt_logprobs
             self.any_logprobs |= sampling.HasField("logprobs")
 
+    def heaviest(self, logits: torch.Tensor) -> torch.Tensor:
+        """Processes `logits` as the costliest requests would (every pass, top-p over whole sorted
+        rows, logprobs) and returns what the sampler would draw from: the worker runs it once to
+        measure the memory sampling peaks at before it sizes the KV cache. It leaves its
+        parameters in the slots, which a new cache's extras start without."""
+        slots = np.arange(len(logits))
+        params = ProcessorParams(top_p=0.9, min_p=0.01, repetition_penalty=1.1, presence_penalty=0.1,
+                                 frequency_penalty=0.1, min_tokens=1, banned_until_min_tokens=(0,),
+                                 logit_bias=((0, 1.0),))
+        for slot in slots:
+            self.processors.reset(int(slot), params, [0], num_generated=0)
+        device_slots = torch.from_numpy(slots).to(logits.device)
+        processed = self.processors(logits, slots, device_slots, self.processors.batch_flags(slots))
+        score_tokens(logits, processed.argmax(dim=-1), num_top=1)
+        return processed
+
     def score_prompts(self, work: StepWork, hidden: torch.Tensor, compute_logits) -> None:
         """Scores the prompt positions the step asks for (StepWork.scored): their logits, from
         `hidden` (the step's packed final hidden states), against their targets."""

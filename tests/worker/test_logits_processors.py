@@ -174,7 +174,8 @@ def test_draws_follow_the_processed_distribution(params):
     logits = torch.tensor([2.0, 1.5, 1.0, 0.6, 0.2, 0.0, -0.5, -1.0] + [-3.0] * (VOCAB - 8))
     draws = 20_000
     processed = ours([params] * 1, logits[None])[0]
-    tokens = Sampler(CPU, seed=3)(processed.expand(draws, -1), [SamplingRow(params.temperature, None, 0)] * draws)
+    sampler = Sampler(CPU, seed=3)
+    tokens = sampler(processed.expand(draws, -1), sampler.batch([SamplingRow(params.temperature, None, 0)] * draws))
     frequencies = torch.bincount(tokens, minlength=VOCAB).float() / draws
     expected = torch.softmax(hf_row(logits, params) / params.temperature, dim=-1)
     assert (frequencies[expected == 0] == 0).all()

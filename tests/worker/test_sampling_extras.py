@@ -2,8 +2,10 @@
 (reset with its history) continues with the tokens it would have drawn undisturbed; sampling
 params the processors could not index with are refused like any bad step."""
 import pytest
+import torch
 
 from tests.worker.worker_steps import StepWriter, cpu_runner
+from worker_svc.sampling_extras import SamplingExtras
 
 PROMPT = [785, 3974, 13876, 38835, 34208, 11, 323]
 BLOCK_SIZE = 4
@@ -68,3 +70,14 @@ def test_params_the_processors_cannot_take_are_refused(runner, problem, message)
     with pytest.raises(ValueError, match=message):
         runner.step(writer.request(entry))
     assert 9 not in runner.seqs.states
+
+
+def test_the_heaviest_processing_runs_every_pass():
+    """What the worker measures before sizing the KV cache: penalties, min_p, top-p over whole
+    sorted rows and logprobs, on a full batch."""
+    extras = SamplingExtras(capacity=4, vocab_size=1000, eos_token_ids=(7,), device=torch.device("cpu"), samples=True)
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0)) * 3
+    processed = extras.heaviest(logits)
+    kept = ~torch.isneginf(processed)
+    assert kept.any(dim=-1).all() and not kept.all(dim=-1).any()
+    assert extras.processors.output_counts is not None  # the penalties' state is part of the peak
