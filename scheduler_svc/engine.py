@@ -216,7 +216,7 @@ class Engine:
             self.metrics.steps_in_flight.set(len(in_flight))
             if done.scored:
                 self._deliver_prompt_logprobs(done, reply.prompt_logprobs)
-            if reply.HasField("sampled_logprobs"):  # before the tokens: a finished stream is dropped with its last
+            if reply.HasField("sampled_logprobs"):  # first: _deliver drops a stream with its last token
                 self._deliver_sampled_logprobs(done, reply.sampled_logprobs)
             delivered = [stream for seq in self.scheduler.postprocess(done, list(reply.token_ids))
                          if (stream := self._deliver(seq)) is not None]
@@ -258,7 +258,7 @@ class Engine:
     def _deliver_prompt_logprobs(self, plan: StepPlan, rows: worker_pb2.LogprobRows) -> None:
         """Appends each scored entry's rows to its stream, from the position the stream has
         reached (a recompute after preemption may score positions again)."""
-        for (index, count), entry_rows in zip(plan.scored.items(), prompt_logprobs(plan, rows)):
+        for index, entry_rows in zip(plan.scored, prompt_logprobs(plan, rows)):
             stream = self.streams.get(plan.seqs[index].seq_id)
             if stream is not None:
                 skip = len(stream.prompt_logprobs) - plan.num_computed[index]

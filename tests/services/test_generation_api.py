@@ -276,20 +276,23 @@ def test_the_cli_takes_the_new_controls(service, client):
     """`nanoserve generate` with sampling controls, a stop string and logprobs; `nanoserve chat`."""
     full = client.generate(PROMPT, max_tokens=16, temperature=0, ignore_eos=True)
     stop = full.text[5:8]
-    args = ["--address", service["address"], "--max-tokens", "16", "--ignore-eos", "--top-k", "5",
-            "--repetition-penalty", "1.0", "--stop", "~never~", "--stop", stop]
-    out = subprocess.run(CLI + ["generate", PROMPT, *args], env=ENV, capture_output=True, text=True, timeout=60)
+    args = ["--address", service["address"], "--max-tokens", "16", "--ignore-eos", "--temperature", "0", "--top-k",
+            "5", "--repetition-penalty", "1.0"]
+    stops = ["--stop", "~never~", "--stop", stop]
+    out = subprocess.run(CLI + ["generate", PROMPT, *args, *stops], env=ENV, capture_output=True, text=True,
+                         timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout == full.text[:full.text.index(stop)]
     assert f"[FINISH_REASON_STOP at {stop!r}:" in out.stderr
-    out = subprocess.run(CLI + ["generate", PROMPT, *args[:7], "--logprobs", "2"], env=ENV, capture_output=True,
+    out = subprocess.run(CLI + ["generate", PROMPT, *args, "--logprobs", "2"], env=ENV, capture_output=True,
                          text=True, timeout=60)
     lines = out.stdout.splitlines()
     assert out.returncode == 0 and len(lines) == 16, out.stderr
     assert all(line.startswith(repr(client.detokenize([t])) + " -") and "(rank 1)" in line
                for line, t in zip(lines, full.token_ids))  # greedy: each token the most likely
     out = subprocess.run(CLI + ["chat", "Name a colour.", "--address", service["address"], "--max-tokens", "4",
-                                "--system", "Be brief.", "--chat-template-kwargs", '{"enable_thinking": false}'],
+                                "--temperature", "0", "--system", "Be brief.",
+                                "--chat-template-kwargs", '{"enable_thinking": false}'],
                          env=ENV, capture_output=True, text=True, timeout=60)
     want = client.chat(MESSAGES[:1] + [{"role": "user", "content": "Name a colour."}], max_tokens=4, temperature=0,
                        chat_template_kwargs={"enable_thinking": False})
