@@ -30,6 +30,11 @@ from worker_svc.distributed import uses_cuda
 from worker_svc.launched_step import LaunchedStep, StepClock
 from worker_svc.prefill_graphs import token_buckets
 from worker_svc.sampling_extras import SamplingExtras
+
+# Prefill steps up to this many tokens replay graphs; above it a step's GPU work dwarfs its host
+# cost, and eager steps run large prefills at full speed (graphs of 16k-token buckets halved the
+# throughput workload's prefill rate on the H100: 336k vs 102k tok/s, bench/RESULTS.md).
+PREFILL_GRAPH_MAX_TOKENS = 2048
 from worker_svc.sequence_table import SequenceTable, StepWork
 from worker_svc.step_buffers import StepBuffers
 from worker_svc.step_inputs import StepInputs, build_step_inputs
@@ -135,7 +140,8 @@ class ModelRunner:
             worker_pb2.SeqStep(seq_id=i, token_ids=[0] * seq_len, new_block_ids=range(i * blocks, (i + 1) * blocks),
                                reset=True, sample=True) for i in range(num_seqs)]))
         torch.cuda.empty_cache()  # the eager step's activations go: the graphs' pool replaces them
-        graphs = self._capture_graphs([self.config.max_num_seqs], [self.config.max_num_batched_tokens])
+        graphs = self._capture_graphs([self.config.max_num_seqs],
+                                    [min(self.config.max_num_batched_tokens, PREFILL_GRAPH_MAX_TOKENS)])
         hidden = torch.zeros(self.config.max_num_seqs, self.model_config.hidden_size, dtype=self.dtype,
                              device=self.device)
         logits = self.model.compute_logits(hidden)
@@ -190,7 +196,7 @@ class ModelRunner:
         self._allocate(num_blocks)
         started, reserved = time.perf_counter(), self._reserved_bytes()
         self.graphs = self._capture_graphs(batch_buckets(self.config.max_num_seqs),
-                                           token_buckets(self.config.max_num_batched_tokens))
+                                           token_buckets(min(self.config.max_num_batched_tokens, PREFILL_GRAPH_MAX_TOKENS)))
         if self.graphs is not None:
             log.info("rank %d: captured %d decode and %d prefill buckets in %.1fs; they hold %.2f GiB",
                      self.config.rank, len(self.graphs.decode.buckets), len(self.graphs.prefill.buckets),
