@@ -146,7 +146,9 @@ class ModelRunner:
                              device=self.device)
         logits = self.model.compute_logits(hidden)
         if logits is not None:
-            self.sampler(self.extras.heaviest(logits), self.sampler.batch([SamplingRow(1.0, None, 0)] * len(hidden)))
+            batch = self.sampler.batch([SamplingRow(1.0, None, 0)] * len(hidden))
+            self.sampler(logits, batch)  # compiles the draw for the logits' own dtype, as serving sees them
+            self.sampler(self.extras.heaviest(logits), batch)  # processed logits are float32
         del hidden, logits
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_reserved(self.device) - base
