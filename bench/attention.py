@@ -19,7 +19,7 @@ import triton
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "proto")]
 
-from kernels import flash_attn_backend, triton_decode, triton_prefill  # noqa: E402
+from nanoserve_kernels import flash_attn_backend, triton_decode, triton_prefill  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 16, 8, 128, 256, torch.bfloat16
 SCALE = HEAD_DIM ** -0.5

@@ -65,8 +65,8 @@ RUN --mount=type=bind,from=flash-attn,source=/wheels,target=/wheels \
 
 COPY pyproject.toml ./
 COPY proto/ proto/
-COPY kernels/ kernels/
-COPY model/ model/
+COPY nanoserve_kernels/ nanoserve_kernels/
+COPY nanoserve_model/ nanoserve_model/
 COPY worker_svc/ worker_svc/
 COPY nanoserve_cli/ nanoserve_cli/
 # Build-time check: consistent dependencies, the worker, the CLI and the probe import, flash-attn is

@@ -19,9 +19,9 @@ from typing import Callable
 
 import torch
 
-from kernels.backend import AttentionBackend
-from model.attention import Attention
-from model.step_context import StepContext, step_context
+from nanoserve_kernels.backend import AttentionBackend
+from nanoserve_model.attention import Attention
+from nanoserve_model.step_context import StepContext, step_context
 from worker_svc.prefill_graphs import PrefillGraphs
 from worker_svc.sequence_table import StepWork
 from worker_svc.step_buffers import StepBuffers

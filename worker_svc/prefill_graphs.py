@@ -23,9 +23,9 @@ from typing import Callable
 
 import torch
 
-from kernels.backend import AttentionBackend
-from model.attention import Attention
-from model.step_context import StepContext, step_context
+from nanoserve_kernels.backend import AttentionBackend
+from nanoserve_model.attention import Attention
+from nanoserve_model.step_context import StepContext, step_context
 from worker_svc.step_buffers import StepBuffers
 
 log = logging.getLogger("nanoserve.worker")

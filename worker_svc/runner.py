@@ -12,15 +12,15 @@ from pathlib import Path
 
 import torch
 
-from kernels.backend import select_backend
-from model.checkpoint import CONFIG_FILES, weight_files
-from model.compiled import configure_compiler
-from model.config import ModelConfig, resolve_dtype
-from model.loader import load_model
-from model.parallel import broadcast_from_first_rank, tp_rank, tp_world_size
-from model.registry import read_model_config
-from model.sampler import Sampler, SamplingRow
-from model.step_context import step_context
+from nanoserve_kernels.backend import select_backend
+from nanoserve_model.checkpoint import CONFIG_FILES, weight_files
+from nanoserve_model.compiled import configure_compiler
+from nanoserve_model.config import ModelConfig, resolve_dtype
+from nanoserve_model.loader import load_model
+from nanoserve_model.parallel import broadcast_from_first_rank, tp_rank, tp_world_size
+from nanoserve_model.registry import read_model_config
+from nanoserve_model.sampler import Sampler, SamplingRow
+from nanoserve_model.step_context import step_context
 from nanoserve.hub import resolve_model_dir
 from nanoserve.mathutil import cdiv
 from nanoserve.v1 import llm_pb2, worker_pb2

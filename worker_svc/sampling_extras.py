@@ -10,8 +10,8 @@ A step whose sequences ask for none of it costs a couple of attribute reads.
 import numpy as np
 import torch
 
-from model.logits_processors import LogitsProcessors, ProcessorParams
-from model.logprobs import ScoredRows, score_tokens
+from nanoserve_model.logits_processors import LogitsProcessors, ProcessorParams
+from nanoserve_model.logprobs import ScoredRows, score_tokens
 from nanoserve.v1 import llm_pb2, worker_pb2
 from worker_svc.sequence_table import StepWork
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from model.sampler import seed_key
+from nanoserve_model.sampler import seed_key
 from nanoserve.mathutil import cdiv
 from nanoserve.v1 import worker_pb2
 
@@ -56,7 +56,7 @@ class SequenceTable:
         self.block_tables = np.full((capacity, self.max_blocks_per_seq), -1, np.int32)
         self.num_blocks = np.zeros(capacity, np.int64)
         self.sampled_positions = np.full(capacity, -1, np.int64)
-        # Per slot, the sampling parameters of its request (model.sampler: a seed as its seed_key).
+        # Per slot, the sampling parameters of its request (nanoserve_model.sampler: a seed as its seed_key).
         self.temperatures = np.zeros(capacity, np.float64)
         self.seeds = np.zeros(capacity, np.int64)
         self.seeded = np.zeros(capacity, bool)

@@ -23,9 +23,9 @@ from types import SimpleNamespace
 
 import torch
 
-from kernels.backend import AttentionBackend
-from model.sampler import SamplingBatch, SamplingColumns
-from model.step_context import StepContext
+from nanoserve_kernels.backend import AttentionBackend
+from nanoserve_model.sampler import SamplingBatch, SamplingColumns
+from nanoserve_model.step_context import StepContext
 from nanoserve.mathutil import cdiv
 from worker_svc.launched_step import MAX_STEPS_IN_FLIGHT
 

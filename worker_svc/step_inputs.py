@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.backend import AttentionBackend
-from model.sampler import Sampler, SamplingBatch
-from model.step_context import StepContext
+from nanoserve_kernels.backend import AttentionBackend
+from nanoserve_model.sampler import Sampler, SamplingBatch
+from nanoserve_model.step_context import StepContext
 from worker_svc.sequence_table import SequenceTable, StepWork
 from worker_svc.step_buffers import StepBuffers
 

@@ -18,7 +18,8 @@ from packaging.utils import canonicalize_name
 from tests.deploy.compose_model import REPO
 
 DOCKERFILES = {"scheduler": REPO / "docker/scheduler.Dockerfile", "worker": REPO / "docker/worker.Dockerfile"}
-CODE = ("proto/", "scheduler_svc/", "gateway_svc/", "worker_svc/", "kernels/", "model/", "nanoserve_cli/")
+CODE = ("proto/", "scheduler_svc/", "gateway_svc/", "worker_svc/", "nanoserve_kernels/", "nanoserve_model/",
+        "nanoserve_cli/")
 
 
 def hadolint(dockerfile: Path) -> subprocess.CompletedProcess:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kernels.backend import BACKENDS
-from model.config import DTYPES
+from nanoserve_kernels.backend import BACKENDS
+from nanoserve_model.config import DTYPES
 from nanoserve import flags
 from nanoserve_cli import launcher
 from nanoserve_cli.cli import build_parser

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-FLOORS = {"nanoserve": 0, "kernels": 1, "model": 2,
+FLOORS = {"nanoserve": 0, "nanoserve_kernels": 1, "nanoserve_model": 2,
           "worker_svc": 3, "scheduler_svc": 3, "gateway_svc": 3, "nanoserve_cli": 4}
 SERVICES = {"worker_svc", "scheduler_svc", "gateway_svc"}
 NO_TORCH = {"scheduler_svc", "gateway_svc"}
@@ -20,9 +20,9 @@ TORCH = {"torch", "triton", "flash_attn"}
 
 @dataclass(frozen=True)
 class Import:
-    source: str   # the importing module, e.g. "model.attention"
+    source: str   # the importing module, e.g. "nanoserve_model.attention"
     target: str   # the imported module (a product module, or the top name of a third-party one)
-    where: str    # "model/attention.py:7"
+    where: str    # "nanoserve_model/attention.py:7"
 
     @property
     def file(self) -> str:
@@ -165,7 +165,8 @@ def test_every_floor_is_found():
     """The checker reads the real tree: each package that exists here contributes imports."""
     sources = {top(i.source) for i in imports(REPO)}
     assert set(package_roots(REPO)) <= sources | {"gateway_svc"}
-    assert {"nanoserve", "kernels", "model", "worker_svc", "scheduler_svc", "nanoserve_cli"} <= sources
+    assert {"nanoserve", "nanoserve_kernels", "nanoserve_model", "worker_svc", "scheduler_svc",
+            "nanoserve_cli"} <= sources
 
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
@@ -180,26 +181,29 @@ def test_the_checker_names_each_kind_of_offence_by_file_and_line(tmp_path):
     repo = _tree(tmp_path, {
         "proto/nanoserve/__init__.py": "",
         "proto/nanoserve/flags.py": "import os\n",
-        "kernels/__init__.py": "",
-        "kernels/ops.py": "import torch\n\n\ndef f():\n    from model import layer\n",
-        "model/__init__.py": "",
-        "model/layer.py": "from kernels.ops import f\nfrom nanoserve import flags\n",
+        "nanoserve_kernels/__init__.py": "",
+        "nanoserve_kernels/ops.py": "import torch\n\n\ndef f():\n    from nanoserve_model import layer\n",
+        "nanoserve_model/__init__.py": "",
+        "nanoserve_model/layer.py": "from nanoserve_kernels.ops import f\nfrom nanoserve import flags\n",
         "scheduler_svc/__init__.py": "",
-        "scheduler_svc/core.py": "from model.layer import f\nfrom . import loop\n",
+        "scheduler_svc/core.py": "from nanoserve_model.layer import f\nfrom . import loop\n",
         "scheduler_svc/loop.py": "import scheduler_svc.core\nfrom worker_svc import runner\n",
         "worker_svc/__init__.py": "",
-        "worker_svc/runner.py": "from model import layer\n",
+        "worker_svc/runner.py": "from nanoserve_model import layer\n",
         "nanoserve_cli/__init__.py": "",
         "nanoserve_cli/cli.py": "import worker_svc.runner\n",
     })
     found = violations(repo)
     expected = [
-        "kernels/ops.py:5: kernels.ops imports model.layer (floor kernels < floor model: an upward import)",
+        "nanoserve_kernels/ops.py:5: nanoserve_kernels.ops imports nanoserve_model.layer "
+        "(floor nanoserve_kernels < floor nanoserve_model: an upward import)",
         "scheduler_svc/loop.py:2: scheduler_svc.loop imports worker_svc.runner (the services never import each other)",
         "nanoserve_cli/cli.py:1: nanoserve_cli.cli imports worker_svc.runner (the CLI starts services as processes)",
-        "scheduler_svc/core.py:1 -> model/layer.py:1 -> kernels/ops.py:1: scheduler_svc.core reaches torch "
+        "scheduler_svc/core.py:1 -> nanoserve_model/layer.py:1 -> nanoserve_kernels/ops.py:1: "
+        "scheduler_svc.core reaches torch "
         "(scheduler_svc never imports torch)",
-        "kernels/ops.py:5, model/layer.py:1: a circle kernels.ops -> model.layer -> kernels.ops",
+        "nanoserve_model/layer.py:1, nanoserve_kernels/ops.py:5: "
+        "a circle nanoserve_model.layer -> nanoserve_kernels.ops -> nanoserve_model.layer",
         "scheduler_svc/core.py:2, scheduler_svc/loop.py:1: a circle scheduler_svc.core -> scheduler_svc.loop "
         "-> scheduler_svc.core",
     ]
@@ -211,7 +215,7 @@ def test_the_checker_names_each_kind_of_offence_by_file_and_line(tmp_path):
 def test_a_clean_tree_has_no_offence(tmp_path):
     repo = _tree(tmp_path, {
         "proto/nanoserve/__init__.py": "", "proto/nanoserve/wire.py": "import grpc\n",
-        "model/__init__.py": "", "model/layer.py": "import torch\nfrom nanoserve import wire\n",
+        "nanoserve_model/__init__.py": "", "nanoserve_model/layer.py": "import torch\nfrom nanoserve import wire\n",
         "scheduler_svc/__init__.py": "", "scheduler_svc/core.py": "from nanoserve.wire import X\n",
         "nanoserve_cli/__init__.py": "", "nanoserve_cli/cli.py": "from nanoserve import wire\n",
     })

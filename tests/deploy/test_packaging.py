@@ -11,6 +11,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from setuptools import find_packages
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,6 +33,15 @@ def test_the_server_distribution_declares_what_each_part_imports():
     assert {"torch", "safetensors", "numpy"} <= names(extras["worker"])
     assert {"fastapi", "uvicorn", "jinja2"} <= names(extras["gateway"])
     assert base | names(extras["worker"]) | names(extras["gateway"]) <= pinned(REPO / "requirements.txt") | {"torch"}
+
+
+def test_the_server_installs_only_names_of_its_own():
+    """No generic top-level package (`model`, `kernels`) lands in a user's site-packages."""
+    found = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    packages = {p for where in found["where"] for p in find_packages(REPO / where, include=found["include"])}
+    tops = {p.split(".")[0] for p in packages}
+    assert {"nanoserve", "nanoserve_model", "nanoserve_kernels", "worker_svc", "scheduler_svc"} <= tops
+    assert all(top.startswith("nanoserve") or top.endswith("_svc") for top in tops), tops
 
 
 def client_wheel(tmp_path: Path) -> Path:
@@ -71,7 +81,8 @@ def test_the_client_installs_alone_with_grpcio_and_protobuf(tmp_path: Path):
             if not (site / top).exists():
                 (site / top).symlink_to(metadata.distribution(name).locate_file(top))
     check = ("from nanoserve.client import Client; Client('localhost').close(); import importlib.util as u; "
-             "assert not any(u.find_spec(m) for m in ('scheduler_svc', 'worker_svc', 'model', 'kernels'))")
+             "assert not any(u.find_spec(m) for m in "
+             "('scheduler_svc', 'worker_svc', 'nanoserve_model', 'nanoserve_kernels'))")
     result = subprocess.run([sys.executable, "-S", "-c", check], env={"PYTHONPATH": str(site)}, cwd=tmp_path,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

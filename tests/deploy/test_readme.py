@@ -14,8 +14,8 @@ README = REPO / "README.md"
 BEGIN, END = "<!-- flags: begin -->", "<!-- flags: end -->"
 # a relative path with at least one folder, e.g. `bench/throughput.py`, `tests/gpu/`, `proto/nanoserve/v1/*.proto`
 PATH = re.compile(r"^[\w.*-]+(?:/[\w.*-]*)+$")
-TOP_FOLDERS = ("tests", "bench", "docker", "examples", "proto", "kernels", "model", "worker_svc", "scheduler_svc",
-               "gateway_svc", "nanoserve_cli")
+TOP_FOLDERS = ("tests", "bench", "docker", "examples", "proto", "nanoserve_kernels", "nanoserve_model", "worker_svc",
+               "scheduler_svc", "gateway_svc", "nanoserve_cli")
 GENERATED = ("bench/out", "tests/services/node/node_modules")  # written by runs and installs, not committed
 
 

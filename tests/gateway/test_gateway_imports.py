@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROBE = """
 import importlib, pkgutil, sys
 
-BLOCKED = ("torch", "transformers", "scheduler_svc", "worker_svc", "model", "kernels")
+BLOCKED = ("torch", "transformers", "scheduler_svc", "worker_svc", "nanoserve_model", "nanoserve_kernels")
 
 class Refuse:
     def find_spec(self, name, path=None, target=None):

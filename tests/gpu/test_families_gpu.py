@@ -4,14 +4,13 @@ compiled bias-free and biased projections around it) and the decode graphs must 
 Runs only where CUDA is present (the lent H100/H200), from the repo root:
     PYTHONPATH=.:proto python3 -m pytest tests/gpu/test_families_gpu.py -q
 """
-import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from nanoserve_cli.demo_model import config_json, random_weights, write_checkpoint
-from tests.gpu.test_worker_gpu import BACKENDS, SHAPE_128, gpu_runner, hf_greedy, prompts
+from tests.gpu.test_worker_gpu import (BACKENDS, SHAPE_128, assert_teacher_forced_logits_close, gpu_runner,
+                                      hf_greedy, prompts)
 from tests.worker.families import FAMILIES, family_model_dir
 from tests.worker.worker_steps import StepWriter, generate
 
@@ -39,19 +38,4 @@ def test_greedy_fp32_matches_transformers(family, eager):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_teacher_forced_bf16_logits_close_to_transformers(bf16_family_dir, backend):
-    """Prefill, then decode steps replayed from graphs and fed transformers' own next tokens."""
-    runner = gpu_runner(bf16_family_dir, backend, False, "bfloat16")
-    hf = AutoModelForCausalLM.from_pretrained(bf16_family_dir, dtype=torch.float32).cuda().eval()
-    batch = prompts(3, seed=1)
-    full = {i: p + [random.Random(i).randrange(151_643) for _ in range(20)] for i, p in batch.items()}
-    writer = StepWriter(runner.config.block_size)
-    steps = [runner.step_logits(writer.request(*(writer.entry(i, p, reset=True) for i, p in batch.items())))]
-    for t in range(20):
-        steps.append(runner.step_logits(writer.request(*(
-            writer.entry(i, [full[i][len(p) + t]], len(p) + t, num_generated=t + 1) for i, p in batch.items()))))
-    with torch.no_grad():
-        for row, (i, p) in enumerate(batch.items()):
-            ref = hf(torch.tensor([full[i]], device="cuda")).logits[0, len(p) - 1:len(p) + 20].float()
-            ours = torch.stack([s[row].float() for s in steps])
-            error = ((ours - ref).norm() / ref.norm()).item()
-            assert error < 2e-2, f"sequence {i}: relative error {error:.2e}"
+    assert_teacher_forced_logits_close(bf16_family_dir, backend)

@@ -9,8 +9,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from kernels import flash_attn_backend, race_sampling, triton_decode, triton_kv_store, triton_prefill  # noqa: E402
-from kernels import triton_sampling  # noqa: E402
+from nanoserve_kernels import flash_attn_backend, race_sampling, triton_decode  # noqa: E402
+from nanoserve_kernels import triton_kv_store, triton_prefill, triton_sampling  # noqa: E402
 from tests.worker.test_triton_kernels import (  # noqa: E402
     Case, check_decode, check_prefill, check_sampling, check_store, make_paged_batch)
 

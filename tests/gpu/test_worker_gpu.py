@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kernels import flash_attn_backend
+from nanoserve_kernels import flash_attn_backend
 from nanoserve_cli.demo_model import SHAPE, config_json, random_weights, write_checkpoint
 from tests.worker.worker_steps import StepWriter, generate
 from worker_svc.config import WorkerConfig
@@ -59,11 +59,11 @@ def test_greedy_fp32_matches_transformers(tiny_model_dir, eager):
         assert ours[seq_id] == hf_greedy(tiny_model_dir, prompt, 16, torch.float32)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_teacher_forced_bf16_logits_close_to_transformers(bf16_model_dir, backend):
-    """Prefill then decode steps fed transformers' own next tokens; every step's logits close."""
-    runner = gpu_runner(bf16_model_dir, backend, False, "bfloat16")
-    hf = AutoModelForCausalLM.from_pretrained(bf16_model_dir, dtype=torch.float32).cuda().eval()
+def assert_teacher_forced_logits_close(model_dir, backend: str) -> None:
+    """Prefill then 20 decode steps (replayed from graphs) fed transformers' own next tokens: every
+    step's bf16 logits within 2% (relative norm) of transformers' float32 ones."""
+    runner = gpu_runner(model_dir, backend, False, "bfloat16")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
     batch = prompts(3, seed=1)
     full = {i: p + [random.Random(i).randrange(151_643) for _ in range(20)] for i, p in batch.items()}
     writer = StepWriter(runner.config.block_size)
@@ -77,6 +77,11 @@ def test_teacher_forced_bf16_logits_close_to_transformers(bf16_model_dir, backen
             ours = torch.stack([s[row].float() for s in steps])
             error = ((ours - ref).norm() / ref.norm()).item()
             assert error < 2e-2, f"sequence {i}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_teacher_forced_bf16_logits_close_to_transformers(bf16_model_dir, backend):
+    assert_teacher_forced_logits_close(bf16_model_dir, backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

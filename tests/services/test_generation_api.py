@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.logits_process import SuppressTokensLogitsProcessor
 
-from model.logits_processors import ProcessorParams
+from nanoserve_model.logits_processors import ProcessorParams
 from nanoserve.client import Client
 from nanoserve.v1 import llm_pb2
 from tests.services.processes import CLI, ENV, REPO, running_service

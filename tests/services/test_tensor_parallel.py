@@ -15,12 +15,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors import safe_open
 
-import model.embedding
-import model.linear
-import model.loader
-from model.loader import load_weights
-from model.qwen3 import Qwen3ForCausalLM
-from model.config import ModelConfig
+import nanoserve_model.embedding
+import nanoserve_model.linear
+import nanoserve_model.loader
+from nanoserve_model.loader import load_weights
+from nanoserve_model.qwen3 import Qwen3ForCausalLM
+from nanoserve_model.config import ModelConfig
 from nanoserve.client import Client
 from nanoserve_cli.cache import cache_dir
 from nanoserve_cli.demo_model import SHAPE, config_json, random_weights, write_checkpoint
@@ -83,7 +83,7 @@ def hf_greedy(hf_model: torch.nn.Module, token_ids: list[int], n: int) -> list[i
     (2, dict(intermediate_size=127), r"output features \(127\) is not divisible by the tensor-parallel size"),
 ])
 def test_a_size_that_cannot_shard_the_model_is_named(monkeypatch, tiny_model_dir, world_size, change, message):
-    for module in (model.linear, model.embedding):
+    for module in (nanoserve_model.linear, nanoserve_model.embedding):
         monkeypatch.setattr(module, "tp_world_size", lambda: world_size)
     config = dataclasses.replace(ModelConfig.from_dir(tiny_model_dir), **change)
     with torch.device("meta"), pytest.raises(ValueError, match=message):
@@ -93,7 +93,7 @@ def test_a_size_that_cannot_shard_the_model_is_named(monkeypatch, tiny_model_dir
 def test_a_rank_reads_whole_only_the_tensors_it_keeps_whole(monkeypatch, tiny_model_dir):
     """At world size 2 every sharded tensor is read through a slice of the file; only the
     replicated norms are read whole."""
-    for module in (model.linear, model.embedding):
+    for module in (nanoserve_model.linear, nanoserve_model.embedding):
         monkeypatch.setattr(module, "tp_rank", lambda: 1)
         monkeypatch.setattr(module, "tp_world_size", lambda: 2)
     read_whole = []
@@ -118,7 +118,7 @@ def test_a_rank_reads_whole_only_the_tensors_it_keeps_whole(monkeypatch, tiny_mo
             read_whole.append(name)
             return self.file.get_tensor(name)
 
-    monkeypatch.setattr(model.loader, "safe_open", RecordingFile)
+    monkeypatch.setattr(nanoserve_model.loader, "safe_open", RecordingFile)
     load_weights(Qwen3ForCausalLM(ModelConfig.from_dir(tiny_model_dir)), tiny_model_dir)
     assert read_whole and all(name.endswith("norm.weight") for name in read_whole), read_whole
 

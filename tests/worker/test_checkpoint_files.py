@@ -9,13 +9,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import model.checkpoint
-import model.embedding
-import model.linear
-import model.loader
-from model.checkpoint import INDEX, weight_files
-from model.loader import DUMMY_STD, load_model
-from model.registry import read_model_config
+import nanoserve_model.checkpoint
+import nanoserve_model.embedding
+import nanoserve_model.linear
+import nanoserve_model.loader
+from nanoserve_model.checkpoint import INDEX, weight_files
+from nanoserve_model.loader import DUMMY_STD, load_model
+from nanoserve_model.registry import read_model_config
 from nanoserve_cli.demo_model import config_json, write_checkpoint
 from tests.worker.families import family_model_dir
 from tests.worker.worker_steps import StepWriter, cpu_runner
@@ -62,9 +62,9 @@ def test_only_the_files_the_index_names_are_opened(monkeypatch, sharded, tensors
         opened.append(file.name)
         return real_open(file, *args, **kwargs)
 
-    real_open = model.checkpoint.safe_open
-    monkeypatch.setattr(model.checkpoint, "safe_open", recording_open)
-    monkeypatch.setattr(model.loader, "safe_open", recording_open)
+    real_open = nanoserve_model.checkpoint.safe_open
+    monkeypatch.setattr(nanoserve_model.checkpoint, "safe_open", recording_open)
+    monkeypatch.setattr(nanoserve_model.loader, "safe_open", recording_open)
     load(sharded)
     assert set(opened) == {f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)}
     assert weight_files(sharded) == sorted(set(opened))
@@ -103,7 +103,7 @@ def test_a_bad_tensor_in_the_last_file_stops_the_load_before_any_weight(monkeypa
     shard[name] = torch.zeros(3, 3)
     save_file(shard, last)
     loaded = []
-    monkeypatch.setattr(model.loader.Target, "load", lambda self, tensor: loaded.append(tensor))
+    monkeypatch.setattr(nanoserve_model.loader.Target, "load", lambda self, tensor: loaded.append(tensor))
     with pytest.raises(ValueError, match=rf"model-00003-of-00003\.safetensors: tensor '{name}': shape \(3, 3\) in "
                                          r"the checkpoint, expected"):
         load(sharded)
@@ -132,8 +132,8 @@ def config_only(tmp_path):
 def no_file_reads(monkeypatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("dummy weights read a file")
-    monkeypatch.setattr(model.checkpoint, "safe_open", refuse)
-    monkeypatch.setattr(model.loader, "safe_open", refuse)
+    monkeypatch.setattr(nanoserve_model.checkpoint, "safe_open", refuse)
+    monkeypatch.setattr(nanoserve_model.loader, "safe_open", refuse)
 
 
 def test_dummy_weights_come_from_the_config_alone(monkeypatch, config_only):
@@ -156,7 +156,7 @@ def two_ranks(monkeypatch, path, load_format: str = "auto") -> list:
     """The model as ranks 0 and 1 of a group of two would build and load it."""
     ranks = []
     for rank in range(2):
-        for module in (model.linear, model.embedding):
+        for module in (nanoserve_model.linear, nanoserve_model.embedding):
             monkeypatch.setattr(module, "tp_rank", lambda rank=rank: rank)
             monkeypatch.setattr(module, "tp_world_size", lambda: 2)
         ranks.append(parameters(load(path, load_format=load_format)))
@@ -209,4 +209,4 @@ def test_a_worker_serves_dummy_weights(monkeypatch, config_only):
 def test_the_flag_offers_the_loaders_formats():
     from nanoserve.flags import FLAGS
     (flag,) = [f for f in FLAGS if f.name == "--load-format"]
-    assert flag.choices == model.loader.LOAD_FORMATS
+    assert flag.choices == nanoserve_model.loader.LOAD_FORMATS

@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from model.registry import read_model_config
-from model.rotary import inverse_frequencies
+from nanoserve_model.registry import read_model_config
+from nanoserve_model.rotary import inverse_frequencies
 from tests.worker.families import FAMILIES, family_model_dir, hf_model
 from tests.worker.test_model_vs_hf import assert_close, hf_logits, random_prompt
 from tests.worker.worker_steps import StepWriter, cpu_runner, generate

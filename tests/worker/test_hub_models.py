@@ -12,8 +12,8 @@ import pytest
 from huggingface_hub import errors
 from safetensors.torch import load_file
 
-from model.checkpoint import CONFIG_FILES
-from model.config import ConfigError
+from nanoserve_model.checkpoint import CONFIG_FILES
+from nanoserve_model.config import ConfigError
 from nanoserve.hub import ModelNotFound, resolve_model_dir
 from nanoserve_cli.demo_model import config_json, write_checkpoint
 from worker_svc.config import WorkerConfig

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
-from kernels.backend import auto_backend_name, select_backend
+from nanoserve_kernels import reference
+from nanoserve_kernels.backend import auto_backend_name, select_backend
 from nanoserve.mathutil import cdiv
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 64

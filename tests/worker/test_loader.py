@@ -7,11 +7,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import model.embedding
-import model.linear
-from model.loader import load_model, load_weights
-from model.qwen3 import Qwen3ForCausalLM
-from model.config import ModelConfig
+import nanoserve_model.embedding
+import nanoserve_model.linear
+from nanoserve_model.loader import load_model, load_weights
+from nanoserve_model.qwen3 import Qwen3ForCausalLM
+from nanoserve_model.config import ModelConfig
 
 LAYER = "model.layers.1."
 
@@ -76,7 +76,7 @@ def test_each_rank_loads_its_own_shard(monkeypatch, tiny_model_dir, checkpoint, 
     config = ModelConfig.from_dir(tiny_model_dir)
     ranks = []
     for rank in range(world_size):
-        for module in (model.linear, model.embedding):
+        for module in (nanoserve_model.linear, nanoserve_model.embedding):
             monkeypatch.setattr(module, "tp_rank", lambda rank=rank: rank)
             monkeypatch.setattr(module, "tp_world_size", lambda: world_size)
         qwen = Qwen3ForCausalLM(config)

@@ -9,8 +9,8 @@ from transformers.generation.logits_process import (MinNewTokensLengthLogitsProc
                                                     RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from model.logits_processors import LogitsProcessors, ProcessorParams
-from model.sampler import Sampler, SamplingRow
+from nanoserve_model.logits_processors import LogitsProcessors, ProcessorParams
+from nanoserve_model.sampler import Sampler, SamplingRow
 
 CPU = torch.device("cpu")
 VOCAB = 1000

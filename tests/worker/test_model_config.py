@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from model.config import ConfigError, ModelConfig, RopeConfig, SamplingDefaults
-from model.registry import read_model_config
+from nanoserve_model.config import ConfigError, ModelConfig, RopeConfig, SamplingDefaults
+from nanoserve_model.registry import read_model_config
 from nanoserve_cli.demo_model import SHAPE, config_json
 from tests.worker.worker_steps import cpu_runner
 

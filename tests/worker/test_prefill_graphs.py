@@ -3,7 +3,7 @@ attention layer cut out of the forward pass and run over the step's real tokens 
 pieces, through the static buffers. The capture and replay themselves need CUDA (tests/gpu)."""
 import torch
 
-from model.step_context import step_context
+from nanoserve_model.step_context import step_context
 from tests.worker.worker_steps import StepWriter, cpu_runner
 from worker_svc.prefill_graphs import AttentionBuffers, token_buckets
 from worker_svc.step_inputs import build_step_inputs

@@ -163,8 +163,8 @@ def test_process_settings_are_made_by_the_runner_not_on_import(tiny_model_dir):
     code = f"""
 import torch
 default = torch._dynamo.config.recompile_limit
-import model.qwen3, model.sampler, worker_svc.runner
-from model.compiled import RECOMPILE_LIMIT
+import nanoserve_model.qwen3, nanoserve_model.sampler, worker_svc.runner
+from nanoserve_model.compiled import RECOMPILE_LIMIT
 from worker_svc.config import WorkerConfig
 assert torch._dynamo.config.recompile_limit == default < RECOMPILE_LIMIT
 worker_svc.runner.ModelRunner(WorkerConfig(model={str(tiny_model_dir)!r}, device="cpu", num_kv_blocks=8))

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from kernels.race_sampling import exponential_noise, philox4x32
-from model.sampler import Sampler, SamplingRow
+from nanoserve_kernels.race_sampling import exponential_noise, philox4x32
+from nanoserve_model.sampler import Sampler, SamplingRow
 from tests.worker.worker_steps import StepWriter, cpu_runner, generate
 
 CPU = torch.device("cpu")

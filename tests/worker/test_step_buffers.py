@@ -5,8 +5,8 @@ import dataclasses
 
 import torch
 
-from kernels import reference
-from model.step_context import step_context
+from nanoserve_kernels import reference
+from nanoserve_model.step_context import step_context
 from tests.worker.worker_steps import StepWriter, cpu_runner
 from worker_svc.step_buffers import StepBuffers
 from worker_svc.step_inputs import build_step_inputs

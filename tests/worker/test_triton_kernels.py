@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 import pytest
 import torch
 
-from kernels import reference
+from nanoserve_kernels import reference
 from nanoserve.mathutil import cdiv
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,7 +48,7 @@ class PagedBatch(NamedTuple):
     block_tables: torch.Tensor
 
     def prefill_args(self) -> tuple:
-        """paged_prefill's arguments but the scale (kernels/reference.py)."""
+        """paged_prefill's arguments but the scale (nanoserve_kernels/reference.py)."""
         return (self.q, self.k_cache, self.v_cache, self.cu_seqlens_q, self.cu_seqlens_k, self.max_seqlen_q,
                 self.max_seqlen_k, self.block_tables)
 
@@ -161,7 +161,7 @@ def check_sampling(race_sample: Callable, device: str) -> None:
     """The race kernel picks the reference's tokens: greedy rows their argmax (the first of tied
     maxima), sampled rows the same noisy argmax, seeded or from a worker's stream (counter top bit
     set); rows whose vocabulary ends mid-block or splits over several programs included."""
-    from kernels.race_sampling import race_sample as reference_race
+    from nanoserve_kernels.race_sampling import race_sample as reference_race
     gen = torch.Generator(device).manual_seed(0)
     for rows, vocab in ((6, 3000), (2, 70_001), (9, 5)):
         logits = 3 * torch.randn(rows, vocab, generator=gen, device=device)
@@ -183,13 +183,13 @@ def check_sampling(race_sample: Callable, device: str) -> None:
 def run_interpreted_cases(kernel: str) -> None:
     """Runs in the child process: TRITON_INTERPRET is already set, so import the kernels now."""
     if kernel == "sampling":
-        from kernels.triton_sampling import num_splits, race_sample
+        from nanoserve_kernels.triton_sampling import num_splits, race_sample
         check_sampling(race_sample, "cpu")
         assert num_splits(2, 70_001, torch.device("cpu")) > 1 and num_splits(9, 5, torch.device("cpu")) == 1
         return
-    from kernels.triton_decode import paged_decode
-    from kernels.triton_kv_store import store_kvcache
-    from kernels.triton_prefill import paged_prefill
+    from nanoserve_kernels.triton_decode import paged_decode
+    from nanoserve_kernels.triton_kv_store import store_kvcache
+    from nanoserve_kernels.triton_prefill import paged_prefill
     check, function, cases = {
         "store": (check_store, store_kvcache, STORE_CASES),
         "prefill": (check_prefill, paged_prefill, PREFILL_CASES),
@@ -198,7 +198,7 @@ def run_interpreted_cases(kernel: str) -> None:
     for seed, case in enumerate(cases):
         check(function, case, "cpu", seed)
     if kernel == "decode":  # both launch paths ran
-        from kernels.triton_decode import num_splits
+        from nanoserve_kernels.triton_decode import num_splits
         splits = {num_splits(len(c.new_lens), c.kv_heads, torch.device("cpu")) for c in cases}
         assert 1 in splits and max(splits) > 1, splits
 
@@ -210,7 +210,7 @@ def test_sampling_kernels_compile_for_hopper() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels import triton_sampling
+    from nanoserve_kernels import triton_sampling
     race = {"logits": "*bf16", "stride_row": "i32", "temperatures": "*fp64", "keys": "*i64", "counters": "*i64",
             "best_scores": "*fp32", "best_tokens": "*i32", "vocab_size": "i32", "blocks_per_split": "i32",
             "SPLITS": "constexpr", "BLOCK": "constexpr"}

@@ -1,12 +1,12 @@
 """Which model class serves a checkpoint: config.json's `architectures` name -> the family's class."""
 from pathlib import Path
 
-from model.config import ConfigError, ModelConfig, architecture, read_config_json
-from model.decoder import DecoderForCausalLM
-from model.llama import LlamaForCausalLM
-from model.mistral import MistralForCausalLM
-from model.qwen2 import Qwen2ForCausalLM
-from model.qwen3 import Qwen3ForCausalLM
+from nanoserve_model.config import ConfigError, ModelConfig, architecture, read_config_json
+from nanoserve_model.decoder import DecoderForCausalLM
+from nanoserve_model.llama import LlamaForCausalLM
+from nanoserve_model.mistral import MistralForCausalLM
+from nanoserve_model.qwen2 import Qwen2ForCausalLM
+from nanoserve_model.qwen3 import Qwen3ForCausalLM
 
 ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -1,13 +1,13 @@
 """Rotary position embedding (the rotate-half form of Llama, Qwen and Mistral): the precomputed cos/sin
 tables, with Llama 3.x's frequency scaling, and the rotation of q and k. Qwen3 runs the rotation fused
-with its q/k norms (model.qwen3.qk_norm_rotary)."""
+with its q/k norms (nanoserve_model.qwen3.qk_norm_rotary)."""
 import math
 
 import torch
 from torch import nn
 
-from model.compiled import fused_on_cuda
-from model.config import RopeConfig
+from nanoserve_model.compiled import fused_on_cuda
+from nanoserve_model.config import RopeConfig
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

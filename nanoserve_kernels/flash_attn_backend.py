@@ -1,4 +1,4 @@
-"""flash-attn behind the kernels' three-function contract (kernels/reference.py), as the seeds
+"""flash-attn behind the kernels' three-function contract (nanoserve_kernels/reference.py), as the seeds
 call it: varlen prefill through the block table, decode through the paged KV cache. flash-attn's
 paged KV needs a block size that is a multiple of 256; the KV store is our Triton one.
 
@@ -6,7 +6,7 @@ flash_attn is optional: this module imports without it, and AVAILABLE says wheth
 """
 import torch
 
-from kernels.triton_kv_store import store_kvcache
+from nanoserve_kernels.triton_kv_store import store_kvcache
 
 try:
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache

@@ -1,5 +1,5 @@
 """Next-token sampling: greedy at temperature 0, otherwise the exponential race, which draws exactly
-from softmax(logits / T) (kernels/race_sampling.py): on CUDA two Triton launches for the whole
+from softmax(logits / T) (nanoserve_kernels/race_sampling.py): on CUDA two Triton launches for the whole
 batch, elsewhere plain torch. Logit processors (top-k/p, penalties) compose by changing the logits
 before the race.
 
@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kernels.race_sampling import race_sample
+from nanoserve_kernels.race_sampling import race_sample
 
 # The worker's own draws count in the upper half of the counter space, which seeded rows (whose
 # counter is a token count) never reach.
@@ -48,7 +48,7 @@ class Sampler:
         self.draws = 0  # draws taken from the worker's own stream
         self._race = race_sample
         if device.type == "cuda":  # Triton is a GPU requirement only, so imported here
-            from kernels.triton_sampling import race_sample as race_sample_on_gpu
+            from nanoserve_kernels.triton_sampling import race_sample as race_sample_on_gpu
             self._race = race_sample_on_gpu
 
     def stage(self, temperatures: np.ndarray, seeds: np.ndarray, seeded: np.ndarray, num_generated: np.ndarray,

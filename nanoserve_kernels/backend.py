@@ -1,4 +1,4 @@
-"""Attention backends: three functions with the signatures of kernels.reference (store_kvcache,
+"""Attention backends: three functions with the signatures of nanoserve_kernels.reference (store_kvcache,
 paged_prefill, paged_decode), looked up by name so each implementation plugs in alone."""
 import importlib
 import importlib.util
@@ -7,12 +7,13 @@ from typing import Callable
 
 # name -> "module:function" for store_kvcache, paged_prefill, paged_decode
 BACKENDS: dict[str, tuple[str, str, str]] = {
-    "torch": ("kernels.reference:store_kvcache", "kernels.reference:paged_prefill",
-              "kernels.reference:paged_decode"),
-    "triton": ("kernels.triton_kv_store:store_kvcache", "kernels.triton_prefill:paged_prefill",
-               "kernels.triton_decode:paged_decode"),
-    "flash-attn": ("kernels.triton_kv_store:store_kvcache", "kernels.flash_attn_backend:paged_prefill",
-                   "kernels.flash_attn_backend:paged_decode"),
+    "torch": ("nanoserve_kernels.reference:store_kvcache", "nanoserve_kernels.reference:paged_prefill",
+              "nanoserve_kernels.reference:paged_decode"),
+    "triton": ("nanoserve_kernels.triton_kv_store:store_kvcache", "nanoserve_kernels.triton_prefill:paged_prefill",
+               "nanoserve_kernels.triton_decode:paged_decode"),
+    "flash-attn": ("nanoserve_kernels.triton_kv_store:store_kvcache",
+                   "nanoserve_kernels.flash_attn_backend:paged_prefill",
+                   "nanoserve_kernels.flash_attn_backend:paged_decode"),
 }
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn's paged kernels need blocks of a multiple of 256 tokens
 

@@ -1,4 +1,4 @@
-"""Triton exponential-race sampling: the tokens of kernels/race_sampling.py (its docstring gives
+"""Triton exponential-race sampling: the tokens of nanoserve_kernels/race_sampling.py (its docstring gives
 the method and the noise) in two launches, whatever the mix of greedy, seeded and unseeded rows.
 
 The first kernel splits each row's vocabulary into equal ranges, one program each, so a single row
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import race_sampling
+from nanoserve_kernels import race_sampling
 
 BLOCK = 1024  # vocabulary entries per step of a program (four per Philox draw)
 PROGRAMS_PER_SM = 2
@@ -87,7 +87,7 @@ def num_splits(rows: int, vocab_size: int, device: torch.device) -> int:
 
 def race_sample(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor,
                 counters: torch.Tensor) -> torch.Tensor:
-    """kernels.race_sampling.race_sample: one token id (int64) per row of logits [rows, vocab]."""
+    """nanoserve_kernels.race_sampling.race_sample: one token id (int64) per row of logits [rows, vocab]."""
     rows, vocab_size = logits.shape
     assert logits.stride(1) == 1
     splits = num_splits(rows, vocab_size, logits.device)

@@ -1,6 +1,6 @@
 """Mistral: the shared decoder without biases. Its config.json may set a `sliding_window` (Mistral 7B
 v0.1: 4096; later versions null); transformers takes 4096 when the field is absent."""
-from model.decoder import DecoderForCausalLM
+from nanoserve_model.decoder import DecoderForCausalLM
 
 DEFAULT_SLIDING_WINDOW = 4096
 

@@ -3,7 +3,7 @@ named in the step context."""
 import torch
 from torch import nn
 
-from model.step_context import StepContext, get_step_context
+from nanoserve_model.step_context import StepContext, get_step_context
 
 
 class Attention(nn.Module):

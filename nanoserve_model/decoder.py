@@ -3,7 +3,7 @@ GQA attention with rotary and a SiLU-gated MLP, each behind an RMSNorm with the 
 a final norm and a tied or untied LM head. It runs over a flat batch of tokens (all sequences of a
 step packed together) with its attention in the paged KV cache, built from tensor-parallel layers.
 
-A family (one file each, named in model.registry) subclasses DecoderForCausalLM and says only where it
+A family (one file each, named in nanoserve_model.registry) subclasses DecoderForCausalLM and says only where it
 differs: which projections carry a bias, Qwen3's q/k norms, how its config.json sets a sliding window.
 Module names follow transformers', so checkpoint tensors map onto parameters by name."""
 from typing import Callable
@@ -11,13 +11,13 @@ from typing import Callable
 import torch
 from torch import nn
 
-from model.activation import SiluAndMul
-from model.attention import Attention
-from model.config import ModelConfig
-from model.embedding import ParallelLMHead, VocabParallelEmbedding
-from model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from model.norm import RMSNorm
-from model.rotary import RotaryEmbedding, rotary_qk
+from nanoserve_model.activation import SiluAndMul
+from nanoserve_model.attention import Attention
+from nanoserve_model.config import ModelConfig
+from nanoserve_model.embedding import ParallelLMHead, VocabParallelEmbedding
+from nanoserve_model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanoserve_model.norm import RMSNorm
+from nanoserve_model.rotary import RotaryEmbedding, rotary_qk
 
 
 class DecoderAttention(nn.Module):

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.compiled import fused_on_cuda
+from nanoserve_model.compiled import fused_on_cuda
 
 
 @fused_on_cuda

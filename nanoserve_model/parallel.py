@@ -39,7 +39,7 @@ def broadcast_from_first_rank(x: torch.Tensor) -> torch.Tensor:
 
 class CheckpointTensor(Protocol):
     """What a sharded layer's weight loader reads: a whole tensor, or one still in its file that
-    reads only the part narrowed to (model.loader.StoredTensor); `shape` is the full shape."""
+    reads only the part narrowed to (nanoserve_model.loader.StoredTensor); `shape` is the full shape."""
     shape: torch.Size
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor: ...

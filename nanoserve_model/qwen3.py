@@ -2,12 +2,12 @@
 q, k, v and o alike."""
 import torch
 
-from model.compiled import fused_on_cuda
-from model.config import ModelConfig
-from model.decoder import DecoderAttention, DecoderForCausalLM
-from model.norm import RMSNorm, rms_normalize
-from model.qwen2 import qwen_sliding_window
-from model.rotary import RotaryEmbedding, rotate
+from nanoserve_model.compiled import fused_on_cuda
+from nanoserve_model.config import ModelConfig
+from nanoserve_model.decoder import DecoderAttention, DecoderForCausalLM
+from nanoserve_model.norm import RMSNorm, rms_normalize
+from nanoserve_model.qwen2 import qwen_sliding_window
+from nanoserve_model.rotary import RotaryEmbedding, rotate
 
 
 @fused_on_cuda

@@ -12,11 +12,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from model.checkpoint import SafetensorsCheckpoint
-from model.config import ModelConfig
-from model.decoder import DecoderForCausalLM
-from model.parallel import CheckpointTensor, ShardId
-from model.registry import model_class
+from nanoserve_model.checkpoint import SafetensorsCheckpoint
+from nanoserve_model.config import ModelConfig
+from nanoserve_model.decoder import DecoderForCausalLM
+from nanoserve_model.parallel import CheckpointTensor, ShardId
+from nanoserve_model.registry import model_class
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")  # auto: safetensors, the one format read from disk
 DUMMY_STD = 0.02  # a trained model's init scale: activations stay finite through many bf16 layers

@@ -4,7 +4,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from model.parallel import CheckpointTensor, all_reduce, divide, set_weight_loader, tp_rank, tp_world_size
+from nanoserve_model.parallel import CheckpointTensor, all_reduce, divide, set_weight_loader, tp_rank, tp_world_size
 
 
 class VocabParallelEmbedding(nn.Module):

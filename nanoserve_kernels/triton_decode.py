@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_prefill import LOG2_E, attend_block, dot_precision
+from nanoserve_kernels.triton_prefill import LOG2_E, attend_block, dot_precision
 
 BLOCK_N = 64
 NUM_WARPS = 4

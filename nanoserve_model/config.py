@@ -1,6 +1,6 @@
 """The hyper-parameters a worker needs, read from a checkpoint's config.json and generation_config.json
 (no transformers). Every family reads the same fields; what a family reads differently (its sliding
-window) it says itself (model.registry passes it in). Anything nanoserve cannot run is an error here,
+window) it says itself (nanoserve_model.registry passes it in). Anything nanoserve cannot run is an error here,
 naming the file and the field, before any weight is read."""
 import json
 import math
@@ -39,7 +39,7 @@ class SamplingDefaults:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str               # config.json `architectures[0]`: the model class (model.registry)
+    architecture: str               # config.json `architectures[0]`: the model class (nanoserve_model.registry)
     vocab_size: int
     hidden_size: int
     intermediate_size: int

@@ -1,8 +1,8 @@
 """Qwen2 and Qwen2.5: the shared decoder with a bias on q, k and v (none on o, none in the MLP) and no
 q/k norm."""
-from model.config import ModelConfig
-from model.decoder import DecoderAttention, DecoderForCausalLM
-from model.rotary import RotaryEmbedding
+from nanoserve_model.config import ModelConfig
+from nanoserve_model.decoder import DecoderAttention, DecoderForCausalLM
+from nanoserve_model.rotary import RotaryEmbedding
 
 
 def qwen_sliding_window(raw_config: dict) -> int | None:

@@ -1,6 +1,6 @@
 """Triton KV store, and the paged-cache addressing that the attention kernels share.
 
-Cache layout (see kernels/reference.py): [num_blocks, block_size, kv_heads, head_dim], contiguous,
+Cache layout (see nanoserve_kernels/reference.py): [num_blocks, block_size, kv_heads, head_dim], contiguous,
 so a slot (block_id * block_size + offset) addresses one [kv_heads, head_dim] row.
 """
 import torch

@@ -11,12 +11,12 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from kernels.backend import AttentionBackend
+from nanoserve_kernels.backend import AttentionBackend
 
 
 @dataclass
 class StepContext:
-    """Tensor shapes and meanings as in kernels.reference."""
+    """Tensor shapes and meanings as in nanoserve_kernels.reference."""
     backend: AttentionBackend
     is_prefill: bool             # False: every sequence computes exactly one token (paged_decode)
     slot_mapping: torch.Tensor   # [num_tokens]

@@ -2,8 +2,8 @@
 import torch
 from torch import nn
 
-from model.compiled import fused_on_cuda
-from model.parallel import set_weight_loader
+from nanoserve_model.compiled import fused_on_cuda
+from nanoserve_model.parallel import set_weight_loader
 
 
 def rms_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """Llama (2, 3.x): the shared decoder; `attention_bias` biases q, k, v and o, `mlp_bias` the MLP's
-projections. Llama 3.1+ checkpoints scale their rotary frequencies (`llama3` rope, model.rotary)."""
-from model.config import ModelConfig
-from model.decoder import DecoderAttention, DecoderForCausalLM, GatedMLP
-from model.rotary import RotaryEmbedding
+projections. Llama 3.1+ checkpoints scale their rotary frequencies (`llama3` rope, nanoserve_model.rotary)."""
+from nanoserve_model.config import ModelConfig
+from nanoserve_model.decoder import DecoderAttention, DecoderForCausalLM, GatedMLP
+from nanoserve_model.rotary import RotaryEmbedding
 
 
 class LlamaForCausalLM(DecoderForCausalLM):

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_kv_store import cache_rows
+from nanoserve_kernels.triton_kv_store import cache_rows
 
 LOG2_E = 1.4426950408889634
 
