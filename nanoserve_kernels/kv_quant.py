@@ -51,9 +51,9 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return values.float() * scales[..., None]
 
 
-def new_scales(num_blocks: int, block_size: int, kv_heads: int, device: torch.device) -> torch.Tensor:
-    """One layer's K (or V) scale cache, in the layout above."""
-    return torch.empty(num_blocks, kv_heads, block_size, dtype=torch.float32, device=device)
+def scales_shape(num_blocks: int, block_size: int, kv_heads: int) -> tuple[int, int, int]:
+    """One layer's K (or V) scale cache (float32), in the layout above."""
+    return num_blocks, kv_heads, block_size
 
 
 def slot_major(scales: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from nanoserve.checkpoint import CONFIG_FILE, CheckpointError, check_files
+from nanoserve_kernels.backend import FLASH_ATTN_NO_FP8
 from worker_svc.config import WorkerConfig
 from worker_svc.distributed import uses_cuda
 
@@ -19,6 +20,8 @@ class StartupError(Exception):
 def check_startup(config: WorkerConfig) -> None:
     _check_device(config.device)
     _check_backend(config.attention_backend, "cuda" if uses_cuda(config) else "cpu")
+    if config.attention_backend == "flash-attn" and config.kv_cache_dtype == "fp8":
+        raise StartupError(FLASH_ATTN_NO_FP8)
     if Path(config.model).exists():  # anything else is left to the loader (e.g. a Hub id)
         try:
             check_files(config.model, (CONFIG_FILE,), "--model")

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from nanoserve_kernels.backend import select_backend
+from nanoserve_kernels.kv_quant import bytes_per_row, is_quantized, kv_cache_dtype, scales_shape
 from nanoserve_model.checkpoint import CONFIG_FILES, weight_files
 from nanoserve_model.compiled import configure_compiler
 from nanoserve_model.config import ModelConfig, resolve_dtype
@@ -42,12 +43,12 @@ from worker_svc.step_inputs import StepInputs, build_step_inputs
 log = logging.getLogger("nanoserve.worker")
 
 
-def model_fingerprint(path: Path, dtype: torch.dtype, load_format: str) -> str:
-    """Equal on ranks that serve the same checkpoint (or the same dummy weights) in the same dtype."""
+def model_fingerprint(path: Path, dtype: torch.dtype, kv_dtype: torch.dtype, load_format: str) -> str:
+    """Equal on ranks that serve the same checkpoint (or the same dummy weights) in the same dtypes."""
     digest = hashlib.sha256((path / "config.json").read_bytes())
     for file in sorted(path.glob("*.safetensors")) if load_format != "dummy" else ():
         digest.update(f"{file.name}:{file.stat().st_size}".encode())
-    digest.update(f"{dtype} dummy={load_format == 'dummy'}".encode())
+    digest.update(f"{dtype} kv={kv_dtype} dummy={load_format == 'dummy'}".encode())
     return digest.hexdigest()[:16]
 
 
@@ -84,25 +85,31 @@ class ModelRunner:
         path, self.model_config = fetch_checkpoint(config)
         self.dtype = resolve_dtype(config.dtype, self.model_config)
         self.max_model_len = self.model_config.context_limit(config.max_model_len)
-        self.backend = select_backend(config.attention_backend, self.device.type, config.block_size)
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.backend = select_backend(config.attention_backend, self.device.type, config.block_size,
+                                      is_quantized(self.kv_dtype))
+        if is_quantized(self.kv_dtype) and self.backend.name == "triton":
+            log.info("rank %d: FP8 KV cache: attention runs on the triton backend (flash-attn cannot read FP8)",
+                     config.rank)
         self.model = load_model(path, self.model_config, self.dtype, self.device, config.load_format)
         self.sampler = Sampler(self.device, config.seed)
-        self.fingerprint = model_fingerprint(path, self.dtype, config.load_format)
+        self.fingerprint = model_fingerprint(path, self.dtype, self.kv_dtype, config.load_format)
         self.clock = StepClock(self.device)
-        self.kv_cache: torch.Tensor | None = None
+        self.kv_cache: torch.Tensor | None = None  # [K/V, layer, block, offset, kv head, dim]
+        self.kv_scales: torch.Tensor | None = None  # FP8 only: [K/V, layer, block, kv head, offset] float32
         self.seqs: SequenceTable | None = None  # exists once the KV cache does
         self.last_tokens: torch.Tensor | None = None  # [max_num_seqs] each slot's last sampled token
         self.graphs: StepGraphs | None = None
         self.buffers = StepBuffers(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
                                    config.block_size, self.device)
         self.max_kv_blocks = self._max_kv_blocks()
-        log.info("rank %d: %s (%s%s) in %s, %s attention, room for %d KV blocks of %d tokens", config.rank,
+        log.info("rank %d: %s (%s%s) in %s, %s attention, room for %d KV blocks of %d tokens in %s", config.rank,
                  config.model, self.model_config.architecture, ", dummy weights" if config.load_format == "dummy" else "",
-                 self.dtype, self.backend.name, self.max_kv_blocks, config.block_size)
+                 self.dtype, self.backend.name, self.max_kv_blocks, config.block_size, self.kv_dtype)
 
     def _kv_block_bytes(self) -> int:
         attn = self.model.attention_layers()[0]
-        per_token = 2 * attn.num_kv_heads * attn.head_dim * self.dtype.itemsize  # K and V
+        per_token = 2 * attn.num_kv_heads * bytes_per_row(self.kv_dtype, attn.head_dim)  # K and V, FP8 scales too
         return len(self.model.attention_layers()) * self.config.block_size * per_token
 
     def _max_kv_blocks(self) -> int:
@@ -174,7 +181,8 @@ class ModelRunner:
     def info(self) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(
             model=self.config.model, rank=self.config.rank, world_size=self.config.tensor_parallel_size,
-            dtype=str(self.dtype).removeprefix("torch."), block_size=self.config.block_size,
+            dtype=str(self.dtype).removeprefix("torch."), kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
+            block_size=self.config.block_size,
             max_kv_blocks=self.max_kv_blocks, vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len, eos_token_ids=self.model_config.eos_token_ids,
             attention_backend=self.backend.name, device=str(self.device),
@@ -224,17 +232,21 @@ class ModelRunner:
         return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
 
     def _release_kv_cache(self) -> None:
-        self.kv_cache = self.seqs = self.extras = None
+        self.kv_cache = self.kv_scales = self.seqs = self.extras = None
         for layer in self.model.attention_layers():  # their views would keep the old cache alive
             layer.bind_kv_cache(torch.empty(0), torch.empty(0))
 
     def _allocate(self, num_blocks: int) -> None:
         self._release_kv_cache()  # before taking memory for the new one
         layers = self.model.attention_layers()
-        self.kv_cache = torch.empty(2, len(layers), num_blocks, self.config.block_size, layers[0].num_kv_heads,
-                                    layers[0].head_dim, dtype=self.dtype, device=self.device)
+        shape = (2, len(layers), num_blocks, self.config.block_size, layers[0].num_kv_heads, layers[0].head_dim)
+        self.kv_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+        if is_quantized(self.kv_dtype):  # a float32 scale per (token, KV head), head-major in each block
+            self.kv_scales = torch.empty(*shape[:2], *scales_shape(*shape[2:5]), dtype=torch.float32,
+                                         device=self.device)
         for i, layer in enumerate(layers):
-            layer.bind_kv_cache(self.kv_cache[0, i], self.kv_cache[1, i])
+            scales = () if self.kv_scales is None else (self.kv_scales[0, i], self.kv_scales[1, i])
+            layer.bind_kv_cache(self.kv_cache[0, i], self.kv_cache[1, i], *scales)
         self.seqs = SequenceTable(self.config.max_num_seqs, num_blocks, self.config.block_size,
                                   self.model_config.vocab_size, self.max_model_len)
         self.extras = SamplingExtras(self.config.max_num_seqs, self.model_config.vocab_size,

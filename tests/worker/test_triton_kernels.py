@@ -80,8 +80,8 @@ def make_paged_batch(case: Case, device: str, seed: int) -> PagedBatch:
     v_cache = torch.full_like(k_cache, float("nan"))
     scales = {}
     if case.fp8:
-        scales = {name: kv_quant.new_scales(num_blocks, case.block_size, case.kv_heads, device).fill_(float("nan"))
-                  for name in ("k_scale", "v_scale")}
+        shape = kv_quant.scales_shape(num_blocks, case.block_size, case.kv_heads)
+        scales = {name: torch.full(shape, float("nan"), device=device) for name in ("k_scale", "v_scale")}
     block_tables = torch.full((len(counts), max(counts) + 1), -1, dtype=torch.int32, device=device)
     physical = torch.randperm(num_blocks, generator=gen, device=device)
     for seq, (count, length) in enumerate(zip(counts, case.context_lens)):
