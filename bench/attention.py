@@ -1,11 +1,14 @@
 """Paged attention kernels: our Triton prefill and decode against flash-attn (when it imports) on
 the same paged shapes (Qwen3-0.6B: 16 query heads, 8 KV heads, head_dim 128, bf16, blocks of 256),
-and decode bytes/s against the measured device-to-device copy rate. Prints a table, writes JSON.
+and decode bytes/s against the measured device-to-device copy rate; Triton decode over an FP8 cache
+(--kv-cache-dtype fp8: e4m3 values and their float32 scales are the bytes read) against the same
+decode over the bf16 cache it dequantizes to. Prints a table, writes JSON.
 
     PYTHONPATH=.:proto python bench/attention.py [--out bench/out/attention.json]
 """
 import argparse
 import datetime
+import functools
 import json
 import random
 import subprocess
@@ -19,13 +22,14 @@ import triton
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "proto")]
 
-from nanoserve_kernels import flash_attn_backend, triton_decode, triton_prefill  # noqa: E402
+from nanoserve_kernels import flash_attn_backend, kv_quant, triton_decode, triton_prefill  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 16, 8, 128, 256, torch.bfloat16
 SCALE = HEAD_DIM ** -0.5
 # Enough distinct cache data per timed call that repeated calls do not run from the 50 MB L2.
 MIN_ROTATED_BYTES = 512 * 2**20
 DECODE_SHAPES = [(256, 1024), (64, 1024), (16, 1024), (1, 1024), (8, 8192)]  # (batch, context)
+FP8_DECODE_SHAPES = [(256, 1024), (8, 8192)]
 
 
 def ragged_lengths(count: int) -> list[int]:
@@ -67,8 +71,9 @@ def paged_sets(context_lens: list[int], copies: int) -> tuple[torch.Tensor, torc
     return k_cache, v_cache, tables
 
 
-def kv_bytes(context_lens: list[int]) -> int:
-    return 2 * sum(context_lens) * KV_HEADS * HEAD_DIM * DTYPE.itemsize
+def kv_bytes(context_lens: list[int], cache_dtype: torch.dtype = DTYPE) -> int:
+    """K and V bytes of the contexts, FP8 scales included."""
+    return 2 * sum(context_lens) * KV_HEADS * kv_quant.bytes_per_row(cache_dtype, HEAD_DIM)
 
 
 def decode_inputs(batch: int, context: int) -> tuple[torch.Tensor, ...]:
@@ -127,6 +132,29 @@ def compare(name: str, timer: Callable, inputs: tuple, triton_fn: Callable, flas
     return row
 
 
+def fp8_cache(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bf16 cache as --kv-cache-dtype fp8 stores it: e4m3 values, scales [blocks, kv heads, block]."""
+    values, scales = kv_quant.quantize(cache)
+    return values, scales.transpose(1, 2).contiguous()
+
+
+def fp8_decode_row(batch: int, context: int, copy_rate: float) -> dict:
+    """Triton decode over an FP8 cache, and over the bf16 cache holding the values it dequantizes
+    to (their outputs' relative difference checks that both compute the same attention)."""
+    q, k_cache, v_cache, context_lens, tables = decode_inputs(batch, context)
+    (k8, k_scale), (v8, v_scale) = fp8_cache(k_cache), fp8_cache(v_cache)
+    k_cache, v_cache = (kv_quant.dequantize(values, kv_quant.slot_major(scales)).to(DTYPE)
+                        for values, scales in ((k8, k_scale), (v8, v_scale)))
+    fp8_decode = functools.partial(triton_decode.paged_decode, k_scale=k_scale, v_scale=v_scale)
+    fp8_ms, fp8_out = time_decode(fp8_decode, (q, k8, v8, context_lens, tables))
+    bf16_ms, bf16_out = time_decode(triton_decode.paged_decode, (q, k_cache, v_cache, context_lens, tables))
+    moved = kv_bytes([context] * batch, kv_quant.FP8_DTYPE) + 2 * batch * HEADS * HEAD_DIM * DTYPE.itemsize
+    return dict(case=f"decode {batch} x {context} fp8 KV", triton_ms=fp8_ms, bf16_cache_ms=bf16_ms,
+                fp8_over_bf16=fp8_ms / bf16_ms, relative_difference=relative_difference(fp8_out, bf16_out),
+                bytes=moved, triton_bytes_per_s=moved / (fp8_ms * 1e-3),
+                triton_fraction_of_copy=moved / (fp8_ms * 1e-3) / copy_rate)
+
+
 def run() -> dict:
     copy_rate = copy_bandwidth()
     decode_rows, prefill_rows = [], []
@@ -137,6 +165,7 @@ def run() -> dict:
         row.update(bytes=moved, triton_bytes_per_s=moved / (row["triton_ms"] * 1e-3))
         row["triton_fraction_of_copy"] = row["triton_bytes_per_s"] / copy_rate
         decode_rows.append(row)
+    decode_rows += [fp8_decode_row(batch, context, copy_rate) for batch, context in FP8_DECODE_SHAPES]
     for name, (new_lens, context_lens) in PREFILL_SHAPES.items():
         row = compare(f"prefill {name}", time_prefill, prefill_inputs(new_lens, context_lens),
                       triton_prefill.paged_prefill, flash_attn_backend.paged_prefill)
@@ -152,12 +181,15 @@ def run() -> dict:
 
 def print_table(result: dict) -> None:
     print(f"{result['device']}, copy {result['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write)")
+    print("(fp8 KV rows compare with triton over the bf16 cache of the same values, not flash-attn)")
     print(f"{'case':38} {'triton ms':>10} {'flash ms':>9} {'ratio':>6} {'diff':>7} {'rate':>12} {'% copy':>7}")
     for row in result["decode"] + result["prefill"]:
         flash = f"{'-':>9} {'-':>6} {'-':>7}"
         if "flash_attn_ms" in row:
             flash = (f"{row['flash_attn_ms']:9.4f} {row['triton_over_flash_attn']:6.2f} "
                      f"{row['relative_difference']:7.1e}")
+        elif "bf16_cache_ms" in row:
+            flash = f"{row['bf16_cache_ms']:9.4f} {row['fp8_over_bf16']:6.2f} {row['relative_difference']:7.1e}"
         if "triton_bytes_per_s" in row:
             rate = f"{row['triton_bytes_per_s'] / 1e12:8.2f} TB/s"
             share = f"{100 * row['triton_fraction_of_copy']:6.1f}%"

@@ -3,6 +3,8 @@
 Starts `nanoserve up` on a Qwen3-0.6B-shaped checkpoint with random bf16 weights (built on first
 use), drives it with 256 concurrent gRPC Generate streams, prints a table and writes JSON.
 
+Issue 18's sampling cost: the same run with `--top-p 0.9 --top-k 50` on every request.
+
 Any shape without its weights: write a directory holding only config.json and the tokenizer, and let
 the worker make random weights on the GPU:
 
@@ -37,8 +39,8 @@ def workload(num_seqs: int, max_input: int, max_output: int) -> list[tuple[list[
     return [(p, random.randint(100, max_output)) for p in prompts]
 
 
-async def run_one(stub, prompt: list[int], max_tokens: int) -> int:
-    request = make_request(prompt, max_tokens=max_tokens, temperature=0.6, ignore_eos=True)
+async def run_one(stub, prompt: list[int], max_tokens: int, **sampling) -> int:
+    request = make_request(prompt, max_tokens=max_tokens, temperature=0.6, ignore_eos=True, **sampling)
     count = 0
     async for msg in stub.Generate(request):
         count += len(msg.token_ids)
@@ -46,13 +48,13 @@ async def run_one(stub, prompt: list[int], max_tokens: int) -> int:
     return count
 
 
-async def drive(address: str, jobs: list[tuple[list[int], int]]) -> dict:
+async def drive(address: str, jobs: list[tuple[list[int], int]], **sampling) -> dict:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = llm_pb2_grpc.LLMStub(channel)
-        await run_one(stub, [1, 2, 3, 4], 16)  # warm-up
+        await run_one(stub, [1, 2, 3, 4], 16, **sampling)  # warm-up
         before = await stub.GetStats(llm_pb2.GetStatsRequest())
         start = time.perf_counter()
-        counts = await asyncio.gather(*(run_one(stub, p, n) for p, n in jobs))
+        counts = await asyncio.gather(*(run_one(stub, p, n, **sampling) for p, n in jobs))
         seconds = time.perf_counter() - start
         after = await stub.GetStats(llm_pb2.GetStatsRequest())
         info = await stub.GetModelInfo(llm_pb2.GetModelInfoRequest())
@@ -83,6 +85,8 @@ def main() -> None:
     p.add_argument("--max-output-len", type=int, default=1024)
     p.add_argument("--max-model-len", type=int, default=4096, help="as the nano-vllm anchor's bench.py")
     p.add_argument("--extra", default="", help="more `nanoserve up` flags, space separated")
+    p.add_argument("--top-p", type=float, default=None, help="every request's top_p (default: unset)")
+    p.add_argument("--top-k", type=int, default=None, help="every request's top_k (default: unset)")
     p.add_argument("--out", default=str(REPO / "bench" / "out" / "throughput.json"))
     args = p.parse_args()
 
@@ -101,7 +105,8 @@ def main() -> None:
     try:
         wait_serving(f"127.0.0.1:{port}", [proc], timeout=900)
         result = asyncio.run(drive(f"127.0.0.1:{port}", workload(args.num_seqs, args.max_input_len,
-                                                                 args.max_output_len)))
+                                                                 args.max_output_len),
+                                   top_p=args.top_p, top_k=args.top_k))
     finally:
         stop_all([proc])
     result["command"] = " ".join(sys.argv)

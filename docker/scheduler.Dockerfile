@@ -1,8 +1,8 @@
 # syntax=docker/dockerfile:1
 # nanoserve scheduler and gateway: the public nanoserve.v1.LLM API and the OpenAI-compatible HTTP
 # gateway in front of it, both on CPU. No torch, no CUDA: only gRPC, protobuf, xxhash, tokenizers,
-# prometheus-client, huggingface_hub (the tokenizer of a Hub id) and the gateway's
-# FastAPI/uvicorn/Jinja2, the contract package, the two services
+# prometheus-client, huggingface_hub (the tokenizer of a Hub id), Jinja2 (chat templates) and
+# the gateway's FastAPI/uvicorn, the contract package, the two services
 # and the `nanoserve` CLI (which runs them as `python -m scheduler_svc` / `python -m gateway_svc`).
 # One image for both: they are CPU services of the same small dependency set, so one build and one
 # set of pins serve both; the gateway's packages add ~20 MB to a ~170 MB image.

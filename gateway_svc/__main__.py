@@ -14,8 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse("gateway", argv, prog="python -m gateway_svc")
     follow_launcher()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    app = create_app(GatewayConfig(scheduler=args.scheduler, served_model_name=args.served_model_name,
-                                   tokenizer=args.tokenizer))
+    app = create_app(GatewayConfig(scheduler=args.scheduler, served_model_name=args.served_model_name))
     # The plain asyncio loop: grpc.aio channels are made for it.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, loop="asyncio")
     return 0

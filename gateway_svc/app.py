@@ -16,10 +16,10 @@ from gateway_svc import generation
 from gateway_svc.errors import OpenAIError, bad_request, install_handlers
 from gateway_svc.generation import Shape
 from gateway_svc.http_metrics import HTTPMetrics
-from gateway_svc.model_files import ModelFiles
 from gateway_svc.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                  template_messages)
+                                  chat_messages)
 from gateway_svc.scheduler_client import SchedulerClient, check_model, model_names
+from nanoserve.v1 import llm_pb2
 
 T = TypeVar("T")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -29,32 +29,20 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 class GatewayConfig:
     scheduler: str               # host:port of the scheduler's public gRPC API
     served_model_name: str = ""  # the id /v1/models lists; default: the model directory's name
-    tokenizer: str = ""          # tokenizer files for chat and detokenize; default: the model directory
 
 
 class Gateway:
-    """What the endpoints share: the scheduler connection (opened in the server's event loop)
-    and the model's tokenizer files."""
+    """What the endpoints share: the scheduler connection (opened in the server's event loop)."""
 
     def __init__(self, config: GatewayConfig):
         self.config = config
         self.client: SchedulerClient | None = None
-        self._files: ModelFiles | None = None
 
     async def checked_model(self, requested: str | None) -> str:
         """The served model's id, after a 404 for any other model."""
         info = await self.client.model_info()
         check_model(requested, info, self.config.served_model_name)
         return model_names(info, self.config.served_model_name)[0]
-
-    async def files(self) -> ModelFiles:
-        if self._files is None:
-            self._files = ModelFiles(self.config.tokenizer or (await self.client.model_info()).model)
-        return self._files
-
-    async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
-        """Renders a conversation (the scheduler's Chat RPC takes this over once it exists)."""
-        return (await self.files()).render_chat(template_messages(messages), add_generation_prompt, kwargs)
 
 
 def create_app(config: GatewayConfig) -> HTTPMetrics:
@@ -88,9 +76,8 @@ def create_app(config: GatewayConfig) -> HTTPMetrics:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         body.check_supported()
         shape = Shape(chat=True, model=await gateway.checked_model(body.model))
-        prompt = await gateway.chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
-        return await _respond(request, gateway.client.generate(body.generate_request(shape.id, prompt)), shape,
-                              body.stream, body.include_usage)
+        return await _respond(request, gateway.client.chat(body.chat_request(shape.id)), shape, body.stream,
+                              body.include_usage)
 
     @app.get("/v1/models")
     async def models():
@@ -112,16 +99,21 @@ def create_app(config: GatewayConfig) -> HTTPMetrics:
         await gateway.checked_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("send either `prompt` or `messages`", "prompt")
-        text = body.prompt if body.messages is None else await gateway.chat_prompt(
-            body.messages, body.add_generation_prompt, body.chat_template_kwargs)
-        tokens = await gateway.client.tokenize(text)
+        if body.messages is None:
+            tokens = await gateway.client.tokenize(llm_pb2.TokenizeRequest(text=body.prompt))
+        else:
+            tokens = await gateway.client.tokenize(body.tokenize_request())
         info = await gateway.client.model_info()
         return {"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens, "token_strs": None}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         await gateway.checked_model(body.model)
-        return {"prompt": (await gateway.files()).detokenize(body.tokens)}
+        vocab_size = (await gateway.client.model_info()).vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", "tokens")
+        return {"prompt": await gateway.client.detokenize(body.tokens)}
 
     @app.get("/metrics")
     async def metrics():

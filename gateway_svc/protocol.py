@@ -111,13 +111,17 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
-    def generate_request(self, request_id: str, prompt: str) -> llm_pb2.GenerateRequest:
+    def chat_request(self, request_id: str) -> llm_pb2.ChatRequest:
+        """The scheduler's Chat call: it writes the conversation out with the model's template."""
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return llm_pb2.GenerateRequest(request_id=request_id, text=prompt, sampling=self.sampling(limit))
+        request = llm_pb2.ChatRequest(request_id=request_id, messages=chat_messages(self.messages),
+                                      sampling=self.sampling(limit), add_generation_prompt=self.add_generation_prompt)
+        request.chat_template_kwargs.update(self.chat_template_kwargs)
+        return request
 
 
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as chat templates expect them: a role each, content as one string (text parts
+def chat_messages(messages: list[dict[str, Any]]) -> list[llm_pb2.ChatMessage]:
+    """Messages as the Chat call takes them: a role each, content as one string (text parts
     joined with newlines, as vLLM joins them)."""
     out = []
     for i, message in enumerate(messages):
@@ -130,7 +134,7 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             content = "\n".join(str(part.get("text", "")) for part in content)
         elif content is not None and not isinstance(content, str):
             raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        out.append({**message, "content": content or ""})
+        out.append(llm_pb2.ChatMessage(role=message["role"], content=content or ""))
     return out
 
 
@@ -143,6 +147,13 @@ class TokenizeRequest(BaseModel):
     messages: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    def tokenize_request(self) -> llm_pb2.TokenizeRequest:
+        """The scheduler's Tokenize call for the messages, through the chat template."""
+        request = llm_pb2.TokenizeRequest(messages=chat_messages(self.messages),
+                                          add_generation_prompt=self.add_generation_prompt)
+        request.chat_template_kwargs.update(self.chat_template_kwargs)
+        return request
 
 
 class DetokenizeRequest(BaseModel):

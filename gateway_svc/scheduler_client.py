@@ -37,12 +37,18 @@ class SchedulerClient:
             self._info = await self._call(self.llm.GetModelInfo, llm_pb2.GetModelInfoRequest())
         return self._info
 
-    async def tokenize(self, text: str) -> list[int]:
-        reply = await self._call(self.llm.Tokenize, llm_pb2.TokenizeRequest(text=text))
-        return list(reply.token_ids)
+    async def tokenize(self, request: llm_pb2.TokenizeRequest) -> list[int]:
+        """A text's tokens, or a conversation's through the chat template."""
+        return list((await self._call(self.llm.Tokenize, request)).token_ids)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return (await self._call(self.llm.Detokenize, llm_pb2.DetokenizeRequest(token_ids=token_ids))).text
 
     def generate(self, request: llm_pb2.GenerateRequest) -> grpc.aio.UnaryStreamCall:
         return self.llm.Generate(request)
+
+    def chat(self, request: llm_pb2.ChatRequest) -> grpc.aio.UnaryStreamCall:
+        return self.llm.Chat(request)
 
     async def health(self) -> str:
         """"" when the scheduler says SERVING, otherwise why not."""

@@ -1,5 +1,5 @@
 """`nanoserve` command line: worker, scheduler, gateway, up (local launcher), and the clients generate,
-info, stats and tokenize.
+chat, info, stats and tokenize.
 
 Flags come from the contract's table (nanoserve.flags), each with its NANOSERVE_<FLAG> fallback.
 `worker`, `scheduler` and `gateway` check their flags here, then replace this process with the
@@ -15,10 +15,10 @@ import sys
 from nanoserve import __version__, flags
 from nanoserve.tls import TLSConfigError
 from nanoserve_cli.client_commands import QUERIES, run_query
-from nanoserve_cli.generate import stream_to_terminal
+from nanoserve_cli.generate import chat_to_terminal, stream_to_terminal
 from nanoserve_cli.launcher import SERVICE_MODULES, run_local
 
-COMMANDS = (*SERVICE_MODULES, "up", "generate", *QUERIES)
+COMMANDS = (*SERVICE_MODULES, "up", "generate", "chat", *QUERIES)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         flags.add_flags(sub.add_parser(command, help=flags.COMMANDS[command],
                                        description=flags.COMMANDS[command]), command)
     sub.choices["generate"].add_argument("prompt", help="prompt text")
+    sub.choices["chat"].add_argument("message", help="the user's message")
     sub.choices["tokenize"].add_argument("text", help="text to tokenize")
     return parser
 
@@ -50,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         return run_local(args)
     try:
-        return stream_to_terminal(args) if args.command == "generate" else run_query(args)
+        if args.command == "generate":
+            return stream_to_terminal(args)
+        return chat_to_terminal(args) if args.command == "chat" else run_query(args)
     except TLSConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -16,6 +16,8 @@ BACKENDS: dict[str, tuple[str, str, str]] = {
                    "nanoserve_kernels.flash_attn_backend:paged_decode"),
 }
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn's paged kernels need blocks of a multiple of 256 tokens
+FLASH_ATTN_NO_FP8 = ("the flash-attn backend cannot read an FP8 KV cache (--kv-cache-dtype fp8): use "
+                     "--attention-backend triton, or auto")
 
 
 @dataclass(frozen=True)
@@ -37,22 +39,25 @@ def _function(target: str) -> Callable:
     return getattr(importlib.import_module(module), name)
 
 
-def auto_backend_name(device: str, block_size: int) -> str:
-    """flash-attn where it is installed and the block size suits it, then our Triton kernels on
-    CUDA, else the plain torch reference."""
+def auto_backend_name(device: str, block_size: int, fp8_kv: bool = False) -> str:
+    """flash-attn where it is installed, the block size suits it and the KV cache is not FP8 (which
+    it cannot read), then our Triton kernels on CUDA, else the plain torch reference."""
     if device != "cuda":
         return "torch"
-    if importlib.util.find_spec("flash_attn") and block_size % FLASH_ATTN_BLOCK_MULTIPLE == 0:
+    if not fp8_kv and importlib.util.find_spec("flash_attn") and block_size % FLASH_ATTN_BLOCK_MULTIPLE == 0:
         return "flash-attn"
     return "triton"
 
 
-def select_backend(name: str, device: str, block_size: int) -> AttentionBackend:
-    """The backend called `name` ("auto" picks one for the device); ValueError if it cannot run."""
+def select_backend(name: str, device: str, block_size: int, fp8_kv: bool = False) -> AttentionBackend:
+    """The backend called `name` ("auto" picks one for the device and KV dtype); ValueError if it
+    cannot run."""
     if name == "auto":
-        name = auto_backend_name(device, block_size)
+        name = auto_backend_name(device, block_size, fp8_kv)
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r}: expected auto or one of {', '.join(BACKENDS)}")
+    if name == "flash-attn" and fp8_kv:
+        raise ValueError(FLASH_ATTN_NO_FP8)
     if name == "flash-attn" and block_size % FLASH_ATTN_BLOCK_MULTIPLE:
         raise ValueError(f"the flash-attn backend needs a block size that is a multiple of "
                          f"{FLASH_ATTN_BLOCK_MULTIPLE}, got {block_size}")

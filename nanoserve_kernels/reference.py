@@ -9,22 +9,41 @@ Shapes (one layer):
   cu_seqlens_k:     [num_seqs + 1] int32, prefix sums of context_lens
   max_seqlen_q/k:   Python ints, the longest new-token count and context (known on the host)
 
+  k_scale, v_scale:  [num_blocks, kv_heads, block_size] float32, only with an FP8 cache (kv_quant.py)
+
 Every backend keeps these signatures: store_kvcache, paged_prefill (flash-attn's varlen names),
 paged_decode (per-row lengths on the device only, so a CUDA graph can replay it); paged_prefill
 also takes `out=`, the buffer to write (piecewise CUDA graphs read attention from a static one).
+A backend that reads FP8 caches takes k_scale= and v_scale= in all three; FP8 attention is
+attention over the dequantized cache.
 """
 import torch
 
 from nanoserve.mathutil import cdiv
+from nanoserve_kernels.kv_quant import dequantize, quantize, slot_major
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
-    """Writes new K/V rows ([N, kv_heads, head_dim]) into the paged cache at their slots."""
+                  slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> None:
+    """Writes new K/V rows ([N, kv_heads, head_dim]) into the paged cache at their slots; with
+    scales, quantized to FP8 with each row's own scale."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+    block_size = k_cache.shape[1]
+    for new, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        rows = new[keep]
+        if scales is not None:
+            rows, row_scales = quantize(rows)
+            slot_major(scales)[slots // block_size, slots % block_size] = row_scales
+        cache.view(-1, *cache.shape[2:])[slots] = rows
+
+
+def _context(cache: torch.Tensor, scales: torch.Tensor | None, block_table: torch.Tensor,
+             length: int) -> torch.Tensor:
+    """One sequence's first `length` K (or V) rows, dequantized if the cache is FP8."""
+    rows = gather_context(cache, block_table, length)
+    return rows if scales is None else dequantize(rows, gather_context(slot_major(scales), block_table, length))
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -51,7 +70,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                  block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                  block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """New tokens (q: [N, heads, head_dim], packed by cu_seqlens_q) attend causally to their
     sequence's whole cache (cached prefix + themselves, already stored), into `out` if given.
     The maxima are not needed here (no grid to size)."""
@@ -61,20 +81,21 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     starts, ends = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for i in range(len(starts) - 1):
         lo, hi, length = starts[i], starts[i + 1], ends[i + 1] - ends[i]
-        k = gather_context(k_cache, block_tables[i], length)
-        v = gather_context(v_cache, block_tables[i], length)
+        k = _context(k_cache, k_scale, block_tables[i], length)
+        v = _context(v_cache, v_scale, block_tables[i], length)
         out[lo:hi] = _attend(q[lo:hi], k, v, scale)
     return out
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+                 context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence (q: [num_seqs, heads, head_dim]) over its whole cache.
     A row with context length 0 (padding) gives zeros."""
     out = torch.zeros_like(q)
     for i, length in enumerate(context_lens.tolist()):
         if length > 0:
-            k = gather_context(k_cache, block_tables[i], length)
-            v = gather_context(v_cache, block_tables[i], length)
+            k = _context(k_cache, k_scale, block_tables[i], length)
+            v = _context(v_cache, v_scale, block_tables[i], length)
             out[i : i + 1] = _attend(q[i : i + 1], k, v, scale)
     return out

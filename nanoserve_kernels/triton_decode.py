@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve_kernels.triton_prefill import LOG2_E, attend_block, dot_precision
+from nanoserve_kernels.triton_prefill import LOG2_E, attend_block, dot_precision, scale_block_stride
 
 BLOCK_N = 64
 NUM_WARPS = 4
@@ -57,11 +57,12 @@ def _merge_splits(part_out, part_max, part_sum, base, used, head_valid, dims, SP
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_cache, v_cache, context_lens, block_tables, out_ptr, part_out,
-                   part_max, part_sum, counters, qk_scale, stride_q_seq, stride_q_head, stride_o_seq,
-                   stride_o_head, stride_slot, stride_table, GROUP: tl.constexpr,
+def _decode_kernel(q_ptr, k_cache, v_cache, k_scale, v_scale, context_lens, block_tables, out_ptr,
+                   part_out, part_max, part_sum, counters, qk_scale, stride_q_seq, stride_q_head, stride_o_seq,
+                   stride_o_head, stride_slot, stride_scale_block, stride_table, GROUP: tl.constexpr,
                    GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+                   QUANTIZED: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -81,14 +82,17 @@ def _decode_kernel(q_ptr, k_cache, v_cache, context_lens, block_tables, out_ptr,
     q_pos = tl.full([GROUP_PAD], 0, tl.int32) + end - 1
 
     kv_offset = kv_head * HEAD_DIM
+    k_scale_base = k_scale + kv_head * BLOCK_SIZE if QUANTIZED else k_scale
+    v_scale_base = v_scale + kv_head * BLOCK_SIZE if QUANTIZED else v_scale
     table = block_tables + seq.to(tl.int64) * stride_table
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     for block_start in range(start, end, BLOCK_N):
         m_i, l_i, acc = attend_block(q, q_pos, m_i, l_i, acc, k_cache + kv_offset, v_cache + kv_offset,
-                                     table, block_start, end, qk_scale, stride_slot, BLOCK_SIZE,
-                                     HEAD_DIM, BLOCK_N, True, PRECISION)
+                                     k_scale_base, v_scale_base, table, block_start, end, qk_scale,
+                                     stride_slot, stride_scale_block, BLOCK_SIZE, HEAD_DIM, BLOCK_N, True,
+                                     PRECISION, QUANTIZED)
     if SPLITS == 1:
         out = acc / tl.maximum(l_i, 1e-30)[:, None]  # an empty row (length 0) gives zeros
         tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=head_valid)
@@ -136,9 +140,10 @@ def num_splits(num_seqs: int, kv_heads: int, device: torch.device) -> int:
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query per sequence (q: [num_seqs, heads, head_dim]) over its whole cache.
-    A row with context length 0 (padding) gives zeros."""
+                 context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence (q: [num_seqs, heads, head_dim]) over its whole cache (an FP8 one
+    with its scales). A row with context length 0 (padding) gives zeros."""
     num_seqs, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -150,10 +155,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     part_max = torch.empty(num_seqs, heads, splits, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
     _decode_kernel[(num_seqs, kv_heads, splits)](
-        q, k_cache, v_cache, context_lens, block_tables, out, part_out, part_max, part_sum,
-        _split_counters(q.device, num_seqs * kv_heads), scale * LOG2_E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(1), block_tables.stride(0), GROUP=group,
-        GROUP_PAD=group_pad, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        BLOCK_N=BLOCK_N, SPLITS=splits, PRECISION=dot_precision(q.dtype), num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES)
+        q, k_cache, v_cache, k_scale, v_scale, context_lens, block_tables, out, part_out, part_max, part_sum,
+        _split_counters(q.device, num_seqs * kv_heads), scale * LOG2_E, q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), k_cache.stride(1), scale_block_stride(k_scale, v_scale),
+        block_tables.stride(0), GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        BLOCK_N=BLOCK_N, SPLITS=splits, PRECISION=dot_precision(q.dtype), QUANTIZED=k_scale is not None,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out

@@ -1,11 +1,14 @@
 """Triton KV store, and the paged-cache addressing that the attention kernels share.
 
 Cache layout (see nanoserve_kernels/reference.py): [num_blocks, block_size, kv_heads, head_dim], contiguous,
-so a slot (block_id * block_size + offset) addresses one [kv_heads, head_dim] row.
+so a slot (block_id * block_size + offset) addresses one [kv_heads, head_dim] row. An FP8 cache
+adds per-row scales, [num_blocks, kv_heads, block_size] (nanoserve_kernels/kv_quant.py).
 """
 import torch
 import triton
 import triton.language as tl
+
+from nanoserve_kernels.kv_quant import AMAX_FLOOR, FP8_MAX
 
 
 @triton.jit
@@ -20,34 +23,83 @@ def cache_rows(block_table_row, positions, valid, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _store_kernel(k_ptr, v_ptr, k_cache, v_cache, slot_mapping,
+def scale_rows(rows, stride_scale_block, BLOCK_SIZE: tl.constexpr):
+    """Offsets of cache slots `rows` in one KV head's scales (pointer already at that head)."""
+    return rows // BLOCK_SIZE * stride_scale_block + rows % BLOCK_SIZE
+
+
+@triton.jit
+def _round_to_e4m3_grid(x):
+    """|x| <= 448 rounded to the nearest e4m3 value (ties to even), still in float32, so that the
+    cast to e4m3 is exact whatever rounding it does (Triton's CPU interpreter truncates, and its
+    round-to-nearest forgets the carry into the exponent). Normal values keep 3 mantissa bits;
+    below 2**-6 e4m3 is subnormal, in steps of 2**-9: adding 2**-6 puts those values in the
+    binade whose 3-bit step is 2**-9, so the same rounding serves."""
+    magnitude = tl.abs(x)
+    subnormal = magnitude < 0.015625
+    shifted = tl.where(subnormal, magnitude + 0.015625, magnitude)
+    bits = shifted.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # drop 20 of 23 mantissa bits, ties to even
+    rounded = bits.to(tl.float32, bitcast=True)
+    rounded = tl.where(subnormal, rounded - 0.015625, rounded)
+    return tl.where(x < 0, -rounded, rounded)
+
+
+@triton.jit
+def _store_rows(new_ptr, cache, scales, token, slot, stride_token, stride_head, stride_slot,
+                stride_scale_block, KV_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr,
+                HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8_MAX: tl.constexpr,
+                AMAX_FLOOR: tl.constexpr, QUANTIZED: tl.constexpr):
+    """One token's K (or V) rows [kv_heads, head_dim] into the cache at `slot`; when QUANTIZED,
+    in e4m3 with a scale per head (kv_quant.quantize, bit for bit: IEEE divisions as torch's)."""
+    heads = tl.arange(0, HEADS_POW2)
+    dims = tl.arange(0, HEAD_DIM)[None, :]
+    mask = (heads < KV_HEADS)[:, None]
+    rows = tl.load(new_ptr + token * stride_token + heads[:, None] * stride_head + dims, mask=mask, other=0.0)
+    if QUANTIZED:
+        rows = rows.to(tl.float32)
+        row_scales = tl.div_rn(tl.maximum(tl.max(tl.abs(rows), 1), AMAX_FLOOR), FP8_MAX)
+        scaled = tl.div_rn(rows, row_scales[:, None])
+        rows = _round_to_e4m3_grid(tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX))
+        tl.store(scales + heads * BLOCK_SIZE + scale_rows(slot, stride_scale_block, BLOCK_SIZE), row_scales,
+                 mask=heads < KV_HEADS)
+    tl.store(cache + slot * stride_slot + heads[:, None] * HEAD_DIM + dims, rows.to(cache.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _store_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scale, v_scale, slot_mapping,
                   stride_k_token, stride_k_head, stride_v_token, stride_v_head, stride_slot,
-                  KV_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr):
+                  stride_scale_block, KV_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8_MAX: tl.constexpr,
+                  AMAX_FLOOR: tl.constexpr, QUANTIZED: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping + token).to(tl.int64)
     if slot < 0:
         return
-    heads = tl.arange(0, HEADS_POW2)[:, None]
-    dims = tl.arange(0, HEAD_DIM)[None, :]
-    mask = heads < KV_HEADS
-    cache_offsets = slot * stride_slot + heads * HEAD_DIM + dims
-    k = tl.load(k_ptr + token * stride_k_token + heads * stride_k_head + dims, mask=mask)
-    tl.store(k_cache + cache_offsets, k, mask=mask)
-    v = tl.load(v_ptr + token * stride_v_token + heads * stride_v_head + dims, mask=mask)
-    tl.store(v_cache + cache_offsets, v, mask=mask)
+    _store_rows(k_ptr, k_cache, k_scale, token, slot, stride_k_token, stride_k_head, stride_slot,
+                stride_scale_block, KV_HEADS, HEADS_POW2, HEAD_DIM, BLOCK_SIZE, FP8_MAX, AMAX_FLOOR, QUANTIZED)
+    _store_rows(v_ptr, v_cache, v_scale, token, slot, stride_v_token, stride_v_head, stride_slot,
+                stride_scale_block, KV_HEADS, HEADS_POW2, HEAD_DIM, BLOCK_SIZE, FP8_MAX, AMAX_FLOOR, QUANTIZED)
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
+                  slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> None:
     """Writes new K/V rows ([N, kv_heads, head_dim], head_dim contiguous; the token and head strides
-    may be those of a packed qkv view) into the paged cache at their slots; slot -1 skips."""
+    may be those of a packed qkv view) into the paged cache at their slots; slot -1 skips. With
+    scales, the cache is FP8 and each row is quantized with its own scale."""
     num_tokens, kv_heads, head_dim = k.shape
     assert k.stride(2) == 1 and v.stride(2) == 1, "head_dim must be contiguous"
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert slot_mapping.numel() == num_tokens
     if num_tokens == 0:
         return
+    quantized = k_scale is not None
+    assert not quantized or (k_scale.is_contiguous() and v_scale.is_contiguous())
     _store_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(1),
-        KV_HEADS=kv_heads, HEADS_POW2=triton.next_power_of_2(kv_heads), HEAD_DIM=head_dim)
+        k_scale.stride(0) if quantized else 0,
+        KV_HEADS=kv_heads, HEADS_POW2=triton.next_power_of_2(kv_heads), HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.shape[1], FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, QUANTIZED=quantized)

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve_kernels.triton_kv_store import cache_rows
+from nanoserve_kernels.triton_kv_store import cache_rows, scale_rows
 
 LOG2_E = 1.4426950408889634
 
@@ -19,23 +19,41 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def scale_block_stride(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> int:
+    """The scales' block stride (0 without scales), checked to suit the kernels' addressing."""
+    if k_scale is None:
+        return 0
+    assert k_scale.is_contiguous() and v_scale.is_contiguous() and k_scale.shape == v_scale.shape
+    return k_scale.stride(0)
+
+
 @triton.jit
-def attend_block(q, q_pos, m_i, l_i, acc, k_base, v_base, block_table_row, start, length,
-                 qk_scale, stride_slot, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+def attend_block(q, q_pos, m_i, l_i, acc, k_base, v_base, k_scale_base, v_scale_base, block_table_row,
+                 start, length, qk_scale, stride_slot, stride_scale_block, BLOCK_SIZE: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                 PRECISION: tl.constexpr, QUANTIZED: tl.constexpr):
     """Folds keys [start, start + BLOCK_N) of one sequence and KV head into the running softmax of
     queries q [M, HEAD_DIM] (base-2 scores). Keys at or past `length` are never read; with MASKED,
     keys after a row's position q_pos are hidden from it (which hides keys >= length from every
-    row whose q_pos < length)."""
+    row whose q_pos < length).
+
+    QUANTIZED: K/V are e4m3 with a scale per row (kv_quant.py), dequantized here in registers: e4m3
+    converts exactly to q's dtype; a key's scale multiplies its column of scores, and a value's
+    scale its row of V before the second dot."""
     positions = start + tl.arange(0, BLOCK_N)
     valid = positions < length
     rows = cache_rows(block_table_row, positions, valid, BLOCK_SIZE)
     offsets = rows[:, None] * stride_slot + tl.arange(0, HEAD_DIM)[None, :]
-    k = tl.load(k_base + offsets, mask=valid[:, None], other=0.0)
+    k = tl.load(k_base + offsets, mask=valid[:, None], other=0.0).to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    v = tl.load(v_base + offsets, mask=valid[:, None], other=0.0)
+    if QUANTIZED:
+        scale_offsets = scale_rows(rows, stride_scale_block, BLOCK_SIZE)
+        scores *= tl.load(k_scale_base + scale_offsets, mask=valid, other=0.0)[None, :]
+        v_scales = tl.load(v_scale_base + scale_offsets, mask=valid, other=0.0)
+        v = (v.to(tl.float32) * v_scales[:, None]).to(q.dtype)
     if MASKED:
         scores = tl.where(positions[None, :] <= q_pos[:, None], scores, float("-inf"))
-    v = tl.load(v_base + offsets, mask=valid[:, None], other=0.0)
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
@@ -62,11 +80,11 @@ def _find_sequence(cu_seqlens_q, num_seqs, slot, BLOCK_M: tl.constexpr):
 # One compiled kernel for every batch size and block-table width (both change from step to step,
 # and Triton would otherwise specialise on their divisibility and compile again mid-service).
 @triton.jit(do_not_specialize=["num_seqs", "stride_table"])
-def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, cu_seqlens_q, cu_seqlens_k, block_tables,
-                    num_seqs, qk_scale, stride_q_token, stride_q_head, stride_o_token, stride_o_head,
-                    stride_slot, stride_table, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PRECISION: tl.constexpr):
+def _prefill_kernel(q_ptr, k_cache, v_cache, k_scale, v_scale, out_ptr, cu_seqlens_q, cu_seqlens_k,
+                    block_tables, num_seqs, qk_scale, stride_q_token, stride_q_head, stride_o_token,
+                    stride_o_head, stride_slot, stride_scale_block, stride_table, GROUP: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, QUANTIZED: tl.constexpr):
     # Reversed, so the last tiles of each sequence (the most keys under the mask) start first.
     slot = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
@@ -84,9 +102,11 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, cu_seqlens_q, cu_seqlens_k
     q = tl.load(q_ptr + tokens * stride_q_token + head * stride_q_head + dims, mask=row_valid, other=0.0)
     q_pos = length - num_new + rows
 
-    kv_offset = (head // GROUP) * HEAD_DIM
-    k_base = k_cache + kv_offset
-    v_base = v_cache + kv_offset
+    kv_head = head // GROUP
+    k_base = k_cache + kv_head * HEAD_DIM
+    v_base = v_cache + kv_head * HEAD_DIM
+    k_scale_base = k_scale + kv_head * BLOCK_SIZE if QUANTIZED else k_scale
+    v_scale_base = v_scale + kv_head * BLOCK_SIZE if QUANTIZED else v_scale
     table = block_tables + seq.to(tl.int64) * stride_table
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -95,12 +115,14 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, cu_seqlens_q, cu_seqlens_k
     first_pos = length - num_new + tile * BLOCK_M
     unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     for start in range(0, unmasked_end, BLOCK_N):
-        m_i, l_i, acc = attend_block(q, q_pos, m_i, l_i, acc, k_base, v_base, table, start, length,
-                                     qk_scale, stride_slot, BLOCK_SIZE, HEAD_DIM, BLOCK_N, False, PRECISION)
+        m_i, l_i, acc = attend_block(q, q_pos, m_i, l_i, acc, k_base, v_base, k_scale_base, v_scale_base, table,
+                                     start, length, qk_scale, stride_slot, stride_scale_block, BLOCK_SIZE,
+                                     HEAD_DIM, BLOCK_N, False, PRECISION, QUANTIZED)
     end = tl.minimum(length, first_pos + BLOCK_M)
     for start in range(unmasked_end, end, BLOCK_N):
-        m_i, l_i, acc = attend_block(q, q_pos, m_i, l_i, acc, k_base, v_base, table, start, length,
-                                     qk_scale, stride_slot, BLOCK_SIZE, HEAD_DIM, BLOCK_N, True, PRECISION)
+        m_i, l_i, acc = attend_block(q, q_pos, m_i, l_i, acc, k_base, v_base, k_scale_base, v_scale_base, table,
+                                     start, length, qk_scale, stride_slot, stride_scale_block, BLOCK_SIZE,
+                                     HEAD_DIM, BLOCK_N, True, PRECISION, QUANTIZED)
     out = acc / l_i[:, None]
     tl.store(out_ptr + tokens * stride_o_token + head * stride_o_head + dims,
              out.to(out_ptr.dtype.element_ty), mask=row_valid)
@@ -116,11 +138,12 @@ def _launch_config(head_dim: int) -> dict:
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                  block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                  block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """New tokens (q: [N, heads, head_dim], packed by cu_seqlens_q) attend causally to their
     sequence's whole cache (cached prefix + themselves, already stored), into `out` if given (a
-    static buffer between CUDA-graph pieces). No host sync; the grid comes from shapes alone, so
-    the maxima go unused."""
+    static buffer between CUDA-graph pieces); an FP8 cache comes with its scales. No host sync; the
+    grid comes from shapes alone, so the maxima go unused."""
     num_tokens, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -133,9 +156,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # Enough tile slots for any split of num_tokens into num_seqs sequences (see _find_sequence).
     grid = (num_tokens // config["BLOCK_M"] + num_seqs, heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, cu_seqlens_q, cu_seqlens_k, block_tables,
+        q, k_cache, v_cache, k_scale, v_scale, out, cu_seqlens_q, cu_seqlens_k, block_tables,
         num_seqs, scale * LOG2_E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(1), block_tables.stride(0),
+        k_cache.stride(1), scale_block_stride(k_scale, v_scale), block_tables.stride(0),
         GROUP=heads // kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        PRECISION=dot_precision(q.dtype), **config)
+        PRECISION=dot_precision(q.dtype), QUANTIZED=k_scale is not None, **config)
     return out

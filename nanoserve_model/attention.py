@@ -12,26 +12,30 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.k_cache = self.v_cache = torch.empty(0)  # bound by the runner once memory is sized
+        self.kv_scales: dict[str, torch.Tensor] = {}
 
-    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        """This layer's [num_blocks, block_size, kv_heads, head_dim] slices of the cache."""
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> None:
+        """This layer's [num_blocks, block_size, kv_heads, head_dim] slices of the cache, and with
+        an FP8 cache its scales (nanoserve_kernels/kv_quant.py), passed to every backend call."""
         self.k_cache, self.v_cache = k_cache, v_cache
+        self.kv_scales = {} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [N, heads, head_dim], k/v [N, kv_heads, head_dim] -> [N, heads, head_dim]."""
         ctx = get_step_context()
         backend = ctx.backend
-        backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, **self.kv_scales)
         if ctx.attention_cut is not None:
             return ctx.attention_cut(self, q)
         if ctx.is_prefill:
             return self.prefill(q, ctx)
         return backend.paged_decode(q, self.k_cache, self.v_cache, ctx.context_lens,
-                                    ctx.block_tables, self.scale)
+                                    ctx.block_tables, self.scale, **self.kv_scales)
 
     def prefill(self, q: torch.Tensor, ctx: StepContext, out: torch.Tensor | None = None) -> torch.Tensor:
         """Prefill attention of q over the cache, which holds the step's K/V already; into `out`
         if given (a piecewise graph's replay runs this between its pieces)."""
         return ctx.backend.paged_prefill(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
                                          ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_tables, self.scale,
-                                         out=out)
+                                         out=out, **self.kv_scales)

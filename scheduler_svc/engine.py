@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 
 from nanoserve.v1 import worker_pb2
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.logprob_rows import ScoredToken, prompt_logprobs, sampled_logprobs
 from scheduler_svc.metrics import RequestTimer, SchedulerMetrics
 from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.sequence import Sequence
+from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.step_plan import StepPlan
 from scheduler_svc.worker_group import WorkerGroup, WorkerUnavailable
 
@@ -25,18 +26,23 @@ log = logging.getLogger("nanoserve.scheduler")
 
 @dataclass(eq=False)  # compared and hashed by identity: the waker keeps a set of them
 class RequestStream:
-    """What the engine has produced for one request and not yet handed to its handler."""
+    """What the engine has produced for one sequence and not yet handed to its handler. The
+    completions of one request (n > 1) share their wakeup."""
     seq: Sequence
     new_tokens: list[int] = field(default_factory=list)
+    new_logprobs: list[ScoredToken] = field(default_factory=list)  # one per new token, when asked for
+    prompt_logprobs: list[ScoredToken] = field(default_factory=list)  # every prompt row so far, in order
     finished: bool = False
     error: str = ""  # set when the workers failed; the handler answers UNAVAILABLE
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     timer: RequestTimer = field(default_factory=RequestTimer)
 
-    def take(self) -> list[int]:
+    def take(self) -> tuple[list[int], list[ScoredToken]]:
+        """The tokens (and their logprob rows) since the last take."""
         tokens, self.new_tokens = self.new_tokens, []
+        logprobs, self.new_logprobs = self.new_logprobs, []
         self.wakeup.clear()
-        return tokens
+        return tokens, logprobs
 
 
 @dataclass
@@ -148,11 +154,11 @@ class Engine:
         self.streams.clear()
         self.pending_aborts.clear()
 
-    def submit(self, seq: Sequence) -> RequestStream:
+    def submit(self, seq: Sequence, wakeup: asyncio.Event | None = None) -> RequestStream:
         """Queues a sequence for scheduling and returns the stream its tokens will arrive on
-        (raises AdmissionError when it can never run)."""
+        (raises AdmissionError when it can never run); `wakeup`: one shared with other streams."""
         self.scheduler.enqueue(seq)
-        stream = RequestStream(seq)
+        stream = RequestStream(seq, wakeup=wakeup or asyncio.Event())
         self.streams[seq.seq_id] = stream
         self.totals.prompt_tokens += len(seq.prompt_token_ids)
         self.work.set()
@@ -167,6 +173,14 @@ class Engine:
         if seq_id in self.streams:
             self.pending_aborts.append(seq_id)
             self.work.set()
+
+    def stop(self, seq: Sequence) -> None:
+        """Finishes a sequence that its handler found a stop string in: it ends as stopped and
+        its blocks are freed like an abort's (unless its last token had finished it already)."""
+        if seq.seq_id in self.streams:
+            self.totals.requests_finished += 1
+            self.abort(seq.seq_id)
+        seq.finish_reason = "stop"
 
     async def _loop(self) -> None:
         in_flight: deque[StepPlan] = deque()  # sent, in step order
@@ -200,6 +214,10 @@ class Engine:
                 continue
             self.totals.record_step(done, reply)
             self.metrics.steps_in_flight.set(len(in_flight))
+            if done.scored:
+                self._deliver_prompt_logprobs(done, reply.prompt_logprobs)
+            if reply.HasField("sampled_logprobs"):  # first: _deliver drops a stream with its last token
+                self._deliver_sampled_logprobs(done, reply.sampled_logprobs)
             delivered = [stream for seq in self.scheduler.postprocess(done, list(reply.token_ids))
                          if (stream := self._deliver(seq)) is not None]
 
@@ -228,6 +246,23 @@ class Engine:
             self.totals.requests_finished += 1
             del self.streams[seq.seq_id]
         return stream
+
+    def _deliver_sampled_logprobs(self, plan: StepPlan, rows: worker_pb2.LogprobRows) -> None:
+        """Each sampled token's logprob row, to the stream its token goes to next (the streams of
+        sequences that finished before the step are gone, as their tokens are dropped)."""
+        for seq, row in sampled_logprobs(plan, rows).items():
+            stream = self.streams.get(seq.seq_id)
+            if stream is not None and seq.status is not SequenceStatus.FINISHED:
+                stream.new_logprobs.append(row)
+
+    def _deliver_prompt_logprobs(self, plan: StepPlan, rows: worker_pb2.LogprobRows) -> None:
+        """Appends each scored entry's rows to its stream, from the position the stream has
+        reached (a recompute after preemption may score positions again)."""
+        for index, entry_rows in zip(plan.scored, prompt_logprobs(plan, rows)):
+            stream = self.streams.get(plan.seqs[index].seq_id)
+            if stream is not None:
+                skip = len(stream.prompt_logprobs) - plan.num_computed[index]
+                stream.prompt_logprobs.extend(entry_rows[max(0, skip):])
 
     async def _fail_all(self, reason: str) -> None:
         """A rank failed: every request in flight ends UNAVAILABLE, then the group is rebuilt."""

@@ -151,9 +151,11 @@ class Scheduler:
         # A sequence preempted while a step of it is in flight waits for that step: its recompute
         # must include a token still pending, and the old step's post-processing must not touch
         # the blocks of its new admission.
+        # A later completion of a request (n > 1) waits, in its place, for the first to compute the
+        # prompt: it then takes the prompt's full blocks from the prefix cache.
         while (self.waiting and budget and len(self.running) < self.config.max_num_seqs
-               and not self.waiting[0].num_steps_in_flight):
-            cached = self.block_manager.cached_prefix(self.waiting[0])
+               and not self.waiting[0].num_steps_in_flight and not self.waiting[0].waits_for_leader):
+            cached = [] if self.waiting[0].scores_prompt else self.block_manager.cached_prefix(self.waiting[0])
             if not self.block_manager.can_allocate(self.waiting[0], cached):
                 break
             seqs.append(self._admit(self.waiting.popleft(), cached))
@@ -224,11 +226,14 @@ class Scheduler:
             seq.num_blocks_on_workers = 0
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        """Also records what stopped it (seq.stop_reason): a stop token id, not eos (as vLLM)."""
         sampling = seq.sampling
-        if token_id in sampling.stop_token_ids:
-            return "stop"
-        if token_id in self.eos_token_ids and not sampling.ignore_eos:
-            return "stop"
+        if len(seq.completion_token_ids) > sampling.min_tokens:
+            if token_id in sampling.stop_token_ids:
+                seq.stop_reason = token_id
+                return "stop"
+            if token_id in self.eos_token_ids and not sampling.ignore_eos:
+                return "stop"
         if len(seq.completion_token_ids) == sampling.max_tokens or len(seq.token_ids) >= self.max_seq_len:
             return "length"
         return None

@@ -6,6 +6,7 @@ import signal
 from pathlib import Path
 
 import grpc
+from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -16,17 +17,19 @@ from nanoserve.mathutil import cdiv
 from nanoserve.tls import TLSConfigError, tls_files
 from nanoserve.v1 import llm_pb2, llm_pb2_grpc, worker_pb2
 from nanoserve.wire import SERVER_OPTIONS
+from scheduler_svc.chat_template import ChatTemplate, ChatTemplateError
+from scheduler_svc.completions import CompletionOutput, completion_sequences
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine
 from scheduler_svc.metrics import RequestTimer
-from scheduler_svc.request_validation import BadRequest, check_room, prompt_ids, sampling_options
+from scheduler_svc.request_validation import (BadRequest, RequestLimits, check_room, checked_length, prompt_ids,
+                                              sampling_options)
 from scheduler_svc.scheduler import AdmissionError
-from scheduler_svc.sequence import Sequence
+from scheduler_svc.sequence import SamplingOptions
 from scheduler_svc.tokenizer import TextTokenizer
 from scheduler_svc.worker_group import WorkerGroup, WorkerUnavailable
 
 log = logging.getLogger("nanoserve.scheduler")
-_FINISH = {"stop": llm_pb2.FINISH_REASON_STOP, "length": llm_pb2.FINISH_REASON_LENGTH}
 
 
 class LLMService(llm_pb2_grpc.LLMServicer):
@@ -37,7 +40,9 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         self.max_waiting = max_waiting
         self.engine: Engine | None = None
         self.tokenizer: TextTokenizer | None = None
+        self.chat_template: ChatTemplate | None = None
         self.info: llm_pb2.ModelInfo | None = None
+        self.limits: RequestLimits | None = None
         self.sampling_defaults = worker_pb2.SamplingDefaults()  # the model's, from its workers
 
     async def _ready_engine(self, context) -> Engine:
@@ -48,57 +53,106 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         return self.engine
 
     async def Generate(self, request: llm_pb2.GenerateRequest, context):
-        """Streams one prompt's completion. The request is checked (INVALID_ARGUMENT) and queued
-        (RESOURCE_EXHAUSTED when the waiting queue is full or it could never fit); then each
-        message carries the tokens and text produced since the previous one, the last one the
-        finish reason and usage. A client that goes away frees the sequence's blocks; a worker
-        failure ends the stream UNAVAILABLE."""
+        """Streams the completions of one prompt. The request is checked (INVALID_ARGUMENT) and
+        queued (RESOURCE_EXHAUSTED when the waiting queue is full or it could never fit); then each
+        message carries the tokens and text one completion produced since its previous message,
+        its last one the finish reason and usage. A client that goes away (or whose deadline
+        passes) frees the sequences' blocks; a worker failure ends the stream UNAVAILABLE."""
         timer = RequestTimer()
         engine = await self._ready_engine(context)
         try:
-            ids = prompt_ids(request, self.tokenizer, self.info.vocab_size, self.info.max_model_len)
-            options = sampling_options(request.sampling, self.info.vocab_size, self.sampling_defaults)
-            check_room(len(ids), options.max_tokens, self.info.max_model_len)
+            ids = prompt_ids(request, self.tokenizer, self.limits)
+            options = sampling_options(request.sampling, self.limits, self.sampling_defaults)
+            check_room(len(ids), options.max_tokens, self.limits.max_model_len)
         except BadRequest as err:
             await context.abort(err.code, str(err))
-        if engine.scheduler.num_waiting >= self.max_waiting:
+        async for message in self._stream(engine, ids, options, request.request_id, timer, context):
+            yield message
+
+    async def Chat(self, request: llm_pb2.ChatRequest, context):
+        """Generate on the conversation as the model's chat template writes it out."""
+        timer = RequestTimer()
+        engine = await self._ready_engine(context)
+        try:
+            ids = checked_length(self._conversation_ids(request), self.limits)
+            options = sampling_options(request.sampling, self.limits, self.sampling_defaults)
+            check_room(len(ids), options.max_tokens, self.limits.max_model_len)
+        except BadRequest as err:
+            await context.abort(err.code, str(err))
+        async for message in self._stream(engine, ids, options, request.request_id, timer, context):
+            yield message
+
+    async def _stream(self, engine: Engine, ids: list[int], options: SamplingOptions, request_id: str,
+                      timer: RequestTimer, context):
+        if engine.scheduler.num_waiting + options.n > self.max_waiting:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{self.max_waiting} requests are already waiting; retry later")
-        seq = Sequence(engine.new_seq_id(), ids, options)
+        seqs = completion_sequences([engine.new_seq_id() for _ in range(options.n)], ids, options)
+        wakeup = asyncio.Event()  # one for all the completions
         try:
-            stream = engine.submit(seq)
+            streams = [engine.submit(seq, wakeup) for seq in seqs]  # the first fails alone, or none does
         except AdmissionError as err:
             code = grpc.StatusCode.INVALID_ARGUMENT if err.kind == "invalid" else grpc.StatusCode.RESOURCE_EXHAUSTED
             await context.abort(code, str(err))
-        stream.timer = timer
-        detokenizer = self.tokenizer.new_detokenizer()
+        outputs = [CompletionOutput(stream, self.tokenizer, request_id) for stream in streams]
+        for stream in streams:
+            stream.timer = timer
         try:
-            finished = False
-            while not finished:
-                await stream.wakeup.wait()
-                if stream.error:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, stream.error)
-                # Read before taking: the final token may land while the previous message is sent.
-                finished = stream.finished
-                tokens = stream.take()
-                timer.received(tokens)
-                text = detokenizer.push(tokens)
-                if finished:
-                    text += detokenizer.flush()
-                    usage = llm_pb2.Usage(prompt_tokens=len(ids), completion_tokens=len(seq.completion_token_ids),
-                                          cached_prompt_tokens=seq.num_cached_prompt_tokens)
-                    yield llm_pb2.GenerateResponse(request_id=request.request_id, token_ids=tokens, text=text,
-                                                   finish_reason=_FINISH[seq.finish_reason], usage=usage)
-                elif tokens:
-                    yield llm_pb2.GenerateResponse(request_id=request.request_id, token_ids=tokens, text=text)
+            while not all(output.done for output in outputs):
+                await wakeup.wait()
+                wakeup.clear()  # then every stream is read before the next wait: no wakeup is lost
+                error = next((stream.error for stream in streams if stream.error), "")
+                if error:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, error)
+                messages = []
+                for output in (output for output in outputs if not output.done):
+                    message = output.next_message()
+                    if output.stop_string is not None:
+                        engine.stop(output.seq)
+                    if message is not None:
+                        messages.append(message)
+                for message in messages:
+                    timer.received(message.token_ids)
+                    yield message
         finally:
-            if not stream.finished:  # cancelled, disconnected or failed: free its blocks
-                engine.abort(seq.seq_id)
-            engine.metrics.request_finished(request.request_id, seq, timer)
+            for output in outputs:
+                if not output.done:  # cancelled, disconnected, past its deadline or failed: free its blocks
+                    engine.abort(output.seq.seq_id)
+                engine.metrics.request_finished(request_id, output.seq, timer)
+
+    def _conversation_ids(self, request: llm_pb2.ChatRequest | llm_pb2.TokenizeRequest) -> list[int]:
+        """The prompt ids of a request's conversation, through the chat template."""
+        if not request.messages:
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, "messages is empty: send at least one message")
+        messages = [{"role": message.role, "content": message.content} for message in request.messages]
+        add_generation_prompt = (request.add_generation_prompt if request.HasField("add_generation_prompt")
+                                 else True)
+        try:
+            text = self.chat_template.render(messages, add_generation_prompt,
+                                             MessageToDict(request.chat_template_kwargs))
+        except ChatTemplateError as err:
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+        return self.tokenizer.encode(text, add_bos=False)  # the template writes any BOS itself
 
     async def Tokenize(self, request: llm_pb2.TokenizeRequest, context) -> llm_pb2.TokenizeResponse:
         await self._ready_engine(context)
-        return llm_pb2.TokenizeResponse(token_ids=self.tokenizer.encode(request.text))
+        if request.messages and request.text:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "send either `text` or `messages`, not both")
+        try:
+            ids = self._conversation_ids(request) if request.messages else self.tokenizer.encode(request.text)
+        except BadRequest as err:
+            await context.abort(err.code, str(err))
+        return llm_pb2.TokenizeResponse(token_ids=ids)
+
+    async def Detokenize(self, request: llm_pb2.DetokenizeRequest, context) -> llm_pb2.DetokenizeResponse:
+        await self._ready_engine(context)
+        vocab_size = self.limits.vocab_size
+        bad = next((t for t in request.token_ids if t >= vocab_size), None)
+        if bad is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+        text = self.tokenizer.decode(list(request.token_ids), skip_special_tokens=request.skip_special_tokens)
+        return llm_pb2.DetokenizeResponse(text=text)
 
     async def GetModelInfo(self, request, context) -> llm_pb2.ModelInfo:
         await self._ready_engine(context)
@@ -161,12 +215,13 @@ def _fitting_max_model_len(max_model_len: int, asked: bool, num_blocks: int, blo
     return pool_tokens
 
 
-def _model_info(config: SchedulerConfig, group: WorkerGroup) -> llm_pb2.ModelInfo:
+def _model_info(config: SchedulerConfig, group: WorkerGroup, limits: RequestLimits) -> llm_pb2.ModelInfo:
     info = group.infos[0]
     return llm_pb2.ModelInfo(model=info.model, vocab_size=info.vocab_size, max_model_len=config.max_model_len,
                              eos_token_ids=info.eos_token_ids, dtype=info.dtype, block_size=info.block_size,
                              num_kv_blocks=group.num_blocks, tensor_parallel_size=info.world_size,
-                             attention_backend=info.attention_backend)
+                             attention_backend=info.attention_backend, max_logprobs=limits.max_logprobs,
+                             max_n=limits.max_n, kv_cache_dtype=info.kv_cache_dtype)
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -210,7 +265,10 @@ async def _serve(args: argparse.Namespace) -> int:
         await group.close()
         await server.stop(grace=0)
         return 1
-    service.info = _model_info(config, group)
+    service.chat_template = ChatTemplate(service.tokenizer.directory)
+    service.limits = RequestLimits(group.infos[0].vocab_size, config.max_model_len, args.max_n,
+                                   min(args.max_logprobs, group.infos[0].vocab_size))
+    service.info = _model_info(config, group, service.limits)
     service.sampling_defaults = group.infos[0].sampling_defaults
     engine = Engine(group, config, args.worker_connect_timeout)
     engine.on_health_change = lambda healthy: asyncio.get_running_loop().create_task(set_health(healthy))

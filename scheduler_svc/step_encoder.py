@@ -15,14 +15,26 @@ def encode_step(plan: StepPlan) -> worker_pb2.StepRequest:
                   sample=sample, num_generated=num_generated)
     entries = request.seqs
     for index, options in plan.resets.items():
-        entries[index].reset = True
-        entries[index].sampling.CopyFrom(encode_sampling(options))
+        entry = entries[index]
+        entry.reset = True
+        entry.sampling.CopyFrom(encode_sampling(options))
+        if options.has_penalties:  # the workers count the tokens the penalties look at
+            seq = plan.seqs[index]
+            entry.history_token_ids.extend(seq.token_ids[:seq.num_prompt_tokens + plan.num_generated[index]])
     for index, block_ids in plan.new_block_ids.items():
         entries[index].new_block_ids.extend(block_ids)
+    for index, count in plan.scored.items():  # each position's target: the prompt token after it
+        start = plan.num_computed[index] + 1
+        entries[index].prompt_logprob_targets.extend(plan.seqs[index].token_ids[start:start + count])
     return request
 
 
 def encode_sampling(options: SamplingOptions) -> llm_pb2.SamplingParams:
-    return llm_pb2.SamplingParams(temperature=options.temperature, max_tokens=options.max_tokens,
-                                  ignore_eos=options.ignore_eos, seed=options.seed,
-                                  stop_token_ids=options.stop_token_ids)
+    """What the workers apply; the options the scheduler applies itself (stop strings, n) stay here."""
+    return llm_pb2.SamplingParams(
+        temperature=options.temperature, max_tokens=options.max_tokens, ignore_eos=options.ignore_eos,
+        seed=options.seed, stop_token_ids=options.stop_token_ids, top_p=options.top_p, top_k=options.top_k,
+        min_p=options.min_p, repetition_penalty=options.repetition_penalty,
+        presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty,
+        min_tokens=options.min_tokens, logit_bias=dict(options.logit_bias), logprobs=options.logprobs,
+        prompt_logprobs=options.prompt_logprobs)

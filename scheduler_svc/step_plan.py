@@ -30,6 +30,7 @@ class StepPlan:
     new_block_ids: dict[int, tuple[int, ...]]  # blocks appended since the workers last heard (all on a reset)
     forget_seq_ids: list[int]      # sequences the workers drop before computing the entries
     sampled: list[Sequence]        # the entries that sample, in order: who receives the i-th token
+    scored: dict[int, int]         # prompt_logprobs: positions the workers score, from the entry's first
 
     @property
     def is_decode(self) -> bool:
@@ -50,6 +51,7 @@ class StepPlan:
         num_computed, num_token_ids, sample, num_generated, sampled = [], [], [], [], []
         resets: dict[int, SamplingOptions] = {}
         new_block_ids: dict[int, tuple[int, ...]] = {}
+        scored: dict[int, int] = {}
         for index, (seq, count) in enumerate(zip(seqs, num_tokens)):
             start = seq.num_computed_tokens
             end = start + count
@@ -63,6 +65,9 @@ class StepPlan:
                     resets[index] = seq.sampling
                 new_block_ids[index] = tuple(seq.block_table[num_sent_blocks:])
                 seq.num_blocks_on_workers = len(seq.block_table)
+            if seq.num_scored_prompt_tokens < seq.prompt_scoring_end and start < seq.prompt_scoring_end:
+                scored[index] = min(end, seq.prompt_scoring_end) - start
+                seq.num_scored_prompt_tokens = max(seq.num_scored_prompt_tokens, start + scored[index])
             seq.num_computed_tokens = end
             seq.num_steps_in_flight += 1
             samples = end == num_known + seq.num_pending_tokens
@@ -71,4 +76,4 @@ class StepPlan:
                 seq.num_pending_tokens += 1
                 sampled.append(seq)
         return cls(step_id, seqs, num_computed, num_token_ids, num_tokens, sample, num_generated, resets,
-                   new_block_ids, forget_seq_ids, sampled)
+                   new_block_ids, forget_seq_ids, sampled, scored)

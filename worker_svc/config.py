@@ -30,6 +30,7 @@ class WorkerConfig:
     cpu_kv_cache_gb: float = _DEFAULT["cpu_kv_cache_gb"]    # CPU has no free-memory probe
     enforce_eager: bool = _DEFAULT["enforce_eager"]         # no CUDA graphs
     attention_backend: str = _DEFAULT["attention_backend"]
+    kv_cache_dtype: str = _DEFAULT["kv_cache_dtype"]        # fp8: e4m3 values, float32 scales
     seed: int = _DEFAULT["seed"]
 
     @classmethod

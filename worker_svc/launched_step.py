@@ -11,6 +11,7 @@ import time
 import torch
 
 from nanoserve.v1 import worker_pb2
+from worker_svc.sampling_extras import StepLogprobs
 
 # Steps launched and not yet replied to. Three keep the device fed through a late scheduler turn;
 # reported at the handshake, so the scheduler sends no more than this ahead of the replies. The
@@ -37,13 +38,16 @@ class StepClock:
 
 
 class LaunchedStep:
-    def __init__(self, clock: StepClock, start, tokens: torch.Tensor | None, host_started: float):
+    def __init__(self, clock: StepClock, start, tokens: torch.Tensor | None, host_started: float,
+                 logprobs: StepLogprobs | None = None):
         """`host_started`: time.perf_counter() when the host began the step."""
         self.clock, self.start, self.previous_end = clock, start, clock.last_end
-        self.tokens = tokens
+        self.tokens, self.logprobs = tokens, logprobs
         if tokens is not None and clock.cuda:  # start the copy home now; ready() tells when it landed
             self.tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self.tokens.copy_(tokens, non_blocking=True)
+        if logprobs is not None:
+            logprobs.copy_home()
         self.end = clock.last_end = clock.mark()
         self.host_seconds = time.perf_counter() - host_started
 
@@ -54,10 +58,13 @@ class LaunchedStep:
         """Waits for the step's work, then its sampled tokens (rank 0) and timings."""
         if self.clock.cuda:
             self.end.synchronize()
-        return worker_pb2.StepResponse(
+        reply = worker_pb2.StepResponse(
             step_id=step_id, token_ids=[] if self.tokens is None else self.tokens.tolist(),
             busy_seconds=self.clock.seconds(self.start, self.end),
             idle_seconds=self.clock.seconds(self.previous_end, self.start), host_seconds=self.host_seconds)
+        if self.logprobs is not None:
+            self.logprobs.fill(reply)
+        return reply
 
 
 class RefusedStep:

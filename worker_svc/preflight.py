@@ -1,6 +1,7 @@
 """What a worker checks before it takes its port or loads anything, so a configuration that cannot
 run fails at start with one line naming the flag, never at the first request: the device exists,
-the attention backend can run on it, the checkpoint directory has its config.json."""
+the attention backend can read the KV cache and run on the device, the checkpoint directory has
+its config.json."""
 import importlib
 import os
 from pathlib import Path
@@ -8,6 +9,7 @@ from pathlib import Path
 import torch
 
 from nanoserve.checkpoint import CONFIG_FILE, CheckpointError, check_files
+from nanoserve_kernels.backend import FLASH_ATTN_NO_FP8
 from worker_svc.config import WorkerConfig
 from worker_svc.distributed import uses_cuda
 
@@ -18,6 +20,8 @@ class StartupError(Exception):
 
 def check_startup(config: WorkerConfig) -> None:
     _check_device(config.device)
+    if config.attention_backend == "flash-attn" and config.kv_cache_dtype == "fp8":
+        raise StartupError(FLASH_ATTN_NO_FP8)
     _check_backend(config.attention_backend, "cuda" if uses_cuda(config) else "cpu")
     if Path(config.model).exists():  # anything else is left to the loader (e.g. a Hub id)
         try:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from nanoserve_kernels.backend import select_backend
+from nanoserve_kernels.kv_quant import bytes_per_row, is_quantized, kv_cache_dtype, scales_shape
 from nanoserve_model.checkpoint import CONFIG_FILES, weight_files
 from nanoserve_model.compiled import configure_compiler
 from nanoserve_model.config import ModelConfig, resolve_dtype
@@ -29,6 +30,7 @@ from worker_svc.cuda_graphs import StepGraphs, batch_buckets
 from worker_svc.distributed import uses_cuda
 from worker_svc.launched_step import LaunchedStep, StepClock
 from worker_svc.prefill_graphs import token_buckets
+from worker_svc.sampling_extras import SamplingExtras
 
 # Prefill steps up to this many tokens replay graphs; above it a step's GPU work dwarfs its host
 # cost, and eager steps run large prefills at full speed (graphs of 16k-token buckets halved the
@@ -41,12 +43,12 @@ from worker_svc.step_inputs import StepInputs, build_step_inputs
 log = logging.getLogger("nanoserve.worker")
 
 
-def model_fingerprint(path: Path, dtype: torch.dtype, load_format: str) -> str:
-    """Equal on ranks that serve the same checkpoint (or the same dummy weights) in the same dtype."""
+def model_fingerprint(path: Path, dtype: torch.dtype, kv_dtype: torch.dtype, load_format: str) -> str:
+    """Equal on ranks that serve the same checkpoint (or the same dummy weights) in the same dtypes."""
     digest = hashlib.sha256((path / "config.json").read_bytes())
     for file in sorted(path.glob("*.safetensors")) if load_format != "dummy" else ():
         digest.update(f"{file.name}:{file.stat().st_size}".encode())
-    digest.update(f"{dtype} dummy={load_format == 'dummy'}".encode())
+    digest.update(f"{dtype} kv={kv_dtype} dummy={load_format == 'dummy'}".encode())
     return digest.hexdigest()[:16]
 
 
@@ -83,25 +85,31 @@ class ModelRunner:
         path, self.model_config = fetch_checkpoint(config)
         self.dtype = resolve_dtype(config.dtype, self.model_config)
         self.max_model_len = self.model_config.context_limit(config.max_model_len)
-        self.backend = select_backend(config.attention_backend, self.device.type, config.block_size)
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.backend = select_backend(config.attention_backend, self.device.type, config.block_size,
+                                      is_quantized(self.kv_dtype))
+        if is_quantized(self.kv_dtype) and self.backend.name == "triton":
+            log.info("rank %d: FP8 KV cache: attention runs on the triton backend (flash-attn cannot read FP8)",
+                     config.rank)
         self.model = load_model(path, self.model_config, self.dtype, self.device, config.load_format)
         self.sampler = Sampler(self.device, config.seed)
-        self.fingerprint = model_fingerprint(path, self.dtype, config.load_format)
+        self.fingerprint = model_fingerprint(path, self.dtype, self.kv_dtype, config.load_format)
         self.clock = StepClock(self.device)
-        self.kv_cache: torch.Tensor | None = None
+        self.kv_cache: torch.Tensor | None = None  # [K/V, layer, block, offset, kv head, dim]
+        self.kv_scales: torch.Tensor | None = None  # FP8 only: [K/V, layer, block, kv head, offset] float32
         self.seqs: SequenceTable | None = None  # exists once the KV cache does
         self.last_tokens: torch.Tensor | None = None  # [max_num_seqs] each slot's last sampled token
         self.graphs: StepGraphs | None = None
         self.buffers = StepBuffers(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
                                    config.block_size, self.device)
         self.max_kv_blocks = self._max_kv_blocks()
-        log.info("rank %d: %s (%s%s) in %s, %s attention, room for %d KV blocks of %d tokens", config.rank,
+        log.info("rank %d: %s (%s%s) in %s, %s attention, room for %d KV blocks of %d tokens in %s", config.rank,
                  config.model, self.model_config.architecture, ", dummy weights" if config.load_format == "dummy" else "",
-                 self.dtype, self.backend.name, self.max_kv_blocks, config.block_size)
+                 self.dtype, self.backend.name, self.max_kv_blocks, config.block_size, self.kv_dtype)
 
     def _kv_block_bytes(self) -> int:
         attn = self.model.attention_layers()[0]
-        per_token = 2 * attn.num_kv_heads * attn.head_dim * self.dtype.itemsize  # K and V
+        per_token = 2 * attn.num_kv_heads * bytes_per_row(self.kv_dtype, attn.head_dim)  # K and V, FP8 scales too
         return len(self.model.attention_layers()) * self.config.block_size * per_token
 
     def _max_kv_blocks(self) -> int:
@@ -121,7 +129,8 @@ class ModelRunner:
         """The device memory that serving needs beside the weights and the KV cache, measured over a
         scratch cache: the peak of the largest eager prefill step, or, with CUDA graphs, of their
         static buffers and memory pool (the largest decode and prefill buckets captured once; the
-        smaller ones reuse that pool) under the largest sampling batch; plus what the capture took
+        smaller ones reuse that pool) under the largest sampling batch, processed as the costliest
+        requests would (SamplingExtras.heaviest); plus what the capture took
         outside torch's allocator (graph executables, kernel modules, library workspaces). Doubles
         as the warm-up: the eager step and the sampler compile their kernels here."""
         started = time.perf_counter()
@@ -144,7 +153,8 @@ class ModelRunner:
                              device=self.device)
         logits = self.model.compute_logits(hidden)
         if logits is not None:
-            self.sampler.warm_up(logits)
+            self.sampler.warm_up(logits)  # every row count, in the logits' own dtype as serving sees them
+            self.sampler.warm_up(self.extras.heaviest(logits))  # and in float32, as the extras hand them on
         del hidden, logits
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_reserved(self.device) - base
@@ -170,7 +180,8 @@ class ModelRunner:
     def info(self) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(
             model=self.config.model, rank=self.config.rank, world_size=self.config.tensor_parallel_size,
-            dtype=str(self.dtype).removeprefix("torch."), block_size=self.config.block_size,
+            dtype=str(self.dtype).removeprefix("torch."), kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
+            block_size=self.config.block_size,
             max_kv_blocks=self.max_kv_blocks, vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len, eos_token_ids=self.model_config.eos_token_ids,
             attention_backend=self.backend.name, device=str(self.device),
@@ -220,19 +231,25 @@ class ModelRunner:
         return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
 
     def _release_kv_cache(self) -> None:
-        self.kv_cache = self.seqs = None
+        self.kv_cache = self.kv_scales = self.seqs = self.extras = None
         for layer in self.model.attention_layers():  # their views would keep the old cache alive
             layer.bind_kv_cache(torch.empty(0), torch.empty(0))
 
     def _allocate(self, num_blocks: int) -> None:
         self._release_kv_cache()  # before taking memory for the new one
         layers = self.model.attention_layers()
-        self.kv_cache = torch.empty(2, len(layers), num_blocks, self.config.block_size, layers[0].num_kv_heads,
-                                    layers[0].head_dim, dtype=self.dtype, device=self.device)
+        shape = (2, len(layers), num_blocks, self.config.block_size, layers[0].num_kv_heads, layers[0].head_dim)
+        self.kv_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+        if is_quantized(self.kv_dtype):  # a float32 scale per (token, KV head), head-major in each block
+            self.kv_scales = torch.empty(*shape[:2], *scales_shape(*shape[2:5]), dtype=torch.float32,
+                                         device=self.device)
         for i, layer in enumerate(layers):
-            layer.bind_kv_cache(self.kv_cache[0, i], self.kv_cache[1, i])
+            scales = () if self.kv_scales is None else (self.kv_scales[0, i], self.kv_scales[1, i])
+            layer.bind_kv_cache(self.kv_cache[0, i], self.kv_cache[1, i], *scales)
         self.seqs = SequenceTable(self.config.max_num_seqs, num_blocks, self.config.block_size,
                                   self.model_config.vocab_size, self.max_model_len)
+        self.extras = SamplingExtras(self.config.max_num_seqs, self.model_config.vocab_size,
+                                     tuple(self.model_config.eos_token_ids), self.device, samples=tp_rank() == 0)
         self.last_tokens = torch.zeros(self.config.max_num_seqs, dtype=torch.int64, device=self.device)
 
     def _bind_device(self) -> None:
@@ -252,11 +269,13 @@ class ModelRunner:
         logits, inputs = self._compute(work)
         tokens = None
         if inputs is not None and work.sampled:
-            tokens = (self.sampler(logits, inputs.sampling) if logits is not None else
+            tokens = (self.sampler(self.extras.process(logits, work, inputs.sampled_slots), inputs.sampling)
+                      if logits is not None else
                       torch.empty(len(work.sampled), dtype=torch.int64, device=self.device))
             broadcast_from_first_rank(tokens)
             self.last_tokens[inputs.sampled_slots] = tokens
-        return LaunchedStep(self.clock, start, tokens if logits is not None else None, host_started)
+        logprobs = self.extras.finish(logits, tokens, inputs and inputs.sampled_slots) if work else None
+        return LaunchedStep(self.clock, start, tokens if logits is not None else None, host_started, logprobs)
 
     def step(self, request: worker_pb2.StepRequest) -> list[int]:
         """launch() and wait: the step's sampled tokens."""
@@ -277,7 +296,10 @@ class ModelRunner:
             raise ValueError(f"step of {len(request.seqs)} sequences and {num_tokens} tokens exceeds this "
                              f"worker's limits ({self.config.max_num_seqs} sequences, "
                              f"{self.config.max_num_batched_tokens} tokens)")
-        return self.seqs.apply(request)
+        work = self.seqs.apply(request)
+        if work is not None and work.resets:
+            self.extras.reset(work)
+        return work
 
     def _compute(self, work: StepWork | None) -> tuple[torch.Tensor | None, StepInputs | None]:
         """Queues the forward pass; the logits of the sampled rows on rank 0."""
@@ -292,6 +314,8 @@ class ModelRunner:
         else:
             with step_context(inputs.context):
                 hidden = self._run_model(inputs.input_ids, inputs.positions)
+        if work.scored:  # prompt_logprobs; on every rank (a collective with tensor parallelism)
+            self.extras.score_prompts(work, hidden, self.model.compute_logits)
         if not work.sampled:
             return None, inputs
         return self.model.compute_logits(hidden[inputs.sample_indices]), inputs

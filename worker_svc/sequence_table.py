@@ -9,7 +9,7 @@ rebuilding them, and of the sampled-token buffer the runner keeps on the device 
 without tokens reads its token there).
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -38,6 +38,8 @@ class StepWork:
     sampled: list[int]          # entries that sample, in entry order
     num_generated: list[int]    # ... and the tokens each of their requests has produced so far
     is_decode: bool             # every entry computes exactly one token (decode kernels, CUDA graphs)
+    resets: list[tuple[int, worker_pb2.SeqStep]] = field(default_factory=list)  # (slot, entry) of reset entries
+    scored: list[tuple[int, list[int]]] = field(default_factory=list)  # (entry, prompt_logprob_targets)
 
     @property
     def context_lens(self) -> np.ndarray:
@@ -75,7 +77,7 @@ class SequenceTable:
         reset: dict[int, SeqState] = {}  # by entry index
         appends: list[tuple[int, list[int]]] = []  # (entry index, new block ids)
         slots, num_new, num_computed, token_ids = [], [], [], []
-        fed_rows, fed_entries, sampled, num_generated = [], [], [], []
+        fed_rows, fed_entries, sampled, num_generated, scored = [], [], [], [], []
         for index, entry in enumerate(entries):
             if entry.reset:
                 state = reset[index] = self._reset_state(entry, released, spare_slots)
@@ -90,6 +92,8 @@ class SequenceTable:
             if tokens:
                 token_ids.extend(tokens)
                 num_new.append(len(tokens))
+                if entry.prompt_logprob_targets:
+                    scored.append((index, self._checked_targets(entry)))
             else:
                 fed_rows.append(len(token_ids))
                 fed_entries.append(index)
@@ -105,7 +109,8 @@ class SequenceTable:
             return None
         work = StepWork(np.array(slots, np.int64), np.array(num_new, np.int64), np.array(num_computed, np.int64),
                         np.zeros(len(slots), np.int64), token_ids, fed_rows, [slots[i] for i in fed_entries],
-                        sampled, num_generated, is_decode=len(token_ids) == len(slots))
+                        sampled, num_generated, is_decode=len(token_ids) == len(slots),
+                        resets=[(state.slot, entries[i]) for i, state in reset.items()], scored=scored)
         is_reset = np.zeros(len(slots), bool)
         is_reset[list(reset)] = True
         work.num_blocks = np.where(is_reset, 0, self.num_blocks[work.slots])
@@ -114,6 +119,13 @@ class SequenceTable:
         self._check(entries, work, is_reset, appends, fed_entries)
         self._commit(released, spare_slots, {entries[i].seq_id: s for i, s in reset.items()}, appends, work)
         return work
+
+    def _checked_targets(self, entry: worker_pb2.SeqStep) -> list[int]:
+        targets = list(entry.prompt_logprob_targets)
+        if len(targets) > len(entry.token_ids) or max(targets) >= self.vocab_size:
+            raise ValueError(f"sequence {entry.seq_id}: {len(targets)} prompt logprob targets for "
+                             f"{len(entry.token_ids)} tokens, or one outside the vocabulary (size {self.vocab_size})")
+        return targets
 
     def _reset_state(self, entry: worker_pb2.SeqStep, released: set[int], spare_slots: list[int]) -> SeqState:
         """A fresh state for a reset entry; its old slot, if any, goes back to the spares."""
@@ -127,7 +139,21 @@ class SequenceTable:
         temperature = sampling.temperature if sampling.HasField("temperature") else 1.0
         if not (math.isfinite(temperature) and temperature >= 0):
             raise ValueError(f"sequence {entry.seq_id}: temperature {temperature} is not a finite number >= 0")
+        self._check_sampling(entry)
         return SeqState(spare_slots.pop(), temperature, sampling.seed if sampling.HasField("seed") else None)
+
+    def _check_sampling(self, entry: worker_pb2.SeqStep) -> None:
+        """What the logits processors and logprobs would index the vocabulary with."""
+        sampling, vocab_size = entry.sampling, self.vocab_size
+        token_ids = [*sampling.stop_token_ids, *sampling.logit_bias, *entry.history_token_ids]
+        if token_ids and max(token_ids) >= vocab_size:
+            raise ValueError(f"sequence {entry.seq_id}: token id {max(token_ids)} in its sampling params or "
+                             f"history is outside the vocabulary (size {vocab_size})")
+        if 0 < len(entry.history_token_ids) < entry.num_generated:
+            raise ValueError(f"sequence {entry.seq_id}: its history has {len(entry.history_token_ids)} tokens, "
+                             f"fewer than the {entry.num_generated} it generated")
+        if max(sampling.logprobs, sampling.prompt_logprobs) > vocab_size:
+            raise ValueError(f"sequence {entry.seq_id}: logprobs or prompt_logprobs exceed the vocabulary")
 
     def _check(self, entries, work: StepWork, is_reset: np.ndarray, appends: list[tuple[int, list[int]]],
                fed_entries: list[int]) -> None:

@@ -19,11 +19,34 @@ def with_default_port(address: str, port: int = SCHEDULER_PORT) -> str:
 
 @dataclass
 class Completion:
-    """Everything a finished Generate stream carried."""
+    """Everything one completion's messages of a Generate (or Chat) stream carried."""
+    index: int = 0
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str = ""
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     usage: llm_pb2.Usage | None = None
+    logprobs: list[llm_pb2.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[llm_pb2.TokenLogprob] = field(default_factory=list)
+
+    def add(self, msg: llm_pb2.GenerateResponse) -> None:
+        self.token_ids.extend(msg.token_ids)
+        self.text += msg.text
+        self.logprobs.extend(msg.logprobs)
+        self.prompt_logprobs.extend(msg.prompt_logprobs)
+        if msg.finish_reason:
+            self.finish_reason = llm_pb2.FinishReason.Name(msg.finish_reason)
+            self.usage = msg.usage
+            kind = msg.WhichOneof("stop_reason")
+            self.stop_reason = None if kind is None else getattr(msg, kind)
+
+
+def gather(messages: Iterator[llm_pb2.GenerateResponse]) -> list[Completion]:
+    """A stream's messages as its completions, by index."""
+    completions: dict[int, Completion] = {}
+    for msg in messages:
+        completions.setdefault(msg.index, Completion(index=msg.index)).add(msg)
+    return [completions[index] for index in sorted(completions)]
 
 
 class Client:
@@ -43,29 +66,41 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def stream(self, prompt: str | list[int], *, max_tokens: int | None = None,
-               temperature: float | None = None, ignore_eos: bool = False, seed: int | None = None,
-               stop_token_ids: tuple[int, ...] = (), request_id: str = "",
-               timeout: float | None = None) -> Iterator[llm_pb2.GenerateResponse]:
-        """Yields the server's messages as they arrive; raises grpc.RpcError on failure."""
-        request = make_request(prompt, max_tokens=max_tokens, temperature=temperature,
-                               ignore_eos=ignore_eos, seed=seed, stop_token_ids=stop_token_ids,
-                               request_id=request_id)
-        return self.stub.Generate(request, timeout=timeout)
+    def stream(self, prompt: str | list[int], *, request_id: str = "", timeout: float | None = None,
+               **sampling) -> Iterator[llm_pb2.GenerateResponse]:
+        """Yields the server's messages as they arrive; raises grpc.RpcError on failure.
+        `sampling`: SamplingParams fields by name (max_tokens, temperature, top_p, stop, n, ...)."""
+        return self.stub.Generate(make_request(prompt, request_id=request_id, **sampling), timeout=timeout)
 
     def generate(self, prompt: str | list[int], **kwargs) -> Completion:
-        """Runs one Generate to the end and gathers it."""
-        out = Completion()
-        for msg in self.stream(prompt, **kwargs):
-            out.token_ids.extend(msg.token_ids)
-            out.text += msg.text
-            if msg.finish_reason:
-                out.finish_reason = llm_pb2.FinishReason.Name(msg.finish_reason)
-                out.usage = msg.usage
-        return out
+        """Runs one Generate to the end and gathers it (one completion: n > 1 is generate_n's)."""
+        if kwargs.get("n", 1) != 1:
+            raise ValueError("generate() gathers one completion; use generate_n() for n > 1")
+        return self.generate_n(prompt, **kwargs)[0]
+
+    def generate_n(self, prompt: str | list[int], **kwargs) -> list[Completion]:
+        """Runs one Generate to the end; its completions in index order."""
+        return gather(self.stream(prompt, **kwargs))
+
+    def chat_stream(self, messages: list[dict[str, str]], *, request_id: str = "", timeout: float | None = None,
+                    add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+                    **sampling) -> Iterator[llm_pb2.GenerateResponse]:
+        """Chat: `messages` as [{"role": ..., "content": ...}], through the model's chat template."""
+        request = llm_pb2.ChatRequest(request_id=request_id, sampling=sampling_params(**sampling),
+                                      add_generation_prompt=add_generation_prompt,
+                                      messages=[llm_pb2.ChatMessage(**message) for message in messages])
+        request.chat_template_kwargs.update(chat_template_kwargs or {})
+        return self.stub.Chat(request, timeout=timeout)
+
+    def chat(self, messages: list[dict[str, str]], **kwargs) -> Completion:
+        return gather(self.chat_stream(messages, **kwargs))[0]
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.stub.Tokenize(llm_pb2.TokenizeRequest(text=text)).token_ids)
+
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        request = llm_pb2.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
+        return self.stub.Detokenize(request).text
 
     def model_info(self) -> llm_pb2.ModelInfo:
         return self.stub.GetModelInfo(llm_pb2.GetModelInfoRequest())
@@ -74,21 +109,25 @@ class Client:
         return self.stub.GetStats(llm_pb2.GetStatsRequest())
 
 
-def make_request(prompt: str | list[int], *, max_tokens: int | None = None,
-                 temperature: float | None = None, ignore_eos: bool = False,
-                 seed: int | None = None, stop_token_ids: tuple[int, ...] = (),
-                 request_id: str = "") -> llm_pb2.GenerateRequest:
-    sampling = llm_pb2.SamplingParams(ignore_eos=ignore_eos, stop_token_ids=list(stop_token_ids))
-    if max_tokens is not None:
-        sampling.max_tokens = max_tokens
-    if temperature is not None:
-        sampling.temperature = temperature
-    if seed is not None:
-        sampling.seed = seed
-    request = llm_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
+def sampling_params(**fields) -> llm_pb2.SamplingParams:
+    """SamplingParams from its fields by name; a field given as None stays unset (the server's default)."""
+    params = llm_pb2.SamplingParams()
+    for name, value in fields.items():
+        if value is None:
+            continue
+        if name == "logit_bias":
+            params.logit_bias.update(value)
+        elif isinstance(value, (list, tuple)):
+            getattr(params, name).extend(value)
+        else:
+            setattr(params, name, value)
+    return params
+
+
+def make_request(prompt: str | list[int], *, request_id: str = "", **sampling) -> llm_pb2.GenerateRequest:
+    request = llm_pb2.GenerateRequest(request_id=request_id, sampling=sampling_params(**sampling))
     if isinstance(prompt, str):
         request.text = prompt
     else:
         request.token_ids.ids.extend(prompt)
     return request
-

@@ -5,7 +5,8 @@ config defaults and the README's flag table come from it:
 
     python -m nanoserve.flags --markdown
 
-A flag's type is its default's type (a bool becomes --flag / --no-flag). Every flag falls back to
+A flag's type is its default's type (a bool becomes --flag / --no-flag; a tuple, a flag given once
+per value, whose environment variable holds one value). Every flag falls back to
 the environment variable NANOSERVE_<FLAG> (NANOSERVE_TENSOR_PARALLEL_SIZE for
 --tensor-parallel-size), so containers can be configured either way. Commands that share a row
 take the same flag with the same meaning; a flag spelled alike but meaning something else in
@@ -30,6 +31,7 @@ COMMANDS = {  # command -> what it does (`python -m nanoserve.healthcheck` runs 
     "info": "print the served model's description (GetModelInfo) as JSON",
     "stats": "print the server's counters (GetStats) as JSON",
     "tokenize": "print the token ids of a text as a JSON list",
+    "chat": "stream the model's answer to one chat message to the terminal",
     "healthcheck": "exit 0 only when the server reports SERVING",
 }
 ENGINE = ("worker", "scheduler", "up")  # limits a scheduler and its workers must agree on
@@ -37,7 +39,8 @@ WORKER = ("worker", "up")
 SCHEDULER = ("scheduler", "up")
 SERVERS = ("worker", "scheduler")                          # each serves its own gRPC port
 LOGGING = ("worker", "scheduler", "up")
-CLIENTS = ("generate", "info", "stats", "tokenize", "healthcheck")  # ask a server over gRPC
+CLIENTS = ("generate", "chat", "info", "stats", "tokenize", "healthcheck")  # ask a server over gRPC
+GENERATE = ("generate", "chat")  # the client commands that generate
 PORTS = (1, 65535)
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _KIND_NAMES = {int: "an integer", float: "a number"}
@@ -62,7 +65,12 @@ class Flag:
 
     @property
     def kind(self) -> type:
-        return type(self.default)
+        """The type of one value (str for a repeated flag)."""
+        return str if self.repeated else type(self.default)
+
+    @property
+    def repeated(self) -> bool:
+        return isinstance(self.default, tuple)
 
     def convert(self, raw: str) -> Any:
         """A command-line or environment string as this flag's value, or the error a person reads."""
@@ -86,6 +94,8 @@ class Flag:
         """The command-line words that give this flag `value`."""
         if self.kind is bool:
             return [self.name if value else "--no-" + self.name.removeprefix("--")]
+        if self.repeated:
+            return [word for item in value for word in (self.name, str(item))]
         return [self.name, str(value)]
 
 
@@ -117,6 +127,9 @@ FLAGS = (
     Flag("--device", "auto", "auto = cuda when available, else cpu", WORKER, ("auto", "cuda", "cpu")),
     Flag("--attention-backend", "auto", "auto = flash-attn if installed, else triton on GPU, torch on CPU",
          WORKER, ("auto", "flash-attn", "triton", "torch")),
+    Flag("--kv-cache-dtype", "auto", "KV cache storage: auto = the model's dtype; fp8 = e4m3 with a scale per token "
+         "and KV head, computed as it is stored: about twice the KV blocks (on GPU attention runs on the triton "
+         "backend: flash-attn cannot read FP8)", WORKER, ("auto", "fp8")),
     Flag("--block-size", 256, "tokens per KV block (flash-attn needs a multiple of 256)", WORKER),
     Flag("--gpu-memory-utilization", 0.9, "fraction of GPU memory the worker may use; the KV pool gets "
          "what the model and a warm-up leave", WORKER),
@@ -128,13 +141,16 @@ FLAGS = (
     Flag("--workers", f"127.0.0.1:{WORKER_PORT}", "worker addresses (host:port), comma-separated, in rank order",
          ("scheduler",)),
     Flag("--port", SCHEDULER_PORT, "port the public LLM API listens on", SCHEDULER, limits=PORTS),
-    Flag("--tokenizer", "", "directory with the tokenizer files (tokenizer.json; the gateway reads the chat template "
-         "too), or a Hub id; empty = the model the workers serve", (*SCHEDULER, "gateway")),
+    Flag("--tokenizer", "", "directory with the tokenizer files (tokenizer.json, the chat template), or a Hub id; "
+         "empty = the model the workers serve", SCHEDULER),
     Flag("--max-waiting", 4096, "queued requests before RESOURCE_EXHAUSTED", SCHEDULER),
     Flag("--enable-prefix-caching", True, "reuse KV blocks of shared prompt prefixes", SCHEDULER),
     Flag("--worker-connect-timeout", 300.0, "seconds to wait for every worker at start-up", SCHEDULER),
     Flag("--metrics-port", 0, "port serving Prometheus metrics at /metrics; 0 = off", SCHEDULER,
          limits=(0, PORTS[1])),
+    Flag("--max-n", 16, "most completions one request may ask for (n)", SCHEDULER, limits=(1, 2**32 - 1)),
+    Flag("--max-logprobs", 20, "most alternatives per token a request may ask for (logprobs, prompt_logprobs)",
+         SCHEDULER, limits=(0, 2**32 - 1)),
     # security between the scheduler and its workers, and on the public API
     Flag("--worker-token", "", "shared secret the scheduler sends on every Worker RPC and the workers require; "
          "empty = none (`up` makes a random one for its own processes)", SERVERS),
@@ -172,10 +188,26 @@ FLAGS = (
     Flag("--tls-cert-file", "", "PEM client certificate, for a server that requires one (with --tls-ca-file)",
          CLIENTS),
     Flag("--tls-key-file", "", "PEM private key of --tls-cert-file", CLIENTS),
-    Flag("--max-tokens", 64, "most tokens to generate", ("generate",), limits=(1, 2**32 - 1)),
-    Flag("--temperature", -1.0, "0 = greedy; -1 = the server's default (1.0, or the model's own)", ("generate",)),
-    Flag("--seed", -1, "sampling seed; -1 = none", ("generate",), limits=(-1, 2**64 - 1)),
-    Flag("--ignore-eos", False, "keep going past end-of-sequence", ("generate",)),
+    Flag("--max-tokens", 64, "most tokens to generate", GENERATE, limits=(1, 2**32 - 1)),
+    Flag("--temperature", -1.0, "0 = greedy; -1 = the server's default (1.0, or the model's own)", GENERATE),
+    Flag("--seed", -1, "sampling seed; -1 = none", GENERATE, limits=(-1, 2**64 - 1)),
+    Flag("--ignore-eos", False, "keep going past end-of-sequence", GENERATE),
+    Flag("--top-p", -1.0, "draw from the most likely tokens covering this probability (1 = all); -1 = the "
+         "server's default (1, or the model's own)", GENERATE),
+    Flag("--top-k", 0, "draw from this many most likely tokens (-1 = all); 0 = the server's default (all, or "
+         "the model's own)", GENERATE, limits=(-1, 2**31 - 1)),
+    Flag("--min-p", 0.0, "drop tokens less likely than this times the most likely one", GENERATE),
+    Flag("--repetition-penalty", 1.0, "penalize tokens of the prompt and output so far; 1 = off", GENERATE),
+    Flag("--presence-penalty", 0.0, "subtract from tokens already in the output", GENERATE),
+    Flag("--frequency-penalty", 0.0, "subtract per occurrence in the output", GENERATE),
+    Flag("--min-tokens", 0, "tokens to generate before eos or a stop may end the output", GENERATE,
+         limits=(0, 2**32 - 1)),
+    Flag("--stop", (), "stop string, left out of the output (repeat the flag for several)", GENERATE),
+    Flag("--logprobs", -1, "print each token's logprob and this many alternatives; -1 = none", GENERATE,
+         limits=(-1, 2**32 - 1)),
+    Flag("--system", "", "system message before the user's", ("chat",)),
+    Flag("--chat-template-kwargs", "", "JSON object of extra chat template variables, e.g. "
+         "'{\"enable_thinking\": false}'", ("chat",)),
     Flag("--service", "", "service name to ask about; empty = the whole server", ("healthcheck",)),
     Flag("--timeout", 2.0, "seconds to wait for the answer", ("healthcheck",)),
 )
@@ -195,6 +227,14 @@ def defaults(command: str) -> dict[str, Any]:
     return {flag.dest: flag.default for flag in flags_of(command)}
 
 
+class _Repeated(argparse.Action):
+    """Each use adds a value; the first replaces the default (the environment's one value)."""
+
+    def __call__(self, parser, namespace, values, option_string: str | None = None) -> None:
+        given = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, [*([] if given is self.default else given), values])
+
+
 class _Switch(argparse.Action):
     """--flag sets True, --no-flag False."""
 
@@ -211,10 +251,14 @@ def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
     that reads it, with the same message as the flag would."""
     for flag in flags_of(command):
         default = os.environ.get(flag.env, flag.default)
-        help = f"{flag.help} (default: {default}; env {flag.env})".replace("%", "%%")
+        shown = default if default not in ("", ()) else "none"
+        help = f"{flag.help} (default: {shown}; env {flag.env})".replace("%", "%%")
         if flag.kind is bool:
             parser.add_argument(flag.name, "--no-" + flag.name.removeprefix("--"), action=_Switch,
                                 default=default, type=flag.convert, help=help)
+        elif flag.repeated:
+            parser.add_argument(flag.name, action=_Repeated, default=[default] if flag.env in os.environ else [],
+                                help=help)
         else:
             parser.add_argument(flag.name, default=default, type=flag.convert, help=help,
                                 metavar="{" + ",".join(flag.choices) + "}" if flag.choices else None)
@@ -244,7 +288,7 @@ def markdown() -> str:
     def shown(flag: Flag) -> str:
         if flag.kind is bool:
             return "on" if flag.default else "off"
-        return f"`{flag.default}`" if flag.default != "" else "none"
+        return f"`{flag.default}`" if flag.default not in ("", ()) else "none"
 
     rows = ["| flag | commands | default | meaning | environment |", "| --- | --- | --- | --- | --- |"]
     for flag in FLAGS:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from nanoserve_kernels.backend import BACKENDS
+from nanoserve_kernels.kv_quant import KV_CACHE_DTYPES
 from nanoserve_model.config import DTYPES
 from nanoserve import flags
 from nanoserve_cli import launcher
@@ -55,6 +56,7 @@ def test_a_worker_config_is_built_from_parsed_flags():
 def test_fixed_choices_are_the_ones_the_worker_accepts():
     assert set(flag("--dtype", "worker").choices) == {"auto", *DTYPES}
     assert set(flag("--attention-backend", "worker").choices) == {"auto", *BACKENDS}
+    assert flag("--kv-cache-dtype", "worker").choices == KV_CACHE_DTYPES
     assert set(flag("--device", "worker").choices) == {"auto", "cuda", "cpu"}
 
 
@@ -94,11 +96,12 @@ def test_up_hands_each_child_exactly_the_flags_both_commands_take(tmp_path):
     up = build_parser().parse_args([
         "up", "--model", str(tmp_path), "--port", "6000", "--host", "127.0.0.2", "--worker-base-port", "7000",
         "--tensor-parallel-size", "2", "--max-num-seqs", "3", "--max-num-batched-tokens", "64", "--max-model-len", "99",
-        "--dtype", "bfloat16", "--device", "cpu", "--attention-backend", "torch", "--block-size", "16",
+        "--dtype", "bfloat16", "--device", "cpu", "--attention-backend", "torch", "--kv-cache-dtype", "fp8",
+        "--block-size", "16",
         "--gpu-memory-utilization", "0.5", "--num-kv-blocks", "11", "--cpu-kv-cache-gb", "0.25", "--enforce-eager",
         "--seed", "5", "--tokenizer", "/tok", "--max-waiting", "8", "--no-enable-prefix-caching",
         "--worker-connect-timeout", "12", "--metrics-port", "9100", "--log-level", "debug", "--log-format", "json",
-        "--load-format", "dummy", "--revision", "v1", "--download-dir", "/dl"])
+        "--load-format", "dummy", "--revision", "v1", "--download-dir", "/dl", "--max-n", "3", "--max-logprobs", "7"])
     launched = {"worker": launcher.worker_command(up, tmp_path, 1, "127.0.0.1:4000"),
                 "scheduler": launcher.scheduler_command(up)}
     given = {"worker": dict(model=str(tmp_path), host="127.0.0.1", port=7001, rank=1, dist_init_addr="127.0.0.1:4000"),

@@ -105,5 +105,5 @@ def test_up_hands_the_gateway_its_flags_and_the_scheduler_it_starts(monkeypatch,
     assert command[:3] == [sys.executable, "-m", "gateway_svc"]
     args = flags.parse("gateway", command[3:])
     assert (args.scheduler, args.host, args.port) == ("127.0.0.2:6000", "127.0.0.2", 6001)
-    assert (args.tokenizer, args.served_model_name) == (str(tmp_path), "tiny")
-    assert {f.dest for f in flags.shared("up", "gateway")} == {"tokenizer", "served_model_name"}
+    assert args.served_model_name == "tiny"  # the tokenizer is the scheduler's alone (Chat, Tokenize, Detokenize)
+    assert {f.dest for f in flags.shared("up", "gateway")} == {"served_model_name"}

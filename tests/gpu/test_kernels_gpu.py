@@ -1,6 +1,7 @@
 """The Triton kernels, and the flash-attn backend when flash_attn imports, vs the torch reference
 on CUDA at the benchmark model's sizes (16 query heads, 8 KV heads, head_dim 128, Qwen3's
-vocabulary) in bf16."""
+vocabulary) in bf16, over bf16 and FP8 caches (the FP8 store bit for bit: same e4m3 codes and
+scales as the reference)."""
 import dataclasses
 
 import pytest
@@ -16,7 +17,8 @@ from tests.worker.test_triton_kernels import (  # noqa: E402
     Case, check_decode, check_prefill, check_rotary, check_sampling, check_store, make_paged_batch)
 
 BF16 = dict(head_dim=128, dtype=torch.bfloat16)
-STORE_CASES = [Case(new_lens=(700,), context_lens=(1500,), heads=16, kv_heads=8, block_size=256, **BF16)]
+STORE_CASES = [Case(new_lens=(700,), context_lens=(1500,), heads=16, kv_heads=8, block_size=256, **BF16),
+               Case(new_lens=(700,), context_lens=(1500,), heads=16, kv_heads=8, block_size=256, fp8=True, **BF16)]
 PREFILL_CASES = [
     # first prefills, GQA 2
     Case(new_lens=(1024, 517, 33), context_lens=(1024, 517, 33), heads=16, kv_heads=8,
@@ -30,6 +32,9 @@ PREFILL_CASES = [
          block_size=32, dtype=torch.bfloat16),
     Case(new_lens=(150, 9), context_lens=(300, 9), heads=4, kv_heads=4, head_dim=256,
          block_size=16, dtype=torch.bfloat16),
+    # FP8 cache: prefix hits at the benchmark shape; chunked, GQA 8, small blocks
+    Case(new_lens=(1024, 100), context_lens=(2048, 612), heads=16, kv_heads=8, block_size=256, fp8=True, **BF16),
+    Case(new_lens=(512, 300), context_lens=(1536, 701), heads=16, kv_heads=2, block_size=16, fp8=True, **BF16),
 ]
 _LENGTHS = torch.randint(0, 2048, (64,), generator=torch.Generator().manual_seed(0)).tolist()
 DECODE_CASES = [
@@ -46,14 +51,20 @@ DECODE_CASES = [
          block_size=32, dtype=torch.bfloat16),
     Case(new_lens=(1,) * 2, context_lens=(700, 33), heads=4, kv_heads=4, head_dim=256,
          block_size=16, dtype=torch.bfloat16),
+    # FP8 cache: many sequences with padding rows; few, split; GQA 8
+    Case(new_lens=(1,) * 64, context_lens=tuple(_LENGTHS[:60]) + (0,) * 4, heads=16, kv_heads=8,
+         block_size=256, fp8=True, **BF16),
+    Case(new_lens=(1,) * 3, context_lens=(4000, 0, 77), heads=16, kv_heads=8, block_size=256, fp8=True, **BF16),
+    Case(new_lens=(1,) * 7, context_lens=(1, 16, 17, 300, 999, 1024, 2500), heads=16, kv_heads=2,
+         block_size=16, fp8=True, **BF16),
 ]
 needs_flash_attn = pytest.mark.skipif(not flash_attn_backend.AVAILABLE, reason="flash_attn not importable")
 
 
 
 def flash_attn_shaped(cases: list[Case]) -> list[Case]:
-    """The minimal flash-attn build serves bf16, head_dim 128, blocks of a multiple of 256."""
-    return [c for c in cases if c.head_dim == 128 and c.block_size % 256 == 0]
+    """The minimal flash-attn build serves bf16, head_dim 128, blocks of a multiple of 256; no FP8."""
+    return [c for c in cases if c.head_dim == 128 and c.block_size % 256 == 0 and not c.fp8]
 
 
 @pytest.mark.parametrize("case", STORE_CASES)

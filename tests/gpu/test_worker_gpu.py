@@ -21,6 +21,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 # head_dim 128 so that the minimal flash-attn build serves it too
 SHAPE_128 = {**SHAPE, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128}
 BACKENDS = ["triton"] + (["flash-attn"] if flash_attn_backend.AVAILABLE else [])
+# (backend, KV cache dtype): flash-attn cannot read an FP8 cache
+GRAPH_CASES = [(backend, "auto") for backend in BACKENDS] + [("triton", "fp8")]
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +31,12 @@ def bf16_model_dir(tmp_path_factory):
                             random_weights(False, SHAPE_128, 0.05, torch.bfloat16))
 
 
-def gpu_runner(model_dir, backend: str, eager: bool, dtype: str, num_blocks: int = 64) -> ModelRunner:
+def gpu_runner(model_dir, backend: str, eager: bool, dtype: str, num_blocks: int = 64,
+               kv_cache_dtype: str = "auto") -> ModelRunner:
     block_size = 256 if backend == "flash-attn" else 16
     runner = ModelRunner(WorkerConfig(model=str(model_dir), device="cuda", dtype=dtype, block_size=block_size,
                                       num_kv_blocks=num_blocks, max_num_seqs=32, attention_backend=backend,
-                                      enforce_eager=eager, max_model_len=2048))
+                                      enforce_eager=eager, max_model_len=2048, kv_cache_dtype=kv_cache_dtype))
     runner.allocate_kv_cache(num_blocks)
     return runner
 
@@ -84,12 +87,13 @@ def test_teacher_forced_bf16_logits_close_to_transformers(bf16_model_dir, backen
     assert_teacher_forced_logits_close(bf16_model_dir, backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend, kv_cache_dtype", GRAPH_CASES)
 @pytest.mark.parametrize("batch_size", [3, 16])
-def test_cuda_graph_decode_gives_the_eager_tokens(bf16_model_dir, backend, batch_size):
+def test_cuda_graph_decode_gives_the_eager_tokens(bf16_model_dir, backend, kv_cache_dtype, batch_size):
     """One runner, so weights and compiled kernels are shared: decode by graph replay, then the
     same steps eagerly (batch 3 pads to the bucket of 4)."""
-    runner = gpu_runner(bf16_model_dir, backend, False, "bfloat16", num_blocks=256 if backend == "triton" else 64)
+    runner = gpu_runner(bf16_model_dir, backend, False, "bfloat16", num_blocks=256 if backend == "triton" else 64,
+                        kv_cache_dtype=kv_cache_dtype)
     batch = prompts(batch_size, seed=2)
     replayed = generate(runner, StepWriter(runner.config.block_size), batch, 32)
     graphs, runner.graphs = runner.graphs, None
@@ -97,13 +101,14 @@ def test_cuda_graph_decode_gives_the_eager_tokens(bf16_model_dir, backend, batch
     assert graphs is not None and replayed == eager
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_prefill_graphs_give_the_eager_logits_and_tokens(bf16_model_dir, backend):
+@pytest.mark.parametrize("backend, kv_cache_dtype", GRAPH_CASES)
+def test_prefill_graphs_give_the_eager_logits_and_tokens(bf16_model_dir, backend, kv_cache_dtype):
     """Prefill steps replayed piecewise (padded to their token bucket, attention between the pieces)
     against the same steps run eagerly on the same runner: a first prefill of several prompts, a
     prefix-cache hit, a step mixing decodes with a chunk that continues mid-block, then greedy
     decoding; logits close and every greedy token the same."""
-    runner = gpu_runner(bf16_model_dir, backend, False, "bfloat16", num_blocks=256 if backend == "triton" else 64)
+    runner = gpu_runner(bf16_model_dir, backend, False, "bfloat16", num_blocks=256 if backend == "triton" else 64,
+                        kv_cache_dtype=kv_cache_dtype)
     size = runner.config.block_size
     batch = prompts(5, seed=4)
     long = list(range(1000, 1000 + 3 * size + 5))

@@ -165,6 +165,21 @@ def test_client_against_two_ranks(service, hf):
     assert stats.num_running == stats.num_waiting == 0
 
 
+def test_logprobs_over_two_ranks_are_transformers(service, hf):
+    """Prompt positions are scored on both ranks (the vocab-parallel LM head gathers to rank 0),
+    over two prefill chunks; rank 0 scores the sampled tokens, whatever the processors do."""
+    name, client = service
+    prompt = token_prompt(100)
+    got = client.generate(prompt, max_tokens=4, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=2,
+                          repetition_penalty=1.2)
+    reference = torch.log_softmax(hf_logits(hf[name], prompt + got.token_ids), dim=-1)
+    entries = list(enumerate(got.prompt_logprobs)) + [(len(prompt) - 1 + i, e) for i, e in enumerate(got.logprobs)]
+    assert len(entries) == len(prompt) - 1 + 4
+    for position, entry in entries:
+        assert entry.token.logprob == pytest.approx(reference[position, entry.token.token_id].item(), abs=1e-4)
+        assert [top.token_id for top in entry.top] == reference[position].topk(2).indices.tolist()
+
+
 # --- two runners driven by hand: logits and KV sizing per rank ---
 
 PROMPTS = {1: token_prompt(20), 2: token_prompt(7), 3: token_prompt(33)}

@@ -1,11 +1,14 @@
 """The plain-torch paged KV cache and attention (the CPU path and the GPU kernels' oracle) against
 dense causal attention computed straight from each sequence's full K/V, and backend selection."""
+import importlib.util
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from nanoserve_kernels import reference
 from nanoserve_kernels.backend import auto_backend_name, select_backend
+from nanoserve_kernels.kv_quant import FP8_DTYPE, FP8_MAX, dequantize, quantize, scales_shape
 from nanoserve.mathutil import cdiv
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 64
@@ -108,3 +111,52 @@ def test_backends_are_chosen_by_name_and_device():
         select_backend("flash-attn", "cuda", 16)
     with pytest.raises(ValueError, match="attention backend 'cudnn'"):
         select_backend("cudnn", "cpu", 16)
+
+
+def test_fp8_rows_round_trip_within_half_an_e4m3_step():
+    """Each row (one token, one KV head) spans e4m3's full range with its own scale; reading back
+    is off by at most half a step: 2**-4 of the value (3 mantissa bits), or 2**-10 of the scale
+    among e4m3's subnormals. An all-zero row stays zero."""
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(64, 3, 32, generator=gen) * torch.logspace(-5, 4, 64)[:, None, None]
+    rows[0, 1] = 0
+    values, scales = quantize(rows)
+    assert values.dtype == FP8_DTYPE and scales.shape == (64, 3)
+    back = dequantize(values, scales)
+    bound = torch.maximum(rows.abs() * 2**-4, scales[..., None] * 2**-10)
+    assert ((back - rows).abs() <= bound * (1 + 1e-6)).all()
+    assert not back[0, 1].any() and torch.isfinite(scales).all()
+    assert (values.float().abs().amax(-1) == FP8_MAX).sum() == 64 * 3 - 1
+
+
+def test_fp8_cache_attention_is_dense_attention_over_the_round_tripped_rows():
+    lengths = [3, 9, 17]
+    seqs = PagedSequences(lengths, seed=11)
+    seqs.k_cache, seqs.v_cache = seqs.k_cache.to(FP8_DTYPE), seqs.v_cache.to(FP8_DTYPE)
+    scales = {name: torch.zeros(scales_shape(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS)) for name in ("k_scale", "v_scale")}
+    for i, length in enumerate(lengths):
+        reference.store_kvcache(seqs.k[i], seqs.v[i], seqs.k_cache, seqs.v_cache,
+                                torch.tensor(seqs.slots(i, 0, length)), **scales)
+    q = torch.randn(sum(lengths), HEADS, HEAD_DIM, generator=seqs.g)
+    cu_seqlens = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    prefill = reference.paged_prefill(q, seqs.k_cache, seqs.v_cache, cu_seqlens, cu_seqlens, max(lengths),
+                                      max(lengths), seqs.block_tables(), SCALE, **scales)
+    last = cu_seqlens[1:] - 1
+    decode = reference.paged_decode(q[last], seqs.k_cache, seqs.v_cache, torch.tensor(lengths, dtype=torch.int32),
+                                    seqs.block_tables(), SCALE, **scales)
+    for i, length in enumerate(lengths):
+        lo, hi = cu_seqlens[i].item(), cu_seqlens[i + 1].item()
+        k, v = dequantize(*quantize(seqs.k[i])), dequantize(*quantize(seqs.v[i]))
+        torch.testing.assert_close(prefill[lo:hi], dense_attention(q[lo:hi], k, v), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(decode[i:i + 1], prefill[hi - 1:hi], rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(prefill[lo:hi], dense_attention(q[lo:hi], seqs.k[i], seqs.v[i]), atol=1e-4)
+
+
+def test_an_fp8_cache_takes_triton_over_flash_attn(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "flash_attn" else find_spec(name))
+    assert auto_backend_name("cuda", 256) == "flash-attn"
+    assert auto_backend_name("cuda", 256, fp8_kv=True) == "triton"
+    assert select_backend("auto", "cpu", 256, fp8_kv=True).name == "torch"
+    with pytest.raises(ValueError, match="flash-attn backend cannot read an FP8 KV cache"):
+        select_backend("flash-attn", "cuda", 256, fp8_kv=True)

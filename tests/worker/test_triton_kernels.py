@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 import pytest
 import torch
 
-from nanoserve_kernels import reference
+from nanoserve_kernels import kv_quant, reference
 from nanoserve.mathutil import cdiv
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,6 +34,7 @@ class Case:
     head_dim: int = 16
     block_size: int = 16
     dtype: torch.dtype = torch.float32
+    fp8: bool = False  # an FP8 cache with per-row scales (nanoserve_kernels/kv_quant.py)
 
 
 class PagedBatch(NamedTuple):
@@ -46,6 +47,13 @@ class PagedBatch(NamedTuple):
     max_seqlen_k: int
     context_lens: torch.Tensor
     block_tables: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def scales(self) -> dict:
+        """The kernels' keyword arguments for an FP8 cache ({} otherwise)."""
+        return {} if self.k_scale is None else dict(k_scale=self.k_scale, v_scale=self.v_scale)
 
     def prefill_args(self) -> tuple:
         """paged_prefill's arguments but the scale (nanoserve_kernels/reference.py)."""
@@ -60,14 +68,20 @@ class PagedBatch(NamedTuple):
 def make_paged_batch(case: Case, device: str, seed: int) -> PagedBatch:
     """Random queries and a paged cache whose sequences own shuffled, scattered blocks. Every
     cache slot outside the sequences' contexts (spare blocks, tails of last blocks) holds NaN,
-    so a kernel that reads one poisons its output."""
+    so a kernel that reads one poisons its output. An FP8 cache holds the random rows quantized
+    (NaN scales outside the contexts), stored by the reference."""
     gen = torch.Generator(device).manual_seed(seed)
     like = dict(dtype=case.dtype, device=device)
     row = (case.kv_heads, case.head_dim)
     counts = [cdiv(length, case.block_size) for length in case.context_lens]
     num_blocks = sum(counts) + 2
-    k_cache = torch.full((num_blocks, case.block_size, *row), float("nan"), **like)
+    cache_dtype = kv_quant.FP8_DTYPE if case.fp8 else case.dtype
+    k_cache = torch.full((num_blocks, case.block_size, *row), float("nan"), **like).to(cache_dtype)
     v_cache = torch.full_like(k_cache, float("nan"))
+    scales = {}
+    if case.fp8:
+        shape = kv_quant.scales_shape(num_blocks, case.block_size, case.kv_heads)
+        scales = {name: torch.full(shape, float("nan"), device=device) for name in ("k_scale", "v_scale")}
     block_tables = torch.full((len(counts), max(counts) + 1), -1, dtype=torch.int32, device=device)
     physical = torch.randperm(num_blocks, generator=gen, device=device)
     for seq, (count, length) in enumerate(zip(counts, case.context_lens)):
@@ -75,45 +89,57 @@ def make_paged_batch(case: Case, device: str, seed: int) -> PagedBatch:
         block_tables[seq, :count] = blocks.int()
         positions = torch.arange(length, device=device)
         slots = blocks[positions // case.block_size] * case.block_size + positions % case.block_size
-        for cache in (k_cache, v_cache):
-            cache.view(-1, *row)[slots] = torch.randn(length, *row, generator=gen, **like)
+        k, v = (torch.randn(length, *row, generator=gen, **like) for _ in range(2))
+        reference.store_kvcache(k, v, k_cache, v_cache, slots, **scales)
     q = torch.randn(sum(case.new_lens), case.heads, case.head_dim, generator=gen, **like)
     new_lens = torch.tensor([0, *case.new_lens], device=device)
     context_lens = torch.tensor(case.context_lens, dtype=torch.int32, device=device)
     cu_seqlens_k = torch.nn.functional.pad(context_lens.cumsum(0, dtype=torch.int32), (1, 0))
     return PagedBatch(q, k_cache, v_cache, new_lens.cumsum(0, dtype=torch.int32), cu_seqlens_k,
-                      max(case.new_lens), max(case.context_lens), context_lens, block_tables)
+                      max(case.new_lens), max(case.context_lens), context_lens, block_tables, **scales)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bytes, NaN poison included."""
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 def check_store(store_kvcache: Callable, case: Case, device: str, seed: int) -> None:
     """New K/V, given as strided views of a packed qkv row as the model passes them, land at
-    their slots bit for bit; slot -1 writes nothing."""
+    their slots bit for bit (quantized exactly as the reference quantizes: same e4m3 codes, same
+    scales); slot -1 writes nothing. Rows of very different sizes, a zero row and e4m3's
+    subnormals are among them."""
     batch = make_paged_batch(case, device, seed)
     gen = torch.Generator(device).manual_seed(seed)
     num_tokens, kv_size = sum(case.new_lens), case.kv_heads * case.head_dim
     qkv = torch.randn(num_tokens, case.heads * case.head_dim + 2 * kv_size, generator=gen,
                       dtype=case.dtype, device=device)
+    if case.fp8:  # magnitudes from 1e-6 to 1e3 per token, one all-zero row
+        qkv *= torch.logspace(-6, 3, num_tokens, device=device, dtype=case.dtype)[:, None]
+        qkv[0] = 0
     k = qkv[:, -2 * kv_size:-kv_size].view(num_tokens, case.kv_heads, case.head_dim)
     v = qkv[:, -kv_size:].view(num_tokens, case.kv_heads, case.head_dim)
     slot_mapping = torch.randperm(batch.k_cache.shape[0] * case.block_size, generator=gen,
                                   device=device)[:num_tokens]
-    slot_mapping[::3] = -1
-    expected_k, expected_v = batch.k_cache.clone(), batch.v_cache.clone()
-    reference.store_kvcache(k, v, expected_k, expected_v, slot_mapping)
-    store_kvcache(k, v, batch.k_cache, batch.v_cache, slot_mapping)
-    assert torch.equal(batch.k_cache.nan_to_num(), expected_k.nan_to_num()), case
-    assert torch.equal(batch.v_cache.nan_to_num(), expected_v.nan_to_num()), case
+    slot_mapping[1::3] = -1
+    expected = {name: tensor.clone() for name, tensor in
+                dict(k_cache=batch.k_cache, v_cache=batch.v_cache, **batch.scales).items()}
+    reference.store_kvcache(k, v, expected["k_cache"], expected["v_cache"], slot_mapping,
+                            **{name: expected[name] for name in batch.scales})
+    store_kvcache(k, v, batch.k_cache, batch.v_cache, slot_mapping, **batch.scales)
+    for name, tensor in expected.items():
+        assert same_bits(getattr(batch, name), tensor), (case, name)
 
 
 def check_prefill(paged_prefill: Callable, case: Case, device: str, seed: int) -> None:
     batch = make_paged_batch(case, device, seed)
     scale = case.head_dim ** -0.5
-    out = paged_prefill(*batch.prefill_args(), scale)
-    ref = reference.paged_prefill(*batch.prefill_args(), scale)
+    out = paged_prefill(*batch.prefill_args(), scale, **batch.scales)
+    ref = reference.paged_prefill(*batch.prefill_args(), scale, **batch.scales)
     assert torch.isfinite(out).all(), case
     assert relative_error(out, ref) < TOLERANCE[case.dtype], (case, relative_error(out, ref))
 
@@ -122,8 +148,8 @@ def check_decode(paged_decode: Callable, case: Case, device: str, seed: int) -> 
     """Context-length-0 rows (CUDA-graph padding) must give zeros, like the reference."""
     batch = make_paged_batch(case, device, seed)
     scale = case.head_dim ** -0.5
-    out = paged_decode(*batch.decode_args(), scale)
-    ref = reference.paged_decode(*batch.decode_args(), scale)
+    out = paged_decode(*batch.decode_args(), scale, **batch.scales)
+    ref = reference.paged_decode(*batch.decode_args(), scale, **batch.scales)
     assert torch.isfinite(out).all(), case
     assert relative_error(out, ref) < TOLERANCE[case.dtype], (case, relative_error(out, ref))
     assert not out[batch.context_lens == 0].any(), case
@@ -132,6 +158,8 @@ def check_decode(paged_decode: Callable, case: Case, device: str, seed: int) -> 
 STORE_CASES = [
     Case(new_lens=(20,), context_lens=(40,), heads=4, kv_heads=2),
     Case(new_lens=(9,), context_lens=(30,), heads=6, kv_heads=3, head_dim=32, dtype=torch.float16),
+    Case(new_lens=(20,), context_lens=(40,), heads=4, kv_heads=2, fp8=True),
+    Case(new_lens=(9,), context_lens=(30,), heads=6, kv_heads=3, head_dim=32, dtype=torch.float16, fp8=True),
 ]
 # The kernels tile prefill by 64 queries x 64 keys and decode by 64 keys; block sizes 16 and 32
 # put several cache blocks in one key tile, 128 several key tiles in one block.
@@ -144,6 +172,10 @@ PREFILL_CASES = [
     Case(new_lens=(64, 20), context_lens=(130, 51), heads=8, kv_heads=1, block_size=128,
          dtype=torch.float16),
     Case(new_lens=(3, 40), context_lens=(3, 99), heads=4, kv_heads=2, head_dim=32),
+    # FP8 cache: a prefix hit and a first prefill, GQA 2; chunked, GQA 8, fp16
+    Case(new_lens=(10, 70), context_lens=(48, 70), heads=4, kv_heads=2, block_size=32, fp8=True),
+    Case(new_lens=(64, 20), context_lens=(130, 51), heads=8, kv_heads=1, block_size=128,
+         dtype=torch.float16, fp8=True),
 ]
 # The interpreter stands in for a small GPU (triton_decode.num_splits): fewer than 8
 # (sequence, KV head) pairs split the context, 8 or more run unsplit.
@@ -154,6 +186,10 @@ DECODE_CASES = [
          dtype=torch.float16),  # 4 splits, one sequence too short to fill them
     Case(new_lens=(1,), context_lens=(300,), heads=4, kv_heads=2, head_dim=32,
          block_size=128),  # 4 splits of 128 keys, the last one empty
+    # FP8 cache: split, with a padding row; unsplit, fp16, GQA 2
+    Case(new_lens=(1,) * 3, context_lens=(37, 0, 150), heads=2, kv_heads=2, fp8=True),
+    Case(new_lens=(1,) * 5, context_lens=(17, 0, 64, 65, 1), heads=4, kv_heads=2, dtype=torch.float16,
+         fp8=True),
 ]
 
 
@@ -260,6 +296,36 @@ def test_sampling_kernels_compile_for_hopper() -> None:
         compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs),
                                   target=GPUTarget("cuda", 90, 32))
         assert compiled.asm["cubin"]
+
+
+def _hopper_signature(kernel, types: dict[str, str]) -> dict[str, str]:
+    """A kernel's signature for triton.compile: constexprs as such, `types` for pointers and
+    floats, every other argument an i32."""
+    return {param.name: "constexpr" if param.is_constexpr else types.get(param.name, "i32")
+            for param in kernel.params}
+
+
+def test_kv_kernels_compile_for_hopper_with_an_fp8_cache() -> None:
+    """The interpreter runs the FP8 paths on CPU (e4m3 in numpy); the compiler must take them too
+    for sm_90: the e4m3 casts, the bit tricks of the store's rounding, the scale loads."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nanoserve_kernels import triton_decode, triton_kv_store, triton_prefill
+    types = {"k_ptr": "*bf16", "v_ptr": "*bf16", "q_ptr": "*bf16", "out_ptr": "*bf16", "k_cache": "*fp8e4nv",
+             "v_cache": "*fp8e4nv", "k_scale": "*fp32", "v_scale": "*fp32", "slot_mapping": "*i64",
+             "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "block_tables": "*i32", "context_lens": "*i32",
+             "part_out": "*fp32", "part_max": "*fp32", "part_sum": "*fp32", "counters": "*i32", "qk_scale": "fp32"}
+    shape = dict(BLOCK_SIZE=256, HEAD_DIM=128, QUANTIZED=True)
+    attention = dict(GROUP=2, BLOCK_N=64, PRECISION="tf32", **shape)
+    for kernel, constexprs in (
+            (triton_kv_store._store_kernel, dict(KV_HEADS=8, HEADS_POW2=8, FP8_MAX=kv_quant.FP8_MAX,
+                                                 AMAX_FLOOR=kv_quant.AMAX_FLOOR, **shape)),
+            (triton_prefill._prefill_kernel, dict(BLOCK_M=64, **attention)),
+            (triton_decode._decode_kernel, dict(GROUP_PAD=16, SPLITS=4, **attention))):
+        source = ASTSource(kernel, _hopper_signature(kernel, types), constexprs=constexprs)
+        assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"], kernel
 
 
 def _fix_interpreter_for_numpy_2_4() -> None:

@@ -22,39 +22,56 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16nanoserve/v1/llm.proto\x12\x0cnanoserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xaa\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\rB\x0e\n\x0c_temperatureB\r\n\x0b_max_tokensB\x07\n\x05_seed\"\x9c\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.nanoserve.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.nanoserve.v1.SamplingParamsB\x08\n\x06prompt\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x9e\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.nanoserve.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.nanoserve.v1.Usage\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x15\n\x13GetModelInfoRequest\"\xcf\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\t \x01(\t\"\x11\n\x0fGetStatsRequest\"\xca\x03\n\x05Stats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x05 \x01(\x04\x12\x1b\n\x13prompt_tokens_total\x18\x06 \x01(\x04\x12\x1e\n\x16generated_tokens_total\x18\x07 \x01(\x04\x12\x19\n\x11requests_finished\x18\x08 \x01(\x04\x12\x15\n\rprefill_steps\x18\t \x01(\x04\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\n \x01(\x04\x12\x16\n\x0eprefill_tokens\x18\x0b \x01(\x04\x12\x15\n\rdecode_tokens\x18\x0c \x01(\x04\x12\x1c\n\x14prefill_busy_seconds\x18\r \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_busy_seconds\x18\x0e \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_idle_seconds\x18\x0f \x01(\x01\x12\x1c\n\x14prefill_host_seconds\x18\x10 \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_host_seconds\x18\x11 \x01(\x01*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xa9\x02\n\x03LLM\x12K\n\x08Generate\x12\x1d.nanoserve.v1.GenerateRequest\x1a\x1e.nanoserve.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.nanoserve.v1.TokenizeRequest\x1a\x1e.nanoserve.v1.TokenizeResponse\x12J\n\x0cGetModelInfo\x12!.nanoserve.v1.GetModelInfoRequest\x1a\x17.nanoserve.v1.ModelInfo\x12>\n\x08GetStats\x12\x1d.nanoserve.v1.GetStatsRequest\x1a\x13.nanoserve.v1.Statsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16nanoserve/v1/llm.proto\x12\x0cnanoserve.v1\x1a\x1cgoogle/protobuf/struct.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xdf\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0c \x01(\rH\t\x88\x01\x01\x12?\n\nlogit_bias\x18\r \x03(\x0b\x32+.nanoserve.v1.SamplingParams.LogitBiasEntry\x12\x0c\n\x04stop\x18\x0e \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x0b\x88\x01\x01\x12\x0e\n\x01n\x18\x12 \x01(\rH\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x04\n\x02_n\"\x9c\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.nanoserve.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.nanoserve.v1.SamplingParamsB\x08\n\x06prompt\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf3\x01\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.nanoserve.v1.ChatMessage\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.nanoserve.v1.SamplingParams\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x35\n\x14\x63hat_template_kwargs\x18\x05 \x01(\x0b\x32\x17.google.protobuf.StructB\x18\n\x16_add_generation_prompt\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xcf\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.nanoserve.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.nanoserve.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\r\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.nanoserve.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.nanoserve.v1.TokenLogprob\x12\x15\n\x0bstop_string\x18\t \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\n \x01(\rH\x00\x42\r\n\x0bstop_reason\"H\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\r\"X\n\x0cTokenLogprob\x12$\n\x05token\x18\x01 \x01(\x0b\x32\x15.nanoserve.v1.Logprob\x12\"\n\x03top\x18\x02 \x03(\x0b\x32\x15.nanoserve.v1.Logprob\"\xc1\x01\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.nanoserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x35\n\x14\x63hat_template_kwargs\x18\x04 \x01(\x0b\x32\x17.google.protobuf.StructB\x18\n\x16_add_generation_prompt\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\x8c\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\t \x01(\t\x12\x14\n\x0cmax_logprobs\x18\n \x01(\r\x12\r\n\x05max_n\x18\x0b \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x0c \x01(\t\"\x11\n\x0fGetStatsRequest\"\xca\x03\n\x05Stats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x05 \x01(\x04\x12\x1b\n\x13prompt_tokens_total\x18\x06 \x01(\x04\x12\x1e\n\x16generated_tokens_total\x18\x07 \x01(\x04\x12\x19\n\x11requests_finished\x18\x08 \x01(\x04\x12\x15\n\rprefill_steps\x18\t \x01(\x04\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\n \x01(\x04\x12\x16\n\x0eprefill_tokens\x18\x0b \x01(\x04\x12\x15\n\rdecode_tokens\x18\x0c \x01(\x04\x12\x1c\n\x14prefill_busy_seconds\x18\r \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_busy_seconds\x18\x0e \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_idle_seconds\x18\x0f \x01(\x01\x12\x1c\n\x14prefill_host_seconds\x18\x10 \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_host_seconds\x18\x11 \x01(\x01*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xbf\x03\n\x03LLM\x12K\n\x08Generate\x12\x1d.nanoserve.v1.GenerateRequest\x1a\x1e.nanoserve.v1.GenerateResponse0\x01\x12\x43\n\x04\x43hat\x12\x19.nanoserve.v1.ChatRequest\x1a\x1e.nanoserve.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.nanoserve.v1.TokenizeRequest\x1a\x1e.nanoserve.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.nanoserve.v1.DetokenizeRequest\x1a .nanoserve.v1.DetokenizeResponse\x12J\n\x0cGetModelInfo\x12!.nanoserve.v1.GetModelInfoRequest\x1a\x17.nanoserve.v1.ModelInfo\x12>\n\x08GetStats\x12\x1d.nanoserve.v1.GetStatsRequest\x1a\x13.nanoserve.v1.Statsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'nanoserve.v1.llm_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1432
-  _globals['_FINISHREASON']._serialized_end=1556
-  _globals['_TOKENIDS']._serialized_start=40
-  _globals['_TOKENIDS']._serialized_end=63
-  _globals['_SAMPLINGPARAMS']._serialized_start=66
-  _globals['_SAMPLINGPARAMS']._serialized_end=236
-  _globals['_GENERATEREQUEST']._serialized_start=239
-  _globals['_GENERATEREQUEST']._serialized_end=395
-  _globals['_USAGE']._serialized_start=397
-  _globals['_USAGE']._serialized_end=484
-  _globals['_GENERATERESPONSE']._serialized_start=487
-  _globals['_GENERATERESPONSE']._serialized_end=645
-  _globals['_TOKENIZEREQUEST']._serialized_start=647
-  _globals['_TOKENIZEREQUEST']._serialized_end=678
-  _globals['_TOKENIZERESPONSE']._serialized_start=680
-  _globals['_TOKENIZERESPONSE']._serialized_end=717
-  _globals['_GETMODELINFOREQUEST']._serialized_start=719
-  _globals['_GETMODELINFOREQUEST']._serialized_end=740
-  _globals['_MODELINFO']._serialized_start=743
-  _globals['_MODELINFO']._serialized_end=950
-  _globals['_GETSTATSREQUEST']._serialized_start=952
-  _globals['_GETSTATSREQUEST']._serialized_end=969
-  _globals['_STATS']._serialized_start=972
-  _globals['_STATS']._serialized_end=1430
-  _globals['_LLM']._serialized_start=1559
-  _globals['_LLM']._serialized_end=1856
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2989
+  _globals['_FINISHREASON']._serialized_end=3113
+  _globals['_TOKENIDS']._serialized_start=70
+  _globals['_TOKENIDS']._serialized_end=93
+  _globals['_SAMPLINGPARAMS']._serialized_start=96
+  _globals['_SAMPLINGPARAMS']._serialized_end=831
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=593
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=641
+  _globals['_GENERATEREQUEST']._serialized_start=834
+  _globals['_GENERATEREQUEST']._serialized_end=990
+  _globals['_CHATMESSAGE']._serialized_start=992
+  _globals['_CHATMESSAGE']._serialized_end=1036
+  _globals['_CHATREQUEST']._serialized_start=1039
+  _globals['_CHATREQUEST']._serialized_end=1282
+  _globals['_USAGE']._serialized_start=1284
+  _globals['_USAGE']._serialized_end=1371
+  _globals['_GENERATERESPONSE']._serialized_start=1374
+  _globals['_GENERATERESPONSE']._serialized_end=1709
+  _globals['_LOGPROB']._serialized_start=1711
+  _globals['_LOGPROB']._serialized_end=1783
+  _globals['_TOKENLOGPROB']._serialized_start=1785
+  _globals['_TOKENLOGPROB']._serialized_end=1873
+  _globals['_TOKENIZEREQUEST']._serialized_start=1876
+  _globals['_TOKENIZEREQUEST']._serialized_end=2069
+  _globals['_TOKENIZERESPONSE']._serialized_start=2071
+  _globals['_TOKENIZERESPONSE']._serialized_end=2108
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2110
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2177
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2179
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2213
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2215
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2236
+  _globals['_MODELINFO']._serialized_start=2239
+  _globals['_MODELINFO']._serialized_end=2507
+  _globals['_GETSTATSREQUEST']._serialized_start=2509
+  _globals['_GETSTATSREQUEST']._serialized_end=2526
+  _globals['_STATS']._serialized_start=2529
+  _globals['_STATS']._serialized_end=2987
+  _globals['_LLM']._serialized_start=3116
+  _globals['_LLM']._serialized_end=3563
 # @@protoc_insertion_point(module_scope)

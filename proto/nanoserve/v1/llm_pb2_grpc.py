@@ -39,10 +39,20 @@ class LLMStub:
                 request_serializer=nanoserve_dot_v1_dot_llm__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=nanoserve_dot_v1_dot_llm__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Chat = channel.unary_stream(
+                '/nanoserve.v1.LLM/Chat',
+                request_serializer=nanoserve_dot_v1_dot_llm__pb2.ChatRequest.SerializeToString,
+                response_deserializer=nanoserve_dot_v1_dot_llm__pb2.GenerateResponse.FromString,
+                _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/nanoserve.v1.LLM/Tokenize',
                 request_serializer=nanoserve_dot_v1_dot_llm__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=nanoserve_dot_v1_dot_llm__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/nanoserve.v1.LLM/Detokenize',
+                request_serializer=nanoserve_dot_v1_dot_llm__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=nanoserve_dot_v1_dot_llm__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/nanoserve.v1.LLM/GetModelInfo',
@@ -66,7 +76,22 @@ class LLMServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Chat(self, request, context):
+        """Generates from a conversation written out by the model's own chat template (from its
+        tokenizer_config.json); streams like Generate. INVALID_ARGUMENT when the model has no
+        template or the template refuses the messages.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Tokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -92,10 +117,20 @@ def add_LLMServicer_to_server(servicer, server):
                     request_deserializer=nanoserve_dot_v1_dot_llm__pb2.GenerateRequest.FromString,
                     response_serializer=nanoserve_dot_v1_dot_llm__pb2.GenerateResponse.SerializeToString,
             ),
+            'Chat': grpc.unary_stream_rpc_method_handler(
+                    servicer.Chat,
+                    request_deserializer=nanoserve_dot_v1_dot_llm__pb2.ChatRequest.FromString,
+                    response_serializer=nanoserve_dot_v1_dot_llm__pb2.GenerateResponse.SerializeToString,
+            ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
                     request_deserializer=nanoserve_dot_v1_dot_llm__pb2.TokenizeRequest.FromString,
                     response_serializer=nanoserve_dot_v1_dot_llm__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=nanoserve_dot_v1_dot_llm__pb2.DetokenizeRequest.FromString,
+                    response_serializer=nanoserve_dot_v1_dot_llm__pb2.DetokenizeResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -146,6 +181,33 @@ class LLM:
             _registered_method=True)
 
     @staticmethod
+    def Chat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/nanoserve.v1.LLM/Chat',
+            nanoserve_dot_v1_dot_llm__pb2.ChatRequest.SerializeToString,
+            nanoserve_dot_v1_dot_llm__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Tokenize(request,
             target,
             options=(),
@@ -162,6 +224,33 @@ class LLM:
             '/nanoserve.v1.LLM/Tokenize',
             nanoserve_dot_v1_dot_llm__pb2.TokenizeRequest.SerializeToString,
             nanoserve_dot_v1_dot_llm__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanoserve.v1.LLM/Detokenize',
+            nanoserve_dot_v1_dot_llm__pb2.DetokenizeRequest.SerializeToString,
+            nanoserve_dot_v1_dot_llm__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

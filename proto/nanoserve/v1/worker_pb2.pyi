@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "rank", "world_size", "dtype", "block_size", "max_kv_blocks", "vocab_size", "max_model_len", "eos_token_ids", "attention_backend", "device", "max_num_seqs", "max_num_batched_tokens", "model_fingerprint", "max_steps_in_flight", "sampling_defaults")
+    __slots__ = ("model", "rank", "world_size", "dtype", "block_size", "max_kv_blocks", "vocab_size", "max_model_len", "eos_token_ids", "attention_backend", "device", "max_num_seqs", "max_num_batched_tokens", "model_fingerprint", "max_steps_in_flight", "sampling_defaults", "kv_cache_dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class WorkerInfo(_message.Message):
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_STEPS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     rank: int
     world_size: int
@@ -45,7 +46,8 @@ class WorkerInfo(_message.Message):
     model_fingerprint: str
     max_steps_in_flight: int
     sampling_defaults: SamplingDefaults
-    def __init__(self, model: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_kv_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_steps_in_flight: _Optional[int] = ..., sampling_defaults: _Optional[_Union[SamplingDefaults, _Mapping]] = ...) -> None: ...
+    kv_cache_dtype: str
+    def __init__(self, model: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_kv_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_steps_in_flight: _Optional[int] = ..., sampling_defaults: _Optional[_Union[SamplingDefaults, _Mapping]] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class SamplingDefaults(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k")
@@ -70,7 +72,7 @@ class AllocateKVCacheResponse(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
 
 class SeqStep(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "num_computed", "new_block_ids", "reset", "sample", "sampling", "num_generated")
+    __slots__ = ("seq_id", "token_ids", "num_computed", "new_block_ids", "reset", "sample", "sampling", "num_generated", "prompt_logprob_targets", "history_token_ids")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +81,8 @@ class SeqStep(_message.Message):
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROB_TARGETS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed: int
@@ -87,7 +91,9 @@ class SeqStep(_message.Message):
     sample: bool
     sampling: _llm_pb2.SamplingParams
     num_generated: int
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[_llm_pb2.SamplingParams, _Mapping]] = ..., num_generated: _Optional[int] = ...) -> None: ...
+    prompt_logprob_targets: _containers.RepeatedScalarFieldContainer[int]
+    history_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[_llm_pb2.SamplingParams, _Mapping]] = ..., num_generated: _Optional[int] = ..., prompt_logprob_targets: _Optional[_Iterable[int]] = ..., history_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("step_id", "seqs", "forget_seq_ids")
@@ -100,17 +106,35 @@ class StepRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqStep, _Mapping]]] = ..., forget_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "token_ids", "error", "busy_seconds", "idle_seconds", "host_seconds")
+    __slots__ = ("step_id", "token_ids", "error", "busy_seconds", "idle_seconds", "host_seconds", "sampled_logprobs", "prompt_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HOST_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     error: str
     busy_seconds: float
     idle_seconds: float
     host_seconds: float
-    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., busy_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., host_seconds: _Optional[float] = ...) -> None: ...
+    sampled_logprobs: LogprobRows
+    prompt_logprobs: LogprobRows
+    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., busy_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., host_seconds: _Optional[float] = ..., sampled_logprobs: _Optional[_Union[LogprobRows, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[LogprobRows, _Mapping]] = ...) -> None: ...
+
+class LogprobRows(_message.Message):
+    __slots__ = ("token_ids", "logprobs", "ranks", "top_token_ids", "top_logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., ranks: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...

@@ -2,9 +2,10 @@
 // language with gRPC can stream from the server.
 //
 //   node generate.mjs ADDRESS [--max-tokens N] [--prompt-ids 785,9396,374] [--timeout-s S]
+//                     [--temperature T --seed S --top-k K --top-p P]
 //
-// Asks GetModelInfo, streams one greedy Generate of exactly N tokens (ignore_eos), checks the
-// stream, and prints one JSON line:
+// Asks GetModelInfo, streams one Generate of exactly N tokens (ignore_eos; greedy unless a
+// temperature is given, with the sampling controls given), checks the stream, and prints one JSON line:
 //   {"model", "prompt_token_ids", "token_ids", "text", "usage", "finish_reason"}
 // Any failure (bad arguments, an RPC error, a wrong stream, the timeout) exits non-zero with a
 // message on stderr.
@@ -26,16 +27,32 @@ function parseCommandLine(argv) {
       'max-tokens': { type: 'string', default: '16' },
       'prompt-ids': { type: 'string', default: DEFAULT_PROMPT_IDS },
       'timeout-s': { type: 'string', default: '60' },
+      temperature: { type: 'string', default: '0' },
+      seed: { type: 'string' },
+      'top-k': { type: 'string' },
+      'top-p': { type: 'string' },
     },
   });
   if (positionals.length !== 1) throw new Error('expected exactly one ADDRESS (host:port)');
   const promptIds = values['prompt-ids'].split(',').map((id) => naturalNumber(id, 'a prompt id'));
+  // Sampling controls: optional fields, sent only when given (the server's defaults otherwise).
+  const sampling = { temperature: number(values.temperature, '--temperature') };
+  if (values.seed !== undefined) sampling.seed = naturalNumber(values.seed, '--seed');
+  if (values['top-k'] !== undefined) sampling.top_k = naturalNumber(values['top-k'], '--top-k');
+  if (values['top-p'] !== undefined) sampling.top_p = number(values['top-p'], '--top-p');
   return {
     address: positionals[0],
     promptIds,
     maxTokens: naturalNumber(values['max-tokens'], '--max-tokens', 1),
     timeoutMs: naturalNumber(values['timeout-s'], '--timeout-s', 1) * 1000,
+    sampling,
   };
+}
+
+function number(text, what) {
+  const value = Number(text);
+  if (!Number.isFinite(value)) throw new Error(`${what} must be a number, got '${text}'`);
+  return value;
 }
 
 function naturalNumber(text, what, min = 0) {
@@ -101,7 +118,7 @@ function collect(messages, promptIds, maxTokens) {
 }
 
 async function main() {
-  const { address, promptIds, maxTokens, timeoutMs } = parseCommandLine(process.argv.slice(2));
+  const { address, promptIds, maxTokens, timeoutMs, sampling } = parseCommandLine(process.argv.slice(2));
   const deadline = new Date(Date.now() + timeoutMs);
   const client = connect(address);
   try {
@@ -111,7 +128,7 @@ async function main() {
     const request = {
       request_id: REQUEST_ID,
       token_ids: { ids: promptIds },
-      sampling: { temperature: 0, max_tokens: maxTokens, ignore_eos: true },
+      sampling: { ...sampling, max_tokens: maxTokens, ignore_eos: true },
     };
     const messages = await generate(client, request, deadline);
     console.log(JSON.stringify({ model: info.model, ...collect(messages, promptIds, maxTokens) }));

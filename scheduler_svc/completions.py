@@ -1,0 +1,110 @@
+"""A request's completions as its Generate stream carries them.
+
+n > 1 makes n sequences of one prompt: the first computes the prompt, the others wait for it and
+take its blocks from the prefix cache (Scheduler). Each completion turns what its RequestStream
+delivers into messages: the text through the incremental detokenizer and, with stop strings,
+token by token through StopStrings, so the message that completes a stop string ends at that
+token; logprob rows get their tokens' text.
+"""
+import dataclasses
+
+import xxhash
+
+from nanoserve.v1 import llm_pb2
+from scheduler_svc.engine import RequestStream
+from scheduler_svc.logprob_rows import ScoredToken
+from scheduler_svc.sequence import SamplingOptions, Sequence
+from scheduler_svc.stop_strings import StopStrings
+from scheduler_svc.tokenizer import TextTokenizer
+
+_FINISH = {"stop": llm_pb2.FINISH_REASON_STOP, "length": llm_pb2.FINISH_REASON_LENGTH}
+
+
+def completion_options(options: SamplingOptions, index: int) -> SamplingOptions:
+    """Completion `index`'s options: after the first, prompt logprobs are the first's alone, and
+    a seeded request's completions get seeds of their own (derived, so still reproducible)."""
+    if index == 0:
+        return options
+    seed = None if options.seed is None else xxhash.xxh64_intdigest(f"{options.seed}:{index}".encode())
+    return dataclasses.replace(options, seed=seed, prompt_logprobs=None)
+
+
+def completion_sequences(seq_ids: list[int], prompt_ids: list[int], options: SamplingOptions) -> list[Sequence]:
+    leader = Sequence(seq_ids[0], prompt_ids, options)
+    return [leader] + [Sequence(seq_id, prompt_ids, completion_options(options, index), index, leader)
+                       for index, seq_id in enumerate(seq_ids[1:], start=1)]
+
+
+class CompletionOutput:
+    """One completion's side of the stream: next_message() turns what arrived into a message."""
+
+    def __init__(self, stream: RequestStream, tokenizer: TextTokenizer, request_id: str):
+        self.stream, self.seq, self.tokenizer = stream, stream.seq, tokenizer
+        self.request_id = request_id
+        self.detokenizer = tokenizer.new_detokenizer()
+        options = self.seq.sampling
+        self.stops = StopStrings(options.stop, options.include_stop_str_in_output) if options.stop else None
+        self.num_sent = 0                    # tokens sent so far
+        self.stop_string: str | None = None  # the stop string that ended it
+        self.done = False
+        self.prompt_logprobs_sent = False
+
+    def next_message(self) -> llm_pb2.GenerateResponse | None:
+        """The message with everything delivered since the last one (None when nothing was);
+        the last one, with the finish reason and usage, once the completion is done."""
+        finished = self.stream.finished  # read before taking: the final token may land meanwhile
+        tokens, logprobs = self.stream.take()
+        if self.stops is None:
+            text = self.detokenizer.push(tokens) + (self.detokenizer.flush() if finished else "")
+        else:
+            tokens, text = self._through_stop_strings(tokens, finished)
+        self.done = finished or self.stop_string is not None
+        if not tokens and not self.done:
+            return None
+        self.num_sent += len(tokens)
+        message = llm_pb2.GenerateResponse(request_id=self.request_id, token_ids=tokens, text=text,
+                                           index=self.seq.index)
+        if logprobs:
+            message.logprobs.extend(self._token_logprob(row) for row in logprobs[:len(tokens)])
+        if not self.prompt_logprobs_sent and self.stream.prompt_logprobs:
+            message.prompt_logprobs.extend(self._token_logprob(row) for row in self.stream.prompt_logprobs)
+            self.prompt_logprobs_sent = True
+        if self.done:
+            self._finish(message)
+        return message
+
+    def _through_stop_strings(self, tokens: list[int], finished: bool) -> tuple[list[int], str]:
+        """Token by token, so that a match ends the tokens at the one completing it."""
+        text = []
+        min_tokens = self.seq.sampling.min_tokens
+        for count, token_id in enumerate(tokens, start=1):
+            piece = self.detokenizer.push([token_id])
+            if finished and count == len(tokens):
+                piece += self.detokenizer.flush()
+            out, self.stop_string = self.stops.push(piece, armed=self.num_sent + count >= min_tokens)
+            text.append(out)
+            if self.stop_string is not None:
+                return tokens[:count], "".join(text)
+        if finished:
+            text.append(self.stops.flush())
+        return tokens, "".join(text)
+
+    def _finish(self, message: llm_pb2.GenerateResponse) -> None:
+        seq = self.seq
+        if self.stop_string is not None:
+            message.finish_reason = llm_pb2.FINISH_REASON_STOP
+            message.stop_string = self.stop_string
+        else:
+            message.finish_reason = _FINISH[seq.finish_reason]
+            if seq.stop_reason is not None:
+                message.stop_token_id = seq.stop_reason
+        message.usage.CopyFrom(llm_pb2.Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=self.num_sent,
+                                             cached_prompt_tokens=seq.num_cached_prompt_tokens))
+
+    def _token_logprob(self, row: ScoredToken) -> llm_pb2.TokenLogprob:
+        def logprob(token_id: int, value: float, rank: int) -> llm_pb2.Logprob:
+            return llm_pb2.Logprob(token_id=token_id, text=self.tokenizer.token_text(token_id), logprob=value,
+                                   rank=rank)
+
+        return llm_pb2.TokenLogprob(token=logprob(row.token_id, row.logprob, row.rank),
+                                    top=[logprob(t, value, rank) for rank, (t, value) in enumerate(row.top, 1)])
