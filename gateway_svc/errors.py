@@ -43,13 +43,15 @@ def unsupported(param: str, message: str) -> OpenAIError:
 def from_grpc(err: grpc.aio.AioRpcError, param_names: Mapping[str, str] | None = None) -> OpenAIError:
     """The scheduler's status as an HTTP error; its message already says what to fix. Its
     INVALID_ARGUMENT messages start with the SamplingParams field they refuse: the error names
-    the request's parameter for it (`param_names`: where the request calls it otherwise)."""
+    the request's parameter for it (`param_names`: where the request calls it otherwise, as the
+    message then does too)."""
     code, message = err.code(), err.details() or err.code().name
     param = None
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         field = re.match(r"\w+", message)
         if field and field[0] in _SAMPLING_FIELDS:
             param = (param_names or {}).get(field[0], field[0])
+            message = param + message[field.end():]
     return OpenAIError(_FROM_GRPC.get(code, 500), message, param, code.name.lower())
 
 
