@@ -96,7 +96,7 @@ class CompletionRequest(_Sampling):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: Count | None = None              # the N most likely alternatives of each token, with its own
-    echo: bool = False                         # the prompt before each choice's text (and its logprobs)
+    echo: bool | None = None                   # the prompt before each choice's text (and its logprobs)
     suffix: str | None = None
 
     def check_supported(self) -> None:
@@ -107,7 +107,7 @@ class CompletionRequest(_Sampling):
     @property
     def scores_prompt(self) -> bool:
         """echo with logprobs: the prompt's tokens are scored too (through prompt_logprobs)."""
-        return self.echo and self.logprobs is not None
+        return bool(self.echo) and self.logprobs is not None
 
     def generate_request(self) -> llm_pb2.GenerateRequest:
         prompt_logprobs = max(self.logprobs, self.prompt_logprobs or 0) if self.scores_prompt else self.prompt_logprobs
@@ -137,11 +137,12 @@ class ChatCompletionRequest(_Sampling):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name, preferred when both are set
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: Count | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    echo: bool | None = None  # vLLM's: the reply continues the conversation's last message
     # vLLM's extras for the template: e.g. {"enable_thinking": false} for Qwen3.
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -157,6 +158,8 @@ class ChatCompletionRequest(_Sampling):
                                                  "structured output) is not supported by this server")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("`top_logprobs` needs `logprobs` set to true", "top_logprobs")
+        if self.echo:
+            raise unsupported("echo", "`echo` (continuing the last message) is not supported by this server's chat")
 
     @property
     def num_logprobs(self) -> int | None:

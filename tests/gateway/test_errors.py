@@ -64,6 +64,7 @@ def test_bad_values_are_400_naming_the_parameter(oai, model_name, params, param,
     ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
     ({"n": 2, "extra_body": {"best_of": 3}}, "best_of", "`best_of` must equal `n` (2)"),
     ({"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs", "not available when `stream`"),
+    ({"extra_body": {"echo": True}}, "echo", "not supported"),
 ])
 def test_bad_chat_values_are_400_naming_the_parameter(oai, model_name, params, param, fragment):
     with pytest.raises(openai.BadRequestError) as raised:
