@@ -71,8 +71,9 @@ class _Sampling(BaseModel):
                                         stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
                                         include_stop_str_in_output=self.include_stop_str_in_output,
                                         logit_bias=self._token_bias())
-        for name, value in [*((name, getattr(self, name)) for name in _OPTIONAL_FIELDS), ("max_tokens", max_tokens),
-                            ("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)]:
+        chosen = {name: getattr(self, name) for name in _OPTIONAL_FIELDS}
+        chosen.update(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        for name, value in chosen.items():
             if value is not None:
                 setattr(params, name, value)
         return params
