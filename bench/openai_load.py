@@ -49,10 +49,11 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(
                                                                 os.environ.get("PYTHONPATH")]))}
 
 
-async def stream_one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> tuple[int, float]:
-    """One streamed completion: (completion tokens from the usage event, seconds to the first event)."""
+async def stream_one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int, **sampling) -> tuple[int, float]:
+    """One streamed completion: (completion tokens from the usage event, seconds to the first event).
+    `sampling`: more request fields, under the names both APIs give them (top_p, top_k, logprobs)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.6, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **sampling}
     started = time.perf_counter()
     ttft, tail = None, b""
     async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -66,12 +67,12 @@ async def stream_one(client: httpx.AsyncClient, prompt: list[int], max_tokens: i
     return max_tokens, ttft
 
 
-async def drive_openai(url: str, jobs: list[tuple[list[int], int]]) -> dict:
+async def drive_openai(url: str, jobs: list[tuple[list[int], int]], **sampling) -> dict:
     limits = httpx.Limits(max_connections=len(jobs) + 8, max_keepalive_connections=len(jobs) + 8)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None) as client:
-        await stream_one(client, [1, 2, 3, 4], 16)  # warm-up
+        await stream_one(client, [1, 2, 3, 4], 16, **sampling)  # warm-up
         start = time.perf_counter()
-        results = await asyncio.gather(*(stream_one(client, p, n) for p, n in jobs))
+        results = await asyncio.gather(*(stream_one(client, p, n, **sampling) for p, n in jobs))
         seconds = time.perf_counter() - start
     tokens = sum(n for n, _ in results)
     return {"output_tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds,
@@ -133,6 +134,10 @@ def main() -> None:
     p.add_argument("--max-input-len", type=int, default=1024)
     p.add_argument("--max-output-len", type=int, default=1024)
     p.add_argument("--ttft-requests", type=int, default=50, help="batch-1 requests per path; 0 = skip")
+    p.add_argument("--top-p", type=float, default=None, help="every request's top_p (default: unset)")
+    p.add_argument("--top-k", type=int, default=None, help="every request's top_k (default: unset)")
+    p.add_argument("--logprobs", type=int, default=None,
+                   help="every request's logprobs: N alternatives per token, streamed in each event (default: none)")
     p.add_argument("--out", default=str(REPO / "bench" / "out" / "openai_load.json"))
     args = p.parse_args()
     if not (args.scheduler or args.null_worker):
@@ -149,8 +154,10 @@ def main() -> None:
             url, proc = start_gateway(scheduler)
             owned.append(proc)
         jobs = workload(args.num_seqs, args.max_input_len, args.max_output_len)
-        over_grpc = asyncio.run(drive(scheduler, jobs))
-        over_openai = asyncio.run(drive_openai(url, jobs))
+        sampling = {name: value for name, value in
+                    (("top_p", args.top_p), ("top_k", args.top_k), ("logprobs", args.logprobs)) if value is not None}
+        over_grpc = asyncio.run(drive(scheduler, jobs, **sampling))
+        over_openai = asyncio.run(drive_openai(url, jobs, **sampling))
         result = {"grpc_tok_per_s": over_grpc["tok_per_s"], "openai_tok_per_s": over_openai["tok_per_s"],
                   "openai_vs_grpc": over_openai["tok_per_s"] / over_grpc["tok_per_s"],
                   "openai_ttft_p50_ms_under_load": over_openai["ttft_p50_ms"],

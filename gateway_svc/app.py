@@ -14,10 +14,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from gateway_svc import generation
 from gateway_svc.errors import OpenAIError, bad_request, install_handlers
-from gateway_svc.generation import Shape
 from gateway_svc.http_metrics import HTTPMetrics
-from gateway_svc.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                  chat_messages)
+from gateway_svc.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from gateway_svc.responses import Echo, Reply
 from gateway_svc.scheduler_client import SchedulerClient, check_model, model_names
 from nanoserve.v1 import llm_pb2
 
@@ -44,6 +43,17 @@ class Gateway:
         check_model(requested, info, self.config.served_model_name)
         return model_names(info, self.config.served_model_name)[0]
 
+    async def prompt_echo(self, request: llm_pb2.GenerateRequest, scored: bool) -> Echo:
+        """What completions' echo writes before each choice: the prompt's text and, when scored,
+        its first token's (the scheduler's prompt_logprobs score the tokens after it)."""
+        if request.WhichOneof("prompt") == "text":
+            text = request.text
+            ids = await self.client.tokenize(llm_pb2.TokenizeRequest(text=text)) if scored else []
+        else:
+            ids = list(request.token_ids.ids)
+            text = await self.client.detokenize(ids)
+        return Echo(text, await self.client.detokenize(ids[:1]) if scored else None)
+
 
 def create_app(config: GatewayConfig) -> HTTPMetrics:
     """The ASGI application uvicorn serves: the FastAPI app inside its HTTP metrics."""
@@ -68,16 +78,21 @@ def create_app(config: GatewayConfig) -> HTTPMetrics:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         body.check_supported()
-        shape = Shape(chat=False, model=await gateway.checked_model(body.model))
-        return await _respond(request, gateway.client.generate(body.generate_request(shape.id)), shape,
-                              body.stream, body.include_usage)
+        model = await gateway.checked_model(body.model)
+        call_request = body.generate_request()
+        echo = await gateway.prompt_echo(call_request, body.scores_prompt) if body.echo else None
+        reply = Reply(chat=False, model=model, output=body.output(echo), param_names=body.param_names())
+        call_request.request_id = reply.id
+        return await _respond(request, gateway.client.generate(call_request), reply, body.stream, body.include_usage)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         body.check_supported()
-        shape = Shape(chat=True, model=await gateway.checked_model(body.model))
-        return await _respond(request, gateway.client.chat(body.chat_request(shape.id)), shape, body.stream,
-                              body.include_usage)
+        reply = Reply(chat=True, model=await gateway.checked_model(body.model), output=body.output(),
+                      param_names=body.param_names())
+        call_request = body.chat_request()
+        call_request.request_id = reply.id
+        return await _respond(request, gateway.client.chat(call_request), reply, body.stream, body.include_usage)
 
     @app.get("/v1/models")
     async def models():
@@ -123,12 +138,12 @@ def create_app(config: GatewayConfig) -> HTTPMetrics:
     return HTTPMetrics(app, registry, paths)
 
 
-async def _respond(request: Request, call: grpc.aio.UnaryStreamCall, shape: Shape, stream: bool,
+async def _respond(request: Request, call: grpc.aio.UnaryStreamCall, reply: Reply, stream: bool,
                    include_usage: bool):
     if not stream:
-        return JSONResponse(await _unless_disconnected(request, generation.gather(call, shape)))
-    first = await _unless_disconnected(request, generation.open_call(call))
-    return StreamingResponse(generation.stream(call, first, shape, include_usage), media_type="text/event-stream",
+        return JSONResponse(await _unless_disconnected(request, generation.gather(call, reply)))
+    head = await _unless_disconnected(request, generation.open_call(call, reply))
+    return StreamingResponse(generation.stream(call, head, reply, include_usage), media_type="text/event-stream",
                              headers=_SSE_HEADERS)
 
 

@@ -1,9 +1,14 @@
 """Errors in OpenAI's JSON shape, {"error": {"message", "type", "param", "code"}}, with the HTTP
 status a client can act on; gRPC statuses from the scheduler map onto them."""
+import re
+from collections.abc import Mapping
+
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+
+from nanoserve.v1 import llm_pb2
 
 _TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
           500: "internal_error", 501: "not_implemented_error", 503: "service_unavailable_error",
@@ -12,6 +17,7 @@ _FROM_GRPC = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANG
               grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
               grpc.StatusCode.UNIMPLEMENTED: 501, grpc.StatusCode.UNAVAILABLE: 503,
               grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+_SAMPLING_FIELDS = frozenset(llm_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
 
 
 class OpenAIError(Exception):
@@ -30,14 +36,23 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
     return OpenAIError(400, message, param, code)
 
 
-def not_supported_yet(param: str) -> OpenAIError:
-    return OpenAIError(400, f"`{param}` is not supported by this server yet", param, "unsupported_parameter")
+def unsupported(param: str, message: str) -> OpenAIError:
+    return OpenAIError(400, message, param, "unsupported_parameter")
 
 
-def from_grpc(err: grpc.aio.AioRpcError) -> OpenAIError:
-    """The scheduler's status as an HTTP error; its message already says what to fix."""
-    code = err.code()
-    return OpenAIError(_FROM_GRPC.get(code, 500), err.details() or code.name, code=code.name.lower())
+def from_grpc(err: grpc.aio.AioRpcError, param_names: Mapping[str, str] | None = None) -> OpenAIError:
+    """The scheduler's status as an HTTP error; its message already says what to fix. Its
+    INVALID_ARGUMENT messages start with the SamplingParams field they refuse: the error names
+    the request's parameter for it (`param_names`: where the request calls it otherwise, as the
+    message then does too)."""
+    code, message = err.code(), err.details() or err.code().name
+    param = None
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        field = re.match(r"\w+", message)
+        if field and field[0] in _SAMPLING_FIELDS:
+            param = (param_names or {}).get(field[0], field[0])
+            message = param + message[field.end():]
+    return OpenAIError(_FROM_GRPC.get(code, 500), message, param, code.name.lower())
 
 
 def install_handlers(app: FastAPI) -> None:

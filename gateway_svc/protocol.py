@@ -1,25 +1,24 @@
 """OpenAI request bodies (with vLLM's extra sampling fields), checked and turned into gRPC.
 
-Parameters the scheduler's API cannot carry yet are accepted at their neutral value and
-answered 400 otherwise, naming the parameter, so a client never gets silently different output.
+The body's types are checked here; the values' ranges are the scheduler's to check (its
+INVALID_ARGUMENT message names the field, and the error names the request's parameter for it).
+What the scheduler cannot do (best_of above n, tools, structured output) is refused with a 400
+naming the parameter, so a client never gets silently different output.
 """
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway_svc.errors import bad_request, not_supported_yet
+from gateway_svc.errors import bad_request, unsupported
+from gateway_svc.responses import Echo, Output
 from nanoserve.v1 import llm_pb2
 
-_UINT64_MAX = 2**64 - 1
 TokenId = Annotated[int, Field(ge=0, lt=2**32)]
-# Parameter -> the values that leave generation unchanged (the scheduler API has no field yet).
-_NOT_YET: dict[str, tuple] = {
-    "n": (None, 1), "best_of": (None, 1), "top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0.0),
-    "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0),
-    "min_tokens": (None, 0), "logit_bias": (None, {}), "stop": (None, "", []), "logprobs": (None, False),
-    "top_logprobs": (None, 0), "prompt_logprobs": (None,), "echo": (None, False), "suffix": (None, ""),
-    "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
-}
+Count = Annotated[int, Field(ge=0, lt=2**32)]        # a uint32 field: its range is the scheduler's to check
+Int32 = Annotated[int, Field(ge=-2**31, lt=2**31)]
+# SamplingParams fields sent when the request sets them, under the same name.
+_OPTIONAL_FIELDS = ("temperature", "seed", "n", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "min_tokens")
 
 
 class StreamOptions(BaseModel):
@@ -33,63 +32,93 @@ class _Sampling(BaseModel):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=0, le=_UINT64_MAX)
-    ignore_eos: bool = False
-    stop_token_ids: list[TokenId] = Field(default_factory=list)
     user: str | None = None
-    # Not carried by the scheduler's API yet (see _NOT_YET).
-    n: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    seed: int | None = Field(None, ge=0, le=2**64 - 1)
+    n: Count | None = None
     best_of: int | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int32 | None = None
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int | None = None
-    logit_bias: dict[str, float] | None = None
+    min_tokens: Count | None = None
+    logit_bias: dict[str, float] | None = None   # token id (as a string) -> added to its logit
     stop: str | list[str] | None = None
-    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
+    ignore_eos: bool = False
+    prompt_logprobs: Count | None = None         # vLLM's: scores of the prompt's tokens (whole responses only)
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
     def check_supported(self) -> None:
-        for name, neutral in _NOT_YET.items():
-            value = getattr(self, name, None)
-            # Compared with their types: 0 (top_k) is neutral but logprobs=0 asks for logprobs.
-            if not any(value == n and type(value) is type(n) for n in neutral):
-                raise not_supported_yet(name)
         if self.stream_options is not None and not self.stream:
             raise bad_request("`stream_options` is only allowed when `stream` is true", "stream_options")
+        n = 1 if self.n is None else self.n
+        if self.best_of is not None and self.best_of != n:
+            raise unsupported("best_of", f"`best_of` must equal `n` ({n}) on this server: it returns every "
+                                         f"completion it draws and does not rank them; ask for `n` completions")
+        if self.stream and self.prompt_logprobs is not None:
+            raise bad_request("`prompt_logprobs` is not available when `stream` is true", "prompt_logprobs")
 
-    def sampling(self, max_tokens: int | None) -> llm_pb2.SamplingParams:
-        params = llm_pb2.SamplingParams(ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids)
-        if self.temperature is not None:
-            params.temperature = self.temperature
-        if max_tokens is not None:
-            params.max_tokens = max_tokens
-        if self.seed is not None:
-            params.seed = self.seed
+    def sampling(self, max_tokens: int | None, logprobs: int | None,
+                 prompt_logprobs: int | None) -> llm_pb2.SamplingParams:
+        params = llm_pb2.SamplingParams(ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
+                                        stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
+                                        include_stop_str_in_output=self.include_stop_str_in_output,
+                                        logit_bias=self._token_bias())
+        chosen = {name: getattr(self, name) for name in _OPTIONAL_FIELDS}
+        chosen.update(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        for name, value in chosen.items():
+            if value is not None:
+                setattr(params, name, value)
         return params
+
+    def _token_bias(self) -> dict[int, float]:
+        """logit_bias with OpenAI's string keys as token ids (their range is the scheduler's to check)."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                token_id = -1
+            if not 0 <= token_id < 2**32:
+                raise bad_request(f"logit_bias keys must be token ids (integers >= 0 written as strings), got {key!r}",
+                                  "logit_bias")
+            bias[token_id] = value
+        return bias
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
-    logprobs: int | None = None
-    echo: bool | None = None
+    logprobs: Count | None = None              # the N most likely alternatives of each token, with its own
+    echo: bool | None = None                   # the prompt before each choice's text (and its logprobs)
     suffix: str | None = None
 
-    def generate_request(self, request_id: str) -> llm_pb2.GenerateRequest:
-        request = llm_pb2.GenerateRequest(request_id=request_id, sampling=self.sampling(self.max_tokens))
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix:
+            raise unsupported("suffix", "`suffix` (text after the completion) is not supported by this server")
+
+    @property
+    def scores_prompt(self) -> bool:
+        """echo with logprobs: the prompt's tokens are scored too (through prompt_logprobs)."""
+        return bool(self.echo) and self.logprobs is not None
+
+    def generate_request(self) -> llm_pb2.GenerateRequest:
+        prompt_logprobs = max(self.logprobs, self.prompt_logprobs or 0) if self.scores_prompt else self.prompt_logprobs
+        request = llm_pb2.GenerateRequest(sampling=self.sampling(self.max_tokens, self.logprobs, prompt_logprobs))
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) > 1:
-                raise bad_request("several prompts in one request are not supported by this server yet; "
-                                  "send one request per prompt", "prompt", "unsupported_parameter")
+                raise bad_request("several prompts in one request are not supported by this server; "
+                                  "send one request per prompt (or ask for `n` completions of one)", "prompt",
+                                  "unsupported_parameter")
             prompt = prompt[0]
         if isinstance(prompt, str):
             request.text = prompt
@@ -97,27 +126,64 @@ class CompletionRequest(_Sampling):
             request.token_ids.ids.extend(prompt)  # out-of-range ids: the scheduler answers 400
         return request
 
+    def output(self, echo: Echo | None) -> Output:
+        return Output(n=self.n or 1, logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs, echo=echo)
+
+    def param_names(self) -> dict[str, str]:
+        """The request's parameter behind each SamplingParams field its errors may name."""
+        return {"prompt_logprobs": "logprobs"} if self.scores_prompt and self.prompt_logprobs is None else {}
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name, preferred when both are set
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Count | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    echo: bool | None = None  # vLLM's: the reply continues the conversation's last message
     # vLLM's extras for the template: e.g. {"enable_thinking": false} for Qwen3.
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
-    def chat_request(self, request_id: str) -> llm_pb2.ChatRequest:
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise unsupported("tools", "`tools` (function calling) are not supported by this server")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise unsupported("tool_choice", "`tool_choice` cannot name a tool: this server has no function calling")
+        if self.response_format not in (None, {"type": "text"}):
+            raise unsupported("response_format", "`response_format` other than {\"type\": \"text\"} (JSON or "
+                                                 "structured output) is not supported by this server")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("`top_logprobs` needs `logprobs` set to true", "top_logprobs")
+        if self.echo:
+            raise unsupported("echo", "`echo` (continuing the last message) is not supported by this server's chat")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def chat_request(self) -> llm_pb2.ChatRequest:
         """The scheduler's Chat call: it writes the conversation out with the model's template."""
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        request = llm_pb2.ChatRequest(request_id=request_id, messages=chat_messages(self.messages),
-                                      sampling=self.sampling(limit), add_generation_prompt=self.add_generation_prompt)
+        request = llm_pb2.ChatRequest(messages=chat_messages(self.messages),
+                                      sampling=self.sampling(limit, self.num_logprobs, self.prompt_logprobs),
+                                      add_generation_prompt=self.add_generation_prompt)
         request.chat_template_kwargs.update(self.chat_template_kwargs)
         return request
+
+    def output(self) -> Output:
+        return Output(n=self.n or 1, logprobs=self.num_logprobs, prompt_logprobs=self.prompt_logprobs)
+
+    def param_names(self) -> dict[str, str]:
+        """The request's parameter behind each SamplingParams field its errors may name."""
+        names = {"logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        return names
 
 
 def chat_messages(messages: list[dict[str, Any]]) -> list[llm_pb2.ChatMessage]:
@@ -161,15 +227,3 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int]
-
-
-FinishReason = Literal["stop", "length", "abort"]
-FINISH_REASONS: dict[int, FinishReason] = {llm_pb2.FINISH_REASON_STOP: "stop",
-                                           llm_pb2.FINISH_REASON_LENGTH: "length",
-                                           llm_pb2.FINISH_REASON_CANCELLED: "abort"}
-
-
-def usage_json(usage: llm_pb2.Usage) -> dict:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}

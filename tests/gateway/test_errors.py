@@ -26,29 +26,68 @@ def test_unknown_model_is_404(oai):
     assert error_of(raised)["param"] == "model" and error_of(raised)["code"] == "model_not_found"
 
 
-@pytest.mark.parametrize("params", [{"n": 2}, {"stop": ["."]}, {"top_p": 0.5}, {"logprobs": 2},
-                                    {"presence_penalty": 0.5}, {"frequency_penalty": 1.0}, {"best_of": 3},
-                                    {"echo": True}, {"extra_body": {"top_k": 5}}])
-def test_parameters_not_supported_yet_are_400_naming_them(oai, model_name, params):
-    name = next(iter(params.get("extra_body", params)))
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("params, param, fragment", [
+    ({"top_p": 1.5}, "top_p", "top_p must be in (0, 1], got 1.5"),
+    ({"extra_body": {"top_k": -2}}, "top_k", "top_k must be -1 or 0 (off) or at least 1"),
+    ({"extra_body": {"min_p": 2.0}}, "min_p", "min_p must be in [0, 1]"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+    ({"frequency_penalty": -3}, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty", "repetition_penalty must be in > 0"),
+    ({"extra_body": {"min_tokens": 9}}, "min_tokens", "min_tokens must be in [0, max_tokens = 2]"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "logit_bias of token 5 must be in [-100, 100]"),
+    ({"logit_bias": {"10000000": 1}}, "logit_bias", "logit_bias: token id 10000000 is outside the vocabulary"),
+    ({"logit_bias": {"the": 1}}, "logit_bias", "logit_bias keys must be token ids"),
+    ({"stop": ["ok", ""]}, "stop", "stop strings must not be empty"),
+    ({"n": 17}, "n", "n must be in [1, 16] (this server's --max-n), got 17"),
+    ({"logprobs": 21}, "logprobs", "logprobs must be in [0, 20] (this server's --max-logprobs)"),
+    ({"logprobs": 21, "echo": True}, "logprobs", "logprobs must be in [0, 20]"),
+    ({"best_of": 3}, "best_of", "`best_of` must equal `n` (1)"),
+    ({"suffix": "tail"}, "suffix", "not supported"),
+])
+def test_bad_values_are_400_naming_the_parameter(oai, model_name, params, param, fragment, stream):
+    """The scheduler's own message (its field named as the request names it), or the gateway's for
+    what the scheduler cannot do; a stream too is refused before it starts."""
     with pytest.raises(openai.BadRequestError) as raised:
-        oai.completions.create(model=model_name, prompt="hi", max_tokens=2, **params)
+        oai.completions.create(model=model_name, prompt="hi", max_tokens=2, stream=stream, **params)
     error = error_of(raised)
-    assert error["param"] == name and "not supported" in error["message"]
+    assert error["param"] == param and fragment in error["message"], error
+    assert error["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("params", [{"logprobs": True}, {"top_logprobs": 3}, {"stop": "x"}, {"n": 3}])
-def test_chat_parameters_not_supported_yet_are_400(oai, model_name, params):
+@pytest.mark.parametrize("params, param, fragment", [
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be in [0, 20]"),
+    ({"top_logprobs": 3}, "top_logprobs", "`top_logprobs` needs `logprobs` set to true"),
+    ({"max_completion_tokens": 3, "extra_body": {"min_tokens": 4}}, "min_tokens", "min_tokens must be in [0, max"),
+    ({"stop": "x", "n": 17}, "n", "n must be in [1, 16]"), ({"top_p": 0}, "top_p", "top_p must be in (0, 1]"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ({"n": 2, "extra_body": {"best_of": 3}}, "best_of", "`best_of` must equal `n` (2)"),
+    ({"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs", "not available when `stream`"),
+    ({"extra_body": {"echo": True}}, "echo", "not supported"),
+])
+def test_bad_chat_values_are_400_naming_the_parameter(oai, model_name, params, param, fragment):
     with pytest.raises(openai.BadRequestError) as raised:
         oai.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                     **params)
-    assert error_of(raised)["param"] == next(iter(params))
+    error = error_of(raised)
+    assert error["param"] == param and fragment in error["message"], error
 
 
-def test_neutral_values_of_unsupported_parameters_are_accepted(oai, model_name):
-    got = oai.completions.create(model=model_name, prompt="hi", max_tokens=2, n=1, top_p=1.0, stop=[],
-                                 presence_penalty=0.0, frequency_penalty=0.0)
+def test_neutral_values_are_accepted(oai, model_name):
+    got = oai.completions.create(model=model_name, prompt="hi", max_tokens=2, n=1, best_of=1, top_p=1.0, stop=[],
+                                 presence_penalty=0.0, frequency_penalty=0.0, logit_bias={}, echo=False,
+                                 extra_body={"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0})
     assert got.usage.completion_tokens <= 2
+    chat = oai.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       logprobs=False, tool_choice="none", response_format={"type": "text"})
+    assert chat.choices[0].logprobs is None
+
+
+def test_several_prompts_are_400_naming_prompt(oai, model_name):
+    with pytest.raises(openai.BadRequestError) as raised:
+        oai.completions.create(model=model_name, prompt=["one", "two"], max_tokens=2)
+    assert error_of(raised)["param"] == "prompt" and "one request per prompt" in error_of(raised)["message"]
 
 
 def test_schedulers_invalid_argument_is_400_with_its_message(oai, model_name):

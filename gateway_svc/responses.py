@@ -1,0 +1,151 @@
+"""OpenAI's response bodies for a request's completions: a completion or chat completion whole,
+or as the events of its stream. Choices carry their `index` (n > 1) and vLLM's `stop_reason`
+(the stop string or stop token id that ended them; None for eos or a length limit)."""
+import json
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from gateway_svc.logprobs import CompletionLogprobs, chat_content, prompt_logprobs
+from nanoserve.client import Completion
+from nanoserve.v1 import llm_pb2
+
+FINISH_REASONS = {"FINISH_REASON_STOP": "stop", "FINISH_REASON_LENGTH": "length", "FINISH_REASON_CANCELLED": "abort"}
+
+
+@dataclass(frozen=True)
+class Echo:
+    """/v1/completions' echo: the prompt written before each choice's text."""
+    text: str
+    first_token: str | None = None  # with logprobs: the first prompt token's text (nothing scores it)
+
+
+@dataclass(frozen=True)
+class Output:
+    """What a request asked to see beside the text."""
+    n: int = 1
+    logprobs: int | None = None         # alternatives per token (completions' logprobs, chat's top_logprobs)
+    prompt_logprobs: int | None = None  # vLLM's field: the prompt's tokens scored
+    echo: Echo | None = None
+
+    @property
+    def scores_echo(self) -> bool:
+        return self.echo is not None and self.logprobs is not None
+
+
+@dataclass
+class Reply:
+    """One request's reply: what differs between the endpoints and what the request asked for."""
+    chat: bool
+    model: str
+    output: Output = field(default_factory=Output)
+    param_names: dict[str, str] = field(default_factory=dict)  # for errors: see errors.from_grpc
+    id: str = field(init=False)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self):
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def envelope(self, obj: str, choices: list, **extra) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
+                **extra}
+
+    def whole(self, completions: Sequence[Completion]) -> dict:
+        """The response body for all of a request's completions, in index order."""
+        prompt_rows = completions[0].prompt_logprobs
+        choices = [self._whole_choice(c, prompt_rows) for c in completions]
+        body = self.envelope("chat.completion" if self.chat else "text_completion", choices,
+                             usage=usage_json([c.usage for c in completions]))
+        if self.output.prompt_logprobs is not None:
+            scored = prompt_logprobs(prompt_rows, self.output.prompt_logprobs)
+            for holder in [body] if self.chat else choices:  # where vLLM puts them
+                holder["prompt_logprobs"] = scored
+        return body
+
+    def _whole_choice(self, c: Completion, prompt_rows: Sequence[llm_pb2.TokenLogprob]) -> dict:
+        ending = {"finish_reason": FINISH_REASONS.get(c.finish_reason), "stop_reason": c.stop_reason}
+        num_top = self.output.logprobs
+        if self.chat:
+            logprobs = None if num_top is None else {"content": chat_content(c.logprobs, num_top)}
+            return {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
+                    **ending}
+        echo, text, rows = self.output.echo, c.text, c.logprobs
+        if echo is not None:
+            text = echo.text + text
+            rows = [*prompt_rows, *rows]
+        logprobs = None if num_top is None else \
+            CompletionLogprobs(num_top).block(rows, echo.first_token if echo else None)
+        return {"index": c.index, "text": text, "logprobs": logprobs, **ending}
+
+
+class Chunks:
+    """A streamed reply's events. Each choice's logprob offsets carry on from chunk to chunk; the
+    usage adds up the choices' as they finish."""
+
+    def __init__(self, reply: Reply):
+        self.reply = reply
+        self.num_top = reply.output.logprobs
+        self.offsets: dict[int, CompletionLogprobs] = {}
+        self.usages: dict[int, llm_pb2.Usage] = {}
+
+    def opening(self, prompt_rows: Sequence[llm_pb2.TokenLogprob]) -> Iterator[bytes]:
+        """Before any text, for each choice: chat says who speaks; completions echo the prompt."""
+        echo = self.reply.output.echo
+        for index in range(self.reply.output.n):
+            if self.reply.chat:
+                yield self._event({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                   "finish_reason": None, "stop_reason": None})
+            elif echo is not None:
+                logprobs = None if self.num_top is None else self._offsets(index).block(prompt_rows, echo.first_token)
+                yield self._event({"index": index, "text": echo.text, "logprobs": logprobs, "finish_reason": None,
+                                   "stop_reason": None})
+
+    def message(self, msg: llm_pb2.GenerateResponse) -> bytes | None:
+        """The event for one message of the call; None when it has nothing to show (its text held
+        back, as a stop string may still complete, and no logprobs asked for)."""
+        scored = self.num_top is not None
+        if not (msg.text or msg.finish_reason or (scored and msg.logprobs)):
+            return None
+        ending = {"finish_reason": None, "stop_reason": None}
+        if msg.finish_reason:
+            self.usages[msg.index] = msg.usage
+            kind = msg.WhichOneof("stop_reason")
+            ending = {"finish_reason": FINISH_REASONS[llm_pb2.FinishReason.Name(msg.finish_reason)],
+                      "stop_reason": None if kind is None else getattr(msg, kind)}
+        if self.reply.chat:
+            choice = {"index": msg.index, "delta": {"content": msg.text} if msg.text else {},
+                      "logprobs": {"content": chat_content(msg.logprobs, self.num_top)} if scored else None}
+        else:
+            choice = {"index": msg.index, "text": msg.text,
+                      "logprobs": self._offsets(msg.index).block(msg.logprobs) if scored else None}
+        return self._event({**choice, **ending})
+
+    def usage(self) -> bytes:
+        """The last event before [DONE] (stream_options.include_usage): every choice's usage."""
+        return event(self.reply.envelope(self.reply.chunk_object, [],
+                                         usage=usage_json([self.usages[i] for i in sorted(self.usages)])))
+
+    def _offsets(self, index: int) -> CompletionLogprobs:
+        return self.offsets.setdefault(index, CompletionLogprobs(self.num_top))
+
+    def _event(self, choice: dict) -> bytes:
+        return event(self.reply.envelope(self.reply.chunk_object, [choice]))
+
+
+def event(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def usage_json(usages: Sequence[llm_pb2.Usage]) -> dict:
+    """A request's usage from its completions', in index order: the prompt counts once (they share
+    it; completion 0 computed it, so its cache hits are the request's), their tokens add up."""
+    first = usages[0]
+    completion_tokens = sum(u.completion_tokens for u in usages)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": first.prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": first.cached_prompt_tokens}}
