@@ -2,11 +2,9 @@
 
 Each program takes one (sequence, KV head, split): the GROUP query heads sharing that KV head form
 one [GROUP_PAD, head_dim] tile, so every K/V row is read once for all of them. A sequence's
-context is cut into `splits` equal ranges computed in the kernel from its own length; the last split
-of a (sequence, KV head) to finish, counted on an atomic counter, merges the splits' partial
-softmaxes, so a step is one launch a layer, not two (at batch 1 the second cost ~6% of the step).
-The grid and every buffer depend only on tensor shapes (batch, heads), never on per-step lengths,
-so the launch can be captured in a CUDA graph.
+context is cut into `splits` equal ranges computed in the kernel from its own length; a second
+kernel merges the splits' partial softmaxes. The grid and every buffer depend only on tensor shapes
+(batch, heads), never on per-step lengths, so the launch can be captured in a CUDA graph.
 """
 import functools
 
@@ -25,40 +23,16 @@ MAX_SPLITS = 32
 
 
 @triton.jit
-def _chunk(length, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys per split: equal BLOCK_N-aligned chunks of the context."""
-    return tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
-
-
-@triton.jit
 def _split_range(length, split, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key range [start, end) of one split."""
-    chunk = _chunk(length, SPLITS, BLOCK_N)
+    """Key range [start, end) of one split: equal BLOCK_N-aligned chunks of the context."""
+    chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     return start, tl.minimum(length, start + chunk)
 
 
 @triton.jit
-def _merge_splits(part_out, part_max, part_sum, base, used, head_valid, dims, SPLITS: tl.constexpr):
-    """Softmax-weighted sum of the partial outputs of splits [0, used) whose rows start at `base`
-    [GROUP_PAD, 1]; read past L1, which may hold lines from before the other splits wrote them."""
-    splits = tl.arange(0, SPLITS)[None, :]
-    valid = head_valid & (splits < used)
-    maxes = tl.load(part_max + base + splits, mask=valid, other=float("-inf"), cache_modifier=".cg")
-    weights = tl.where(valid, tl.exp2(maxes - tl.max(maxes, 1)[:, None]), 0.0)
-    total = tl.sum(weights * tl.load(part_sum + base + splits, mask=valid, other=0.0, cache_modifier=".cg"), 1)
-    out = tl.zeros([base.shape[0], dims.shape[1]], tl.float32)
-    for split in range(0, used):
-        weight = tl.sum(tl.where(splits == split, weights, 0.0), 1)[:, None]
-        part = tl.load(part_out + (base + split) * dims.shape[1] + dims, mask=head_valid, other=0.0,
-                       cache_modifier=".cg")
-        out += weight * part
-    return out / tl.maximum(total, 1e-30)[:, None]
-
-
-@triton.jit
 def _decode_kernel(q_ptr, k_cache, v_cache, k_scale, v_scale, context_lens, block_tables, out_ptr,
-                   part_out, part_max, part_sum, counters, qk_scale, stride_q_seq, stride_q_head, stride_o_seq,
+                   part_out, part_max, part_sum, qk_scale, stride_q_seq, stride_q_head, stride_o_seq,
                    stride_o_head, stride_slot, stride_scale_block, stride_table, GROUP: tl.constexpr,
                    GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
@@ -68,15 +42,12 @@ def _decode_kernel(q_ptr, k_cache, v_cache, k_scale, v_scale, context_lens, bloc
     split = tl.program_id(2)
     length = tl.load(context_lens + seq)
     start, end = _split_range(length, split, SPLITS, BLOCK_N)
+    if SPLITS > 1 and start >= end:
+        return  # the merge reads only the splits that hold keys
     group = tl.arange(0, GROUP_PAD)
     heads = (kv_head * GROUP + group)[:, None]
     head_valid = (group < GROUP)[:, None]
     dims = tl.arange(0, HEAD_DIM)[None, :]
-    out_rows = out_ptr + seq * stride_o_seq + heads * stride_o_head + dims
-    if SPLITS > 1 and start >= end:  # the merge reads only the splits that hold keys
-        if length == 0 and split == 0:  # a padding row: zeros, as the unsplit kernel gives
-            tl.store(out_rows, tl.zeros([GROUP_PAD, HEAD_DIM], out_ptr.dtype.element_ty), mask=head_valid)
-        return
     q = tl.load(q_ptr + seq * stride_q_seq + heads * stride_q_head + dims, mask=head_valid, other=0.0)
     # The single query sits after the whole context; masking at end - 1 hides the split's tail.
     q_pos = tl.full([GROUP_PAD], 0, tl.int32) + end - 1
@@ -95,20 +66,34 @@ def _decode_kernel(q_ptr, k_cache, v_cache, k_scale, v_scale, context_lens, bloc
                                      PRECISION, QUANTIZED)
     if SPLITS == 1:
         out = acc / tl.maximum(l_i, 1e-30)[:, None]  # an empty row (length 0) gives zeros
-        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=head_valid)
+        tl.store(out_ptr + seq * stride_o_seq + heads * stride_o_head + dims,
+                 out.to(out_ptr.dtype.element_ty), mask=head_valid)
     else:
-        base = (seq * tl.num_programs(1) * GROUP + heads) * SPLITS
-        tl.store(part_out + (base + split) * HEAD_DIM + dims, acc, mask=head_valid)
-        tl.store(part_max + base + split, m_i[:, None], mask=head_valid)
-        tl.store(part_sum + base + split, l_i[:, None], mask=head_valid)
-        tl.debug_barrier()  # all of this program's partials are written before its count says so
-        counter = counters + seq * tl.num_programs(1) + kv_head
-        used = tl.cdiv(length, _chunk(length, SPLITS, BLOCK_N))  # the splits holding keys
-        done = tl.atomic_add(counter, 1)  # acq_rel: the other splits' partials are visible after it
-        if done == used - 1:
-            tl.store(counter, 0)  # ready for the next launch, graph replays included
-            out = _merge_splits(part_out, part_max, part_sum, base, used, head_valid, dims, SPLITS)
-            tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=head_valid)
+        rows = (seq * tl.num_programs(1) * GROUP + heads) * SPLITS + split
+        tl.store(part_out + rows * HEAD_DIM + dims, acc, mask=head_valid)
+        tl.store(part_max + rows, m_i[:, None], mask=head_valid)
+        tl.store(part_sum + rows, l_i[:, None], mask=head_valid)
+
+
+@triton.jit
+def _merge_kernel(context_lens, part_out, part_max, part_sum, out_ptr, stride_o_seq, stride_o_head,
+                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    length = tl.load(context_lens + seq)
+    chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+    used = tl.cdiv(length, tl.maximum(chunk, 1))
+    splits = tl.arange(0, SPLITS)
+    rows = (seq * tl.num_programs(1) + head) * SPLITS + splits
+    maxes = tl.load(part_max + rows, mask=splits < used, other=float("-inf"))
+    top = tl.max(maxes, 0)
+    weights = tl.where(splits < used, tl.exp2(maxes - top), 0.0)
+    total = tl.sum(weights * tl.load(part_sum + rows, mask=splits < used, other=0.0), 0)
+    dims = tl.arange(0, HEAD_DIM)
+    parts = tl.load(part_out + rows[:, None] * HEAD_DIM + dims[None, :], mask=(splits < used)[:, None],
+                    other=0.0)
+    out = tl.sum(parts * weights[:, None], 0) / tl.maximum(total, 1e-30)  # no splits: zeros
+    tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty))
 
 
 @functools.cache
@@ -116,21 +101,6 @@ def _multiprocessors(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # the CPU interpreter: a small stand-in, so that small test batches still split
-
-
-# Every counter buffer ever handed out: captured graphs keep their addresses, so none is freed.
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _split_counters(device: torch.device, count: int) -> torch.Tensor:
-    """At least `count` zeroed int32 counters, one per (sequence, KV head). The merging split zeroes
-    its counter again, so the buffer is all zeros between launches and graph replays alike."""
-    buffers = _COUNTERS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < count:
-        # Made outside capture: the worker's eager warm-up runs the largest decode before capturing.
-        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), "counters grown in capture"
-        buffers.append(torch.zeros(max(count, 4096), dtype=torch.int32, device=device))
-    return buffers[-1]
 
 
 def num_splits(num_seqs: int, kv_heads: int, device: torch.device) -> int:
@@ -156,9 +126,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     part_sum = torch.empty_like(part_max)
     _decode_kernel[(num_seqs, kv_heads, splits)](
         q, k_cache, v_cache, k_scale, v_scale, context_lens, block_tables, out, part_out, part_max, part_sum,
-        _split_counters(q.device, num_seqs * kv_heads), scale * LOG2_E, q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1), k_cache.stride(1), scale_block_stride(k_scale, v_scale),
-        block_tables.stride(0), GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        scale * LOG2_E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(1), scale_block_stride(k_scale, v_scale), block_tables.stride(0), GROUP=group,
+        GROUP_PAD=group_pad, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_N=BLOCK_N, SPLITS=splits, PRECISION=dot_precision(q.dtype), QUANTIZED=k_scale is not None,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    if splits > 1:
+        _merge_kernel[(num_seqs, heads)](
+            context_lens, part_out, part_max, part_sum, out, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, SPLITS=splits)
     return out

@@ -316,7 +316,7 @@ def test_kv_kernels_compile_for_hopper_with_an_fp8_cache() -> None:
     types = {"k_ptr": "*bf16", "v_ptr": "*bf16", "q_ptr": "*bf16", "out_ptr": "*bf16", "k_cache": "*fp8e4nv",
              "v_cache": "*fp8e4nv", "k_scale": "*fp32", "v_scale": "*fp32", "slot_mapping": "*i64",
              "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "block_tables": "*i32", "context_lens": "*i32",
-             "part_out": "*fp32", "part_max": "*fp32", "part_sum": "*fp32", "counters": "*i32", "qk_scale": "fp32"}
+             "part_out": "*fp32", "part_max": "*fp32", "part_sum": "*fp32", "qk_scale": "fp32"}
     shape = dict(BLOCK_SIZE=256, HEAD_DIM=128, QUANTIZED=True)
     attention = dict(GROUP=2, BLOCK_N=64, PRECISION="tf32", **shape)
     for kernel, constexprs in (
