@@ -75,8 +75,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """New tokens (q: [N, heads, head_dim], packed by cu_seqlens_q) attend causally to their
     sequence's whole cache (cached prefix + themselves, already stored), into `out` if given.
     The maxima are not needed here (no grid to size)."""
-    # Contiguous even when q is a view into the QKV output: o_proj's GEMM reads it (at one token, a
-    # row of stride 4,096 sent cuBLAS to a kernel 2.4x slower).
+    # Contiguous even when q is a view into the QKV output (rotated in place): o_proj's GEMM reads it.
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     starts, ends = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for i in range(len(starts) - 1):
