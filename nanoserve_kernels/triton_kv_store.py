@@ -33,15 +33,14 @@ def _round_to_e4m3_grid(x):
     """|x| <= 448 rounded to the nearest e4m3 value (ties to even), still in float32, so that the
     cast to e4m3 is exact whatever rounding it does (Triton's CPU interpreter truncates, and its
     round-to-nearest forgets the carry into the exponent). Normal values keep 3 mantissa bits;
-    below 2**-6 e4m3 is subnormal, in steps of 2**-9: adding 2**-6 puts those values in the
-    binade whose 3-bit step is 2**-9, so the same rounding serves."""
+    below 2**-6 e4m3 is subnormal, in steps of 2**-9: scaled by 2**9 (exact), those round to an
+    integer by adding and taking off 2**23, once, as the hardware's own conversion rounds."""
     magnitude = tl.abs(x)
-    subnormal = magnitude < 0.015625
-    shifted = tl.where(subnormal, magnitude + 0.015625, magnitude)
-    bits = shifted.to(tl.int32, bitcast=True)
+    bits = magnitude.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # drop 20 of 23 mantissa bits, ties to even
     rounded = bits.to(tl.float32, bitcast=True)
-    rounded = tl.where(subnormal, rounded - 0.015625, rounded)
+    steps = (magnitude * 512.0 + 8388608.0) - 8388608.0
+    rounded = tl.where(magnitude < 0.015625, steps * 0.001953125, rounded)
     return tl.where(x < 0, -rounded, rounded)
 
 

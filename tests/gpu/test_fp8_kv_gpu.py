@@ -36,6 +36,7 @@ def next_token_logprobs(model_dir, dtype: str, kv_cache_dtype: str) -> torch.Ten
                                       max_model_len=1024, kv_cache_dtype=kv_cache_dtype))
     runner.allocate_kv_cache(NUM_BLOCKS)
     assert runner.graphs is not None
+    assert (runner.kv_cache.dtype == torch.float8_e4m3fn) == (kv_cache_dtype == "fp8")
     writer = StepWriter(BLOCK_SIZE)
     rows = [runner.step_logits(writer.request(*(writer.entry(i, p, reset=True) for i, p in PROMPTS.items())))]
     for t in range(DECODE_STEPS):
@@ -65,4 +66,7 @@ def test_fp8_cache_kl_stays_near_the_bf16_noise_floor(model, tiny_model_dir, req
           f"fp8 vs bf16 KV {cost.mean():.2e} / {cost.quantile(0.99):.2e} / {cost.max():.2e}; "
           f"fp8 KV vs fp32 {total.mean():.2e}; greedy agreement fp8/bf16 "
           f"{(fp8.argmax(-1) == bf16.argmax(-1)).float().mean():.3f}")
-    assert 0 < cost.mean() <= KL_BOUND_OVER_FLOOR * floor.mean()
+    # The random 0.6B-shape model barely uses attention (init std 0.02): its bf16 logits may not move
+    # at all under an FP8 cache, so a zero cost is a result there; the tiny model must show one.
+    assert 0 < floor.mean() and cost.mean() <= KL_BOUND_OVER_FLOOR * floor.mean()
+    assert cost.mean() > 0 or model != "tiny"
