@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # On a lent GPU machine, from the repo root: builds the minimal flash-attn (when .fa/ is carried),
 # runs tests/gpu and the service integration suite on CUDA, then the throughput benchmark.
-#   bench/gpu_checks.sh [tests|bench|all|tp|release]   (results under $OUT, default bench/out)
+#   bench/gpu_checks.sh [tests|bench|all|tp|release|mixed]   (results under $OUT, default bench/out)
 # `release` fits one 10-minute call: tests/gpu, then throughput and latency on the 0.6B shape (triton),
 # the 8B shape at default flags on dummy weights, and throughput with flash-attn (built meanwhile).
 # `tp` (on nvidia-h200-x2): two ranks against one on GPU (tests/gpu/test_tensor_parallel*_gpu.py), the
 # tensor-parallel service tests on CUDA, then throughput at 1 and 2 ranks.
+# `mixed` (issue 15, one 10-minute call): the heavy workload with and without chunked prefill, then the
+# online benchmark at 8 and 32 requests per second, on the 0.6B shape (triton).
 set -uo pipefail
 mode=${1:-all}
 out=${OUT:-bench/out}; mkdir -p "$out"
@@ -15,6 +17,16 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # packages the GPU image lacks (health, 
   export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+if [ "$mode" = mixed ]; then
+  for chunked in enable no-enable; do
+    timeout 200 python3 bench/throughput.py --workload heavy --attention-backend triton \
+      --extra "--$chunked-chunked-prefill" --out "$out/throughput_heavy_$chunked.json" 2>&1 \
+      | tee "$out/throughput_heavy_$chunked.log" | grep -v " INFO " | tail -22
+  done
+  timeout 180 python3 bench/serve.py --model .cache/qwen3-0.6b-random --request-rates 8 32 --num-prompts 400 \
+    --extra "--attention-backend triton" --out "$out/serve.json" 2>&1 | grep -v " INFO " | tail -6
+  exit
+fi
 if [ "$mode" = release ]; then
   [ -f .fa/flash_attn-2.8.3.tar.gz ] && { bash .fa/flash-attn-minimal.sh build .fa > "$out/fa_build.log" 2>&1 & }
   timeout 170 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/gpu_tests.log" | tail -12

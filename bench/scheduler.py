@@ -1,7 +1,11 @@
 """CPU cost of the scheduler: one round of schedule(), encoding the step message, postprocess().
 
-Decode rounds with 256 and 1,024 running sequences of ~1,000 tokens, and one 16,384-token
-prefill step. The target is well under a GPU step: < 1 ms per decode round at 256 sequences.
+Decode rounds with 256 and 1,024 running sequences of ~1,000 tokens; mixed rounds (issue 15), in
+which the same 256 sequences decode while chunks of 2,048-token prompts take 512 more tokens (an
+online step) or the rest of the default 8,192-token budget; and one 16,384-token prefill step. The
+target is well under a GPU step: < 1 ms per decode or mixed round at 256 sequences. A mixed round
+costs a decode round plus its prompt tokens' own work (blocks taken, hashed and freed, token ids
+encoded), which a prefill step of the same tokens costs as well.
 
     PYTHONPATH=.:proto python bench/scheduler.py [--out bench/out/scheduler.json]
 """
@@ -19,13 +23,17 @@ from scheduler_svc.step_encoder import encode_step
 
 BLOCK_SIZE = 16
 CONTEXT = 1000
+MIXED_BUDGET = 8192  # --max-num-batched-tokens' default
+MIXED_PROMPT = 2048  # tokens of each prompt that mixed rounds prefill
 NEVER_STOP = SamplingOptions(ignore_eos=True)
 
 
-def _scheduler(num_seqs: int, max_tokens_per_seq: int, budget: int) -> Scheduler:
-    config = SchedulerConfig(num_kv_blocks=num_seqs * (max_tokens_per_seq // BLOCK_SIZE + 2),
-                             block_size=BLOCK_SIZE, max_model_len=max_tokens_per_seq + 1,
-                             max_num_seqs=num_seqs, max_num_batched_tokens=budget)
+def _scheduler(num_seqs: int, max_tokens_per_seq: int, budget: int, max_model_len: int = 0,
+               extra_blocks: int = 0) -> Scheduler:
+    """Blocks for num_seqs sequences of max_tokens_per_seq tokens, and extra_blocks more."""
+    config = SchedulerConfig(num_kv_blocks=num_seqs * (max_tokens_per_seq // BLOCK_SIZE + 2) + extra_blocks,
+                             block_size=BLOCK_SIZE, max_model_len=max(max_model_len, max_tokens_per_seq + 1),
+                             max_num_seqs=num_seqs + 8, max_num_batched_tokens=budget)
     return Scheduler(config)
 
 
@@ -33,23 +41,49 @@ def _random_prompt(rng: random.Random, length: int) -> list[int]:
     return [rng.randrange(10000) for _ in range(length)]
 
 
-def decode_rounds(num_seqs: int, num_rounds: int) -> list[float]:
-    """CPU seconds per round, once all sequences are decoding. Context lengths are staggered so
-    that block boundaries (a new block, a hash) fall on different rounds, as they do live."""
-    rng = random.Random(0)
-    scheduler = _scheduler(num_seqs, CONTEXT + BLOCK_SIZE + num_rounds, budget=16384)
+def _decoding(rng: random.Random, num_seqs: int, num_rounds: int, budget: int, **more) -> Scheduler:
+    """A scheduler whose num_seqs sequences have computed their prompts and decode from now on.
+    Context lengths are staggered so that block boundaries (a new block, a hash) fall on different
+    rounds, as they do live."""
+    scheduler = _scheduler(num_seqs, CONTEXT + BLOCK_SIZE + num_rounds, budget, **more)
     for seq_id in range(num_seqs):
         scheduler.enqueue(Sequence(seq_id, _random_prompt(rng, CONTEXT + seq_id % BLOCK_SIZE), NEVER_STOP))
     while scheduler.num_waiting:  # prefill everything first
         plan = scheduler.schedule()
         scheduler.postprocess(plan, [1] * len(plan.sampled))
+    return scheduler
+
+
+def _timed_round(scheduler: Scheduler, rng: random.Random) -> float:
+    start = time.thread_time()
+    plan = scheduler.schedule()
+    encode_step(plan)
+    scheduler.postprocess(plan, [rng.randrange(10000)] * len(plan.sampled))
+    return time.thread_time() - start
+
+
+def decode_rounds(num_seqs: int, num_rounds: int) -> list[float]:
+    """CPU seconds per round, once all sequences are decoding."""
+    rng = random.Random(0)
+    scheduler = _decoding(rng, num_seqs, num_rounds, budget=16384)
+    return [_timed_round(scheduler, rng) for _ in range(num_rounds)]
+
+
+def mixed_rounds(num_seqs: int, num_rounds: int, prompt_tokens: int) -> list[float]:
+    """CPU seconds per mixed round: num_seqs sequences decode, and prompt_tokens of MIXED_PROMPT-token
+    prompts (one token out each, so they leave at once) fill the rest of the budget, split across
+    rounds; their blocks are allocated, hashed as they fill, and freed."""
+    rng = random.Random(0)
+    prompts_per_round = prompt_tokens // MIXED_PROMPT + 2
+    scheduler = _decoding(rng, num_seqs, num_rounds, num_seqs + prompt_tokens, max_model_len=MIXED_PROMPT + 1,
+                          extra_blocks=prompts_per_round * MIXED_PROMPT // BLOCK_SIZE)
+    prompts = [Sequence(num_seqs + i, _random_prompt(rng, MIXED_PROMPT), SamplingOptions(max_tokens=1))
+               for i in range(num_rounds * prompt_tokens // MIXED_PROMPT + prompts_per_round)]
     times = []
     for _ in range(num_rounds):
-        start = time.thread_time()
-        plan = scheduler.schedule()
-        encode_step(plan)
-        scheduler.postprocess(plan, [rng.randrange(10000)] * len(plan.sampled))
-        times.append(time.thread_time() - start)
+        while scheduler.num_waiting < prompts_per_round:  # queued outside the timed round, as a handler does
+            scheduler.enqueue(prompts.pop())
+        times.append(_timed_round(scheduler, rng))
     return times
 
 
@@ -82,12 +116,14 @@ def main() -> None:
     results = {
         "decode_256_seqs": _summary(decode_rounds(256, args.rounds)),
         "decode_1024_seqs": _summary(decode_rounds(1024, args.rounds)),
+        "mixed_256_seqs_512_prompt": _summary(mixed_rounds(256, args.rounds, 512)),
+        "mixed_256_seqs_7936_prompt": _summary(mixed_rounds(256, args.rounds, MIXED_BUDGET - 256)),
         "prefill_16384_tokens": _summary(prefill_rounds(16384, 20)),
     }
     print("CPU time of this thread per round")
-    print(f"{'case':<22}{'mean ms':>10}{'median ms':>11}{'min ms':>9}{'max ms':>9}")
+    print(f"{'case':<28}{'mean ms':>10}{'median ms':>11}{'min ms':>9}{'max ms':>9}")
     for case, row in results.items():
-        print(f"{case:<22}" + "".join(f"{row[key]:>{width}.3f}" for key, width in
+        print(f"{case:<28}" + "".join(f"{row[key]:>{width}.3f}" for key, width in
                                       (("mean_ms", 10), ("median_ms", 11), ("min_ms", 9), ("max_ms", 9))))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"block_size": BLOCK_SIZE, "context_tokens": CONTEXT, **results}

@@ -1,7 +1,12 @@
-"""End-to-end throughput through the real services (DESIGN §8 workload).
+"""End-to-end throughput through the real services (DESIGN §8 workloads).
 
 Starts `nanoserve up` on a Qwen3-0.6B-shaped checkpoint with random bf16 weights (built on first
-use), drives it with 256 concurrent gRPC Generate streams, prints a table and writes JSON.
+use), drives it with every request's gRPC Generate stream at once, prints a table and writes JSON.
+
+--workload design (the default): 256 requests, prompts and outputs uniform in [100, 1,024].
+--workload heavy (issue 15): 1,024 requests, prompts and outputs uniform in [100, 2,048], the server at
+--max-model-len 4096, so the KV pool runs out and sequences are preempted. --num-seqs,
+--max-input-len and --max-output-len override a workload's numbers.
 
 Issue 18's sampling cost: the same run with `--top-p 0.9 --top-k 50` on every request.
 
@@ -30,6 +35,10 @@ from nanoserve.client import make_request  # noqa: E402
 from nanoserve.v1 import llm_pb2, llm_pb2_grpc  # noqa: E402
 from nanoserve_cli.cache import bench_model_dir  # noqa: E402
 from nanoserve_cli.launcher import free_port, stop_all, wait_serving  # noqa: E402
+
+
+# name -> requests, longest prompt, longest output (each uniform from 100)
+WORKLOADS = {"design": (256, 1024, 1024), "heavy": (1024, 2048, 2048)}
 
 
 def workload(num_seqs: int, max_input: int, max_output: int) -> list[tuple[list[int], int]]:
@@ -66,6 +75,8 @@ async def drive(address: str, jobs: list[tuple[list[int], int]], **sampling) -> 
         "output_tokens": sum(counts), "seconds": seconds, "tok_per_s": sum(counts) / seconds,
         "requests": len(jobs), "prompt_tokens": sum(len(p) for p, _ in jobs),
         "prefill_steps": delta("prefill_steps"), "decode_steps": delta("decode_steps"),
+        "mixed_steps": delta("mixed_steps"), "decodes_in_mixed_steps": delta("mixed_decode_tokens"),
+        # prompt tokens over the time of the steps that computed them (mixed steps' decodes ride in that time)
         "prefill_tok_per_s": delta("prefill_tokens") / max(delta("prefill_busy_seconds"), 1e-9),
         "decode_tok_per_s": delta("decode_tokens") / max(delta("decode_busy_seconds"), 1e-9),
         "decode_step_ms": 1e3 * delta("decode_busy_seconds") / max(delta("decode_steps"), 1),
@@ -80,15 +91,21 @@ def main() -> None:
     p.add_argument("--model", default=str(bench_model_dir()))
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--num-seqs", type=int, default=256)
-    p.add_argument("--max-input-len", type=int, default=1024)
-    p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument("--workload", choices=WORKLOADS, default="design")
+    p.add_argument("--num-seqs", type=int, help="requests (default: the workload's)")
+    p.add_argument("--max-input-len", type=int, help="longest prompt (default: the workload's)")
+    p.add_argument("--max-output-len", type=int, help="longest output (default: the workload's)")
     p.add_argument("--max-model-len", type=int, default=4096, help="as the nano-vllm anchor's bench.py")
     p.add_argument("--extra", default="", help="more `nanoserve up` flags, space separated")
     p.add_argument("--top-p", type=float, default=None, help="every request's top_p (default: unset)")
     p.add_argument("--top-k", type=int, default=None, help="every request's top_k (default: unset)")
-    p.add_argument("--out", default=str(REPO / "bench" / "out" / "throughput.json"))
+    p.add_argument("--out", help="default: bench/out/throughput.json (throughput-heavy.json for the heavy workload)")
     args = p.parse_args()
+    for name, value in zip(("num_seqs", "max_input_len", "max_output_len"), WORKLOADS[args.workload]):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.out = args.out or str(REPO / "bench" / "out" / ("throughput.json" if args.workload == "design"
+                                                         else f"throughput-{args.workload}.json"))
 
     model = Path(args.model)
     if not (model / "config.json").exists():
@@ -109,6 +126,8 @@ def main() -> None:
                                    top_p=args.top_p, top_k=args.top_k))
     finally:
         stop_all([proc])
+    result["workload"] = {"name": args.workload, "requests": args.num_seqs, "max_input_len": args.max_input_len,
+                          "max_output_len": args.max_output_len, "max_model_len": args.max_model_len}
     result["command"] = " ".join(sys.argv)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

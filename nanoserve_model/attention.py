@@ -35,7 +35,19 @@ class Attention(nn.Module):
 
     def prefill(self, q: torch.Tensor, ctx: StepContext, out: torch.Tensor | None = None) -> torch.Tensor:
         """Prefill attention of q over the cache, which holds the step's K/V already; into `out`
-        if given (a piecewise graph's replay runs this between its pieces)."""
-        return ctx.backend.paged_prefill(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
-                                         ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_tables, self.scale,
-                                         out=out, **self.kv_scales)
+        if given (a piecewise graph's replay runs this between its pieces). A mixed step's leading
+        decodes (ctx.num_decodes queries, one per sequence) attend through the decode kernel."""
+        backend, num_decodes = ctx.backend, ctx.num_decodes
+        if not num_decodes:
+            return backend.paged_prefill(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
+                                         ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_tables, self.scale, out=out,
+                                         **self.kv_scales)
+        # Contiguous even when q is a view into the QKV output (rotated in place): o_proj's GEMM reads it.
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+        out[:num_decodes] = backend.paged_decode(q[:num_decodes], self.k_cache, self.v_cache,
+                                                 ctx.context_lens[:num_decodes], ctx.block_tables[:num_decodes],
+                                                 self.scale, **self.kv_scales)
+        backend.paged_prefill(q[num_decodes:], self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
+                              ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_tables[num_decodes:], self.scale,
+                              out=out[num_decodes:], **self.kv_scales)
+        return out

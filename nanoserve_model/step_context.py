@@ -22,13 +22,17 @@ class StepContext:
     slot_mapping: torch.Tensor   # [num_tokens]
     context_lens: torch.Tensor   # [num_seqs] int32 (what paged_decode reads)
     block_tables: torch.Tensor   # [num_seqs, max_blocks]
-    cu_seqlens_q: torch.Tensor   # [num_seqs + 1] int32
-    cu_seqlens_k: torch.Tensor   # [num_seqs + 1] int32, prefix sums of context_lens
-    # Longest new-token run and longest context of the step (paged_prefill's grid). Decode steps
-    # carry bounds instead (1 and the model length limit): a CUDA graph replays one context for
+    # Over the sequences that attend as a prefill: all of them, or those after num_decodes.
+    cu_seqlens_q: torch.Tensor   # [num_seqs - num_decodes + 1] int32
+    cu_seqlens_k: torch.Tensor   # [num_seqs - num_decodes + 1] int32, prefix sums of their context_lens
+    # Longest new-token run and longest context of those sequences (paged_prefill's grid). Decode
+    # steps carry bounds instead (1 and the model length limit): a CUDA graph replays one context for
     # every step of its batch size, so nothing in it may depend on one step's lengths.
     max_seqlen_q: int
     max_seqlen_k: int
+    # A mixed prefill step (decodes beside prompt chunks) starts with this many sequences of one new
+    # token each, whose queries attend through paged_decode (context_lens, block_tables: their rows).
+    num_decodes: int = 0
     # Set while a piecewise CUDA graph is captured (worker_svc.prefill_graphs): each attention
     # layer, once it has stored the step's K/V, hands its queries [N, heads, head_dim] to the cut
     # instead of attending, and goes on with the [N, heads, head_dim] tensor it returns, which

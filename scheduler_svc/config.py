@@ -15,3 +15,6 @@ class SchedulerConfig:
     max_num_seqs: int = _DEFAULT["max_num_seqs"]                      # running sequences at once
     max_num_batched_tokens: int = _DEFAULT["max_num_batched_tokens"]  # tokens computed in one step
     enable_prefix_caching: bool = _DEFAULT["enable_prefix_caching"]
+    # Steps mix decodes with prompt chunks; off: a step either prefills whole prompts or decodes.
+    enable_chunked_prefill: bool = _DEFAULT["enable_chunked_prefill"]
+    long_prefill_token_threshold: int = _DEFAULT["long_prefill_token_threshold"]  # chunk cap; 0 = none

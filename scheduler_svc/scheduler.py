@@ -1,10 +1,14 @@
 """Continuous batching: which sequences compute what in the next step, and what its tokens do.
 
-A step either prefills or decodes. Prefill comes first: it continues the prompt chunked in
-the previous step, then admits waiting sequences while the running count, the token budget
-and the free blocks allow; a prompt longer than the budget left is split across steps. When
-nothing can be prefilled, every running sequence decodes one token; if one needs a new block
-and none is free, the most recently admitted sequence is preempted and later recomputed.
+One token budget per step (max_num_batched_tokens). With chunked prefill (the default) a step is
+mixed: every running sequence that has its prompt decodes one token first, then the prompts
+part-way through continue, then waiting sequences are admitted while the running count, the
+budget and the free blocks allow; a prompt longer than the budget left is split across steps
+(and no chunk is longer than long_prefill_token_threshold, when set), so a long prompt never
+stalls the decodes. Without chunked prefill a step either prefills whole prompts (only a prompt
+longer than the whole budget is split) or, when nothing can be prefilled, decodes. When a decode
+needs a new block and none is free, the most recently admitted sequence is preempted and later
+recomputed.
 
 Steps are pipelined: a step plan advances its sequences when it is built, so the next ones can
 be scheduled while it runs, its sampled tokens pending. Call postprocess() for every plan, in
@@ -39,12 +43,18 @@ class Scheduler:
         if config.max_num_batched_tokens < config.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must cover one "
                              f"decode token for each of max_num_seqs ({config.max_num_seqs}) sequences")
+        if config.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold ({config.long_prefill_token_threshold}) must be "
+                             "0 (off) or a positive token count")
         self.config = config
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
         # A sequence can never outgrow the pool either: past it, there is no slot for its next token.
         self.max_seq_len = min(config.max_model_len, config.num_kv_blocks * config.block_size)
         self.eos_token_ids = frozenset(config.eos_token_ids)
+        # The most prompt tokens one sequence computes in a step (the budget caps them anyway).
+        threshold = config.long_prefill_token_threshold if config.enable_chunked_prefill else 0
+        self.max_chunk_tokens = threshold or config.max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.live: dict[int, Sequence] = {}  # waiting and running, by id
@@ -91,6 +101,8 @@ class Scheduler:
 
     def schedule(self) -> StepPlan | None:
         """The next step, or None when no sequence is live (pending forgets then ride on the next step)."""
+        if self.config.enable_chunked_prefill:
+            return self._schedule_mixed()
         return self._schedule_prefill() or self._schedule_decode()
 
     def postprocess(self, plan: StepPlan, token_ids: list[int]) -> list[Sequence]:
@@ -138,30 +150,59 @@ class Scheduler:
         self._release(seq)
         return seq
 
+    def _schedule_mixed(self) -> StepPlan | None:
+        """Decodes first, then the prompts part-way through, then admissions, in one budget."""
+        seqs, prefilling = self._claim_decode_slots()
+        num_tokens = [1] * len(seqs)
+        budget = self.config.max_num_batched_tokens - len(seqs)
+        for seq in prefilling:
+            if not budget:
+                break
+            seqs.append(seq)
+            num_tokens.append(self._chunk(seq, budget))
+            budget -= num_tokens[-1]
+        self._admit_waiting(seqs, num_tokens, budget)
+        return self._build(seqs, num_tokens) if seqs else None
+
     def _schedule_prefill(self) -> StepPlan | None:
+        """Without chunked prefill: a step of prompts only, when any can be computed."""
         budget = self.config.max_num_batched_tokens
         seqs: list[Sequence] = []
         num_tokens: list[int] = []
-        # At most one prompt is part-way through: the last one admitted, split by the budget.
+        # At most one prompt is part-way through: the last one admitted, longer than the budget.
         # With one token left it simply joins the next decode.
         if self.running and self.running[-1].num_uncomputed_tokens > 1:
             seqs.append(self.running[-1])
-            num_tokens.append(min(seqs[-1].num_uncomputed_tokens, budget))
+            num_tokens.append(self._chunk(seqs[-1], budget))
             budget -= num_tokens[-1]
+        self._admit_waiting(seqs, num_tokens, budget)
+        return self._build(seqs, num_tokens) if seqs else None
+
+    def _admit_waiting(self, seqs: list[Sequence], num_tokens: list[int], budget: int) -> None:
+        """Admits waiting sequences into the step being built while the budget, the running count
+        and the free blocks allow. Without chunked prefill only whole prompts join a step that
+        computes something already (a prompt longer than the whole budget is split, alone)."""
         # A sequence preempted while a step of it is in flight waits for that step: its recompute
         # must include a token still pending, and the old step's post-processing must not touch
         # the blocks of its new admission.
         # A later completion of a request (n > 1) waits, in its place, for the first to compute the
         # prompt: it then takes the prompt's full blocks from the prefix cache.
-        while (self.waiting and budget and len(self.running) < self.config.max_num_seqs
-               and not self.waiting[0].num_steps_in_flight and not self.waiting[0].waits_for_leader):
-            cached = [] if self.waiting[0].scores_prompt else self.block_manager.cached_prefix(self.waiting[0])
-            if not self.block_manager.can_allocate(self.waiting[0], cached):
+        waiting, chunked = self.waiting, self.config.enable_chunked_prefill
+        while (waiting and budget and len(self.running) < self.config.max_num_seqs
+               and not waiting[0].num_steps_in_flight and not waiting[0].waits_for_leader):
+            cached = [] if waiting[0].scores_prompt else self.block_manager.cached_prefix(waiting[0])
+            if not chunked and seqs and len(waiting[0]) - len(cached) * self.config.block_size > budget:
                 break
-            seqs.append(self._admit(self.waiting.popleft(), cached))
-            num_tokens.append(min(seqs[-1].num_uncomputed_tokens, budget))
+            if not self.block_manager.can_allocate(waiting[0], cached):
+                break
+            seqs.append(self._admit(waiting.popleft(), cached))
+            num_tokens.append(self._chunk(seqs[-1], budget))
             budget -= num_tokens[-1]
-        return self._build(seqs, num_tokens) if seqs else None
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """The prompt tokens a sequence computes in this step: what is left, within the budget and
+        the long-prefill cap."""
+        return min(seq.num_uncomputed_tokens, budget, self.max_chunk_tokens)
 
     def _admit(self, seq: Sequence, cached: list[Block]) -> Sequence:
         self.block_manager.allocate(seq, cached)
@@ -173,23 +214,36 @@ class Scheduler:
         return seq
 
     def _schedule_decode(self) -> StepPlan | None:
+        """Without chunked prefill: a step in which every running sequence decodes."""
+        decoding, _ = self._claim_decode_slots()
+        return self._build(decoding, [1] * len(decoding)) if decoding else None
+
+    def _claim_decode_slots(self) -> tuple[list[Sequence], list[Sequence]]:
+        """The running sequences that decode in the next step, each with a slot for its token
+        (preempting the most recently admitted ones when no block is free), and those part-way
+        through their prompt, in admission order."""
         running, block_size = self.running, self.config.block_size
-        # A new list: the plan must not change when running does (an abort while the step runs).
-        # Preemption pops from the end of running, never a sequence already in it.
+        # New lists: the plan must not change when running does (an abort while the step runs).
+        # Preemption pops from the end of running, never a sequence already in either list.
         decoding: list[Sequence] = []
+        prefilling: list[Sequence] = []
         index = 0
         while index < len(running):
             seq = running[index]
+            computed = seq.num_computed_tokens
+            if len(seq.token_ids) + seq.num_pending_tokens - computed > 1:  # its prompt is not all computed
+                prefilling.append(seq)
+                index += 1
+                continue
             if self._ends_in_flight(seq):  # nothing to compute, no slot needed
                 index += 1
                 continue
-            has_slot = seq.num_computed_tokens < len(seq.block_table) * block_size  # for the token to compute
-            if has_slot or self.block_manager.append_block(seq):
+            if computed < len(seq.block_table) * block_size or self.block_manager.append_block(seq):
                 decoding.append(seq)
                 index += 1
             else:
                 self._preempt(running.pop())  # may be seq itself, which ends the loop
-        return self._build(decoding, [1] * len(decoding)) if decoding else None
+        return decoding, prefilling
 
     def _ends_in_flight(self, seq: Sequence) -> bool:
         """Its pending token brings it to its length limit: nothing more to compute."""

@@ -169,7 +169,8 @@ class LLMService(llm_pb2_grpc.LLMServicer):
                              decode_steps=t.decode_steps, prefill_tokens=t.prefill_tokens,
                              decode_tokens=t.decode_tokens, prefill_busy_seconds=t.prefill_busy_seconds,
                              decode_busy_seconds=t.decode_busy_seconds, decode_idle_seconds=t.decode_idle_seconds,
-                             prefill_host_seconds=t.prefill_host_seconds, decode_host_seconds=t.decode_host_seconds)
+                             prefill_host_seconds=t.prefill_host_seconds, decode_host_seconds=t.decode_host_seconds,
+                             mixed_steps=t.mixed_steps, mixed_decode_tokens=t.mixed_decode_tokens)
 
 
 class StartupError(Exception):
@@ -191,7 +192,9 @@ def _scheduler_config(args: argparse.Namespace, group: WorkerGroup) -> Scheduler
                            eos_token_ids=tuple(infos[0].eos_token_ids),
                            max_num_seqs=narrowest(args.max_num_seqs, "max_num_seqs"),
                            max_num_batched_tokens=narrowest(args.max_num_batched_tokens, "max_num_batched_tokens"),
-                           enable_prefix_caching=args.enable_prefix_caching)
+                           enable_prefix_caching=args.enable_prefix_caching,
+                           enable_chunked_prefill=args.enable_chunked_prefill,
+                           long_prefill_token_threshold=args.long_prefill_token_threshold)
 
 
 def _fitting_max_model_len(max_model_len: int, asked: bool, num_blocks: int, block_size: int) -> int:

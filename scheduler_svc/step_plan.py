@@ -37,6 +37,15 @@ class StepPlan:
         """Every entry computes one token of a sequence the workers already know."""
         return not self.resets and all(count == 1 for count in self.num_tokens)
 
+    @property
+    def num_decodes(self) -> int:
+        """The leading entries that decode: one token of a sequence the workers know. A mixed step
+        puts every decode ahead of its prompt chunks (and a prefill step has none)."""
+        for index, count in enumerate(self.num_tokens):
+            if count != 1 or index in self.resets:
+                return index
+        return len(self.num_tokens)
+
     @classmethod
     def build(cls, step_id: int, seqs: list[Sequence], num_tokens: list[int],
               forget_seq_ids: list[int]) -> "StepPlan":

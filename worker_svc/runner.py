@@ -214,18 +214,27 @@ class ModelRunner:
             self._first_steps(num_blocks)
 
     def _first_steps(self, num_blocks: int) -> None:
-        """A two-token prefill and a decode through the serving path before any request comes, so
-        that the kernels outside the graphs (attention between prefill pieces, sampling) compile
-        now; their K/V land in the first blocks, which hold nothing yet."""
-        blocks = cdiv(3, self.config.block_size)
-        if blocks > num_blocks:
+        """A two-token prefill, a mixed step (its decode beside another two-token prefill) and a
+        decode through the serving path before any request comes, so that the kernels outside the
+        graphs (attention between prefill pieces, sampling) compile now; their K/V land in the first
+        blocks, which hold nothing yet."""
+        blocks = cdiv(4, self.config.block_size)
+        if 2 * blocks > num_blocks:
             return
         sampling = llm_pb2.SamplingParams(temperature=1.0)
-        self.step(worker_pb2.StepRequest(seqs=[worker_pb2.SeqStep(
-            seq_id=0, token_ids=[0, 0], reset=True, sample=True, new_block_ids=range(blocks), sampling=sampling)]))
-        self.step(worker_pb2.StepRequest(seqs=[worker_pb2.SeqStep(seq_id=0, num_computed=2, sample=True,
-                                                                  num_generated=1)]))
-        self.step(worker_pb2.StepRequest(forget_seq_ids=[0]))
+
+        def prefill(seq_id: int) -> worker_pb2.SeqStep:
+            return worker_pb2.SeqStep(seq_id=seq_id, token_ids=[0, 0], reset=True, sample=True, sampling=sampling,
+                                      new_block_ids=range(seq_id * blocks, (seq_id + 1) * blocks))
+
+        def decode(seq_id: int, num_computed: int) -> worker_pb2.SeqStep:
+            return worker_pb2.SeqStep(seq_id=seq_id, num_computed=num_computed, sample=True,
+                                      num_generated=num_computed - 1)
+
+        self.step(worker_pb2.StepRequest(seqs=[prefill(0)]))
+        self.step(worker_pb2.StepRequest(seqs=[decode(0, 2), prefill(1)]))
+        self.step(worker_pb2.StepRequest(seqs=[decode(0, 3), decode(1, 2)]))
+        self.step(worker_pb2.StepRequest(forget_seq_ids=[0, 1]))
 
     def _reserved_bytes(self) -> int:
         return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0

@@ -44,8 +44,7 @@ class StepTensors:
         self.positions = zeros(max_tokens, dtype=torch.int64)
         self.slot_mapping = zeros(max_tokens, dtype=torch.int64)
         self.block_tables = zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32)
-        # context_lens has one spare entry, so the three rows are equally long; cu_seqlens_*[0] is
-        # never written and stays 0.
+        # context_lens has one spare entry, so the three rows are equally long.
         self.lengths = zeros(3, max_seqs + 1, dtype=torch.int32)
         self.context_lens, self.cu_seqlens_q, self.cu_seqlens_k = self.lengths
         self.indices = zeros(7, max_seqs, dtype=torch.int64)
@@ -139,13 +138,15 @@ class StepBuffers:
             staging.record_copied()
 
     def context(self, backend: AttentionBackend, is_prefill: bool, num_tokens: int, num_seqs: int,
-                table_width: int, max_seqlen_q: int, max_seqlen_k: int) -> StepContext:
-        """The attention context over the device buffers' first rows."""
+                table_width: int, max_seqlen_q: int, max_seqlen_k: int, num_decodes: int = 0) -> StepContext:
+        """The attention context over the device buffers' first rows; in a mixed step, varlen lengths
+        from its first entry after num_decodes leading decodes (build_step_inputs writes them so)."""
         t = self.on_device
         return StepContext(backend=backend, is_prefill=is_prefill, slot_mapping=t.slot_mapping[:num_tokens],
                            context_lens=t.context_lens[:num_seqs], block_tables=t.block_tables[:num_seqs, :table_width],
-                           cu_seqlens_q=t.cu_seqlens_q[:num_seqs + 1], cu_seqlens_k=t.cu_seqlens_k[:num_seqs + 1],
-                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                           cu_seqlens_q=t.cu_seqlens_q[num_decodes:num_seqs + 1],
+                           cu_seqlens_k=t.cu_seqlens_k[num_decodes:num_seqs + 1],
+                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, num_decodes=num_decodes)
 
     def prefill_graph_context(self, backend: AttentionBackend, num_rows: int) -> StepContext:
         """The context a piecewise prefill graph of num_rows tokens is captured under: its K/V store

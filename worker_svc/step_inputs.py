@@ -40,9 +40,13 @@ def build_step_inputs(work: StepWork, seqs: SequenceTable, backend: AttentionBac
     host = staging.arrays
     num_seqs, num_tokens = len(work.slots), len(work.token_ids)
     num_new, context_lens, block_size = work.num_new, work.context_lens, buffers.block_size
-    cu_seqlens_q = host.cu_seqlens_q[:num_seqs + 1]
-    cu_seqlens_q[1:] = np.cumsum(num_new)
-    host.cu_seqlens_k[1:num_seqs + 1] = np.cumsum(context_lens)
+    ends = np.cumsum(num_new)  # where each entry's rows end in the packed tokens
+    # The varlen lengths cover the entries that attend as a prefill: every one, or in a mixed step
+    # those after its leading decodes (StepContext.num_decodes), from 0 at the first of them.
+    num_decodes = 0 if work.is_decode else leading_decodes(num_new)
+    host.cu_seqlens_q[num_decodes] = host.cu_seqlens_k[num_decodes] = 0
+    host.cu_seqlens_q[num_decodes + 1:num_seqs + 1] = ends[num_decodes:] - num_decodes
+    host.cu_seqlens_k[num_decodes + 1:num_seqs + 1] = np.cumsum(context_lens[num_decodes:])
     host.context_lens[:num_seqs] = context_lens
     if work.is_decode:
         host.context_lens[num_seqs:num_rows] = 0
@@ -53,7 +57,7 @@ def build_step_inputs(work: StepWork, seqs: SequenceTable, backend: AttentionBac
         seq_of_token, positions = np.arange(num_seqs), work.num_computed
     else:
         seq_of_token = np.repeat(np.arange(num_seqs), num_new)
-        positions = np.arange(num_tokens) - cu_seqlens_q[seq_of_token] + work.num_computed[seq_of_token]
+        positions = np.arange(num_tokens) - (ends - num_new)[seq_of_token] + work.num_computed[seq_of_token]
     host.positions[:num_tokens] = positions
     host.slot_mapping[:num_tokens] = (tables[seq_of_token, positions // block_size].astype(np.int64) * block_size
                                       + positions % block_size)
@@ -65,7 +69,7 @@ def build_step_inputs(work: StepWork, seqs: SequenceTable, backend: AttentionBac
     sampled = np.asarray(work.sampled, np.int64)
     sampled_slots = work.slots[sampled]
     temperatures = seqs.temperatures[sampled_slots]
-    host.sample_indices[:num_sampled] = cu_seqlens_q[1:][sampled] - 1  # each sequence's last new token
+    host.sample_indices[:num_sampled] = ends[sampled] - 1  # each sequence's last new token
     host.sampled_slots[:num_sampled] = sampled_slots
     sampler.stage(temperatures, seqs.seeds[sampled_slots], seqs.seeded[sampled_slots],
                   np.asarray(work.num_generated, np.int64), staging.sampling)
@@ -79,6 +83,14 @@ def build_step_inputs(work: StepWork, seqs: SequenceTable, backend: AttentionBac
         context = buffers.decode_context(backend, num_seqs)
     else:
         context = buffers.context(backend, True, num_tokens, num_seqs, int(work.num_blocks.max()),
-                                  int(num_new.max()), int(context_lens.max()))
+                                  int(num_new[num_decodes:].max()), int(context_lens[num_decodes:].max()), num_decodes)
     return StepInputs(input_ids, device.positions[:num_tokens], context, device.sample_indices[:num_sampled],
                       device.sampled_slots[:num_sampled], device.sampling(num_sampled, not temperatures.any()))
+
+
+def leading_decodes(num_new: np.ndarray) -> int:
+    """The entries before the first that computes more than one token. The scheduler puts a mixed
+    step's decodes first; each computes one query over its whole context, as a decode step does,
+    so they attend through the decode kernel, whose GQA grouping and split context suit one query."""
+    longer = np.flatnonzero(num_new != 1)
+    return int(longer[0]) if len(longer) else len(num_new)

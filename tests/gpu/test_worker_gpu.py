@@ -136,6 +136,33 @@ def test_prefill_graphs_give_the_eager_logits_and_tokens(bf16_model_dir, backend
     assert replayed[1] == eager[1]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_mixed_steps_leading_decodes_give_the_prefill_kernels_logits(bf16_model_dir, backend, eager):
+    """A mixed step as the scheduler orders it, decodes first (they attend through the decode kernel),
+    against the same entries with the decodes last (every row through the prefill kernel), eagerly
+    and through the piecewise graphs: the logits agree."""
+    runner = gpu_runner(bf16_model_dir, backend, eager, "bfloat16", num_blocks=256 if backend == "triton" else 64)
+    size = runner.config.block_size
+    batch = prompts(6, seed=7)
+    long = list(range(2000, 2000 + 2 * size + 9))
+
+    def mixed_logits(decodes_first: bool) -> torch.Tensor:
+        writer = StepWriter(size)
+        first = runner.step(writer.request(*(writer.entry(i, p, reset=True) for i, p in batch.items()),
+                                           writer.entry(9, long[:size + 3], reset=True, sample=False)))
+        decodes = [writer.entry(i, [t], len(p), num_generated=1) for (i, p), t in zip(batch.items(), first)]
+        chunk = writer.entry(9, long[size + 3:], size + 3)
+        logits = runner.step_logits(writer.request(*decodes, chunk) if decodes_first
+                                    else writer.request(chunk, *decodes)).float()
+        runner.step(writer.request(forget=(9, *batch)))
+        return logits if decodes_first else torch.cat([logits[1:], logits[:1]])
+
+    split, whole = mixed_logits(True), mixed_logits(False)
+    assert split.shape == (len(batch) + 1, runner.model_config.vocab_size)
+    assert ((split - whole).norm() / whole.norm()).item() < 1e-2
+
+
 def test_kv_pool_sized_from_gpu_memory(tiny_model_dir):
     """No forced block count: the warm-up sizes the pool under gpu_memory_utilization."""
     runner = ModelRunner(WorkerConfig(model=str(tiny_model_dir), device="cuda", block_size=16,

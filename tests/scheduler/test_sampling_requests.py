@@ -14,15 +14,20 @@ from tests.scheduler.test_scheduler_edges import EOS, add, make_scheduler, run_t
 PROMPT = list(range(100, 111))  # 11 tokens: two full blocks of 4, then 3
 
 
-def test_later_completions_wait_for_the_first_then_take_its_prompt_blocks():
-    scheduler = make_scheduler()
+@pytest.mark.parametrize("chunked", [False, True])
+def test_later_completions_wait_for_the_first_then_take_its_prompt_blocks(chunked):
+    scheduler = make_scheduler(enable_chunked_prefill=chunked)
     seqs = completion_sequences([1, 2, 3], PROMPT, SamplingOptions(max_tokens=3, seed=5, n=3))
     for seq in seqs:
         scheduler.enqueue(seq)
     first = step(scheduler)
     assert [entry.seq_id for entry in first.seqs] == [1]  # the others wait in their place
-    second = step(scheduler)  # a prefill step: the first decodes in the next
+    second = step(scheduler)
     by_id = {entry.seq_id: entry for entry in second.seqs}
+    if chunked:  # the first decodes in the same step, ahead of the others' prompts
+        decode = by_id.pop(1)
+        assert second.seqs[0] is decode and not decode.reset and decode.num_computed == len(PROMPT)
+    # else a prefill step: the first decodes in the next
     assert set(by_id) == {2, 3}
     for seq_id in (2, 3):  # the full prompt blocks come from the cache: only the last block is computed
         assert by_id[seq_id].reset and by_id[seq_id].num_computed == 8 and len(by_id[seq_id].token_ids) == 3

@@ -151,7 +151,7 @@ def test_chunked_prefill_continues_before_admitting_more():
 
 
 def test_preemption_takes_the_newest_and_recomputes_it():
-    scheduler = make_scheduler(num_kv_blocks=6)
+    scheduler = make_scheduler(num_kv_blocks=6, enable_chunked_prefill=False)
     oldest = add(scheduler, 1, list(range(10, 18)), max_tokens=2)
     middle = add(scheduler, 2, list(range(20, 28)), max_tokens=3)
     newest = add(scheduler, 3, list(range(30, 37)), max_tokens=3)

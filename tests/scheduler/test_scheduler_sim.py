@@ -50,6 +50,8 @@ class WireStats:
     partial_chunks: int = 0        # prefill entries that do not sample
     cross_request_hits: int = 0    # first admissions that start past cached tokens
     fed_tokens: int = 0            # decode entries without a token: the worker's own sample fed in
+    mixed_steps: int = 0           # steps with decode entries and prompt entries
+    longest_entry: int = 0         # the most tokens one entry computed
     seen: set[int] = field(default_factory=set)
 
 
@@ -67,6 +69,11 @@ class PagedFakeWorker:
         for seq_id in request.forget_seq_ids:
             del self.tables[seq_id]
             self.last_sampled.pop(seq_id, None)
+        # Decodes lead: a worker may run the step's leading one-token entries as decodes.
+        is_prompt = [entry.reset or len(entry.token_ids) > 1 for entry in request.seqs]
+        assert is_prompt == sorted(is_prompt), "a decode entry after a prompt entry"
+        self.stats.mixed_steps += 0 < sum(is_prompt) < len(is_prompt)
+        self.stats.longest_entry = max(self.stats.longest_entry, *(len(entry.token_ids) for entry in request.seqs))
         # Like a forward pass: every entry's KV is stored before any attention reads it.
         for entry in request.seqs:
             self._apply_delta(entry)
@@ -149,12 +156,17 @@ def run(config: SchedulerConfig, requests, rng: random.Random, arrivals_per_step
     return seqs, aborted, scheduler, worker
 
 
-@pytest.mark.parametrize("seed, depth", [(0, 1), (1, 1), (2, 2), (3, 2), (4, 3), (5, 3)])
-def test_constrained_schedule_gives_the_unconstrained_tokens(seed, depth):
+# (seed, steps in flight, chunked prefill, long prefill threshold): mixed steps (the default), steps
+# that either prefill or decode, and mixed steps with a cap on each prompt's chunk.
+@pytest.mark.parametrize("seed, depth, chunked, threshold", [
+    (0, 1, True, 0), (1, 1, False, 0), (2, 2, True, 0), (3, 2, False, 0), (4, 3, True, 0), (5, 3, True, 6),
+    (6, 1, True, 5)])
+def test_constrained_schedule_gives_the_unconstrained_tokens(seed, depth, chunked, threshold):
     rng = random.Random(seed)
     requests = make_requests(rng, 300)
     tight = SchedulerConfig(num_kv_blocks=48, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
-                            eos_token_ids=(EOS,), max_num_seqs=8, max_num_batched_tokens=32)
+                            eos_token_ids=(EOS,), max_num_seqs=8, max_num_batched_tokens=32,
+                            enable_chunked_prefill=chunked, long_prefill_token_threshold=threshold)
     roomy = SchedulerConfig(num_kv_blocks=len(requests) * MAX_MODEL_LEN // BLOCK_SIZE, block_size=BLOCK_SIZE,
                             max_model_len=MAX_MODEL_LEN, eos_token_ids=(EOS,), max_num_seqs=len(requests),
                             max_num_batched_tokens=100_000, enable_prefix_caching=False)
@@ -180,6 +192,8 @@ def test_constrained_schedule_gives_the_unconstrained_tokens(seed, depth):
     stats = worker.stats
     assert stats.recomputes > 10 and stats.partial_chunks > 10 and stats.cross_request_hits > 10
     assert (stats.fed_tokens > 100) == (depth > 1)
+    assert (stats.mixed_steps > 100) == chunked and (stats.mixed_steps == 0) == (not chunked)
+    assert stats.longest_entry == (threshold or tight.max_num_batched_tokens)
     assert scheduler.prefix_cache_hit_tokens > 0
     assert scheduler.num_free_blocks == scheduler.num_total_blocks
     assert not scheduler.has_work() and scheduler.live == {}

@@ -64,6 +64,23 @@ def test_token_id_prompt_greedy_matches_transformers(client, hf):
     assert got.text == hf[1].decode(got.token_ids, skip_special_tokens=True)
 
 
+def test_a_prompt_arriving_mid_decode_joins_a_mixed_step_and_both_match_transformers(client, hf):
+    """Chunked prefill (the default): a prompt admitted while another request decodes is computed in
+    the decode's step, not in a step of its own (GetStats counts a mixed step), and both requests
+    still get transformers' greedy tokens."""
+    decoding, arriving = list(range(300, 340)), list(range(500, 537))
+    before = client.stats()
+    stream = client.stream(decoding, max_tokens=200, temperature=0, ignore_eos=True)
+    tokens = list(next(stream).token_ids)  # it is decoding now
+    with ThreadPoolExecutor(1) as pool:
+        arrived = pool.submit(client.generate, arriving, max_tokens=12, temperature=0, ignore_eos=True)
+        tokens += [token for msg in stream for token in msg.token_ids]
+        assert arrived.result().token_ids == hf_greedy(hf, arriving, 12)
+    after = client.stats()
+    assert tokens == hf_greedy(hf, decoding, 200)
+    assert after.mixed_steps > before.mixed_steps and after.mixed_decode_tokens > before.mixed_decode_tokens
+
+
 def test_concurrent_streams_with_shared_prefix(client):
     prefix = [(i * 31 + 5) % 140000 for i in range(4 * BLOCK_SIZE)]
     prompts = [prefix + [1000 + i, 2000 + i] if i % 2 == 0 else [(i * 97 + j) % 140000 for j in range(20 + i)]

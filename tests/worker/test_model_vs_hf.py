@@ -102,6 +102,31 @@ def test_chunked_prefill_beside_decodes_matches_transformers(runner, hf):
     assert_close(logits[0], hf_logits(hf, long_prompt)[-1])
 
 
+def test_mixed_step_with_leading_decodes_matches_transformers(runner, hf):
+    """As the scheduler sends a mixed step: decodes first (across a block boundary too), then a
+    prompt's middle chunk that samples nothing, a last chunk and a new prompt that sample. The decodes
+    attend through the decode kernel, the rest through the prefill kernel, in one forward pass."""
+    shorts = {2: random_prompt(4, 32), 3: random_prompt(9, 33)}  # their first decode opens a block / not
+    long_prompt, chunked, fresh = random_prompt(13, 34), random_prompt(10, 35), random_prompt(6, 36)
+    writer = StepWriter(BLOCK_SIZE)
+    first = runner.step(writer.request(*(writer.entry(i, p, reset=True) for i, p in shorts.items()),
+                                       writer.entry(5, chunked[:3], reset=True, sample=False)))
+    runner.step(writer.request(writer.entry(1, long_prompt[:5], reset=True, sample=False)))
+    logits = runner.step_logits(writer.request(
+        *(writer.entry(i, [token], len(shorts[i])) for i, token in zip(shorts, first)),
+        writer.entry(1, long_prompt[5:9], 5, sample=False),
+        writer.entry(5, chunked[3:], 3),
+        writer.entry(4, fresh, reset=True)))
+    assert logits.shape[0] == 4  # the decodes, then the chunk that ends its prompt, then the fresh prompt
+    for row, (seq_id, token) in zip(logits, zip(shorts, first)):
+        assert_close(row, hf_logits(hf, shorts[seq_id] + [token])[-1])
+    assert_close(logits[2], hf_logits(hf, chunked)[-1])
+    assert_close(logits[3], hf_logits(hf, fresh)[-1])
+    # The middle chunk's K/V landed where the prompt's last chunk reads it.
+    last = runner.step_logits(writer.request(writer.entry(1, long_prompt[9:], 9)))
+    assert_close(last[0], hf_logits(hf, long_prompt)[-1])
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_greedy_generation_equals_transformers_generate(tied, tiny_model_dir, tiny_tied_model_dir, hf, hf_tied):
     model_dir, reference = (tiny_tied_model_dir, hf_tied) if tied else (tiny_model_dir, hf)

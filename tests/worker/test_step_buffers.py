@@ -19,9 +19,8 @@ def padded_table(blocks: list[int], width: int) -> list[int]:
     return blocks + [-1] * (width - len(blocks))
 
 
-def test_prefill_context_carries_the_lengths_the_host_knows(tiny_model_dir):
-    """A step mixing a decode, a first prefill and a chunk: every layer's prefill call gets the
-    step's cumulative key lengths and its longest query and context as plain ints."""
+def _recording_runner(tiny_model_dir) -> tuple:
+    """A runner whose backend records each paged_prefill and paged_decode call, and the record."""
     runner = cpu_runner(tiny_model_dir, BLOCK_SIZE, num_blocks=64)
     calls = []
 
@@ -32,16 +31,40 @@ def test_prefill_context_carries_the_lengths_the_host_knows(tiny_model_dir):
         return reference.paged_prefill(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                        max_seqlen_k, block_tables, scale, out=out)
 
-    runner.backend = dataclasses.replace(runner.backend, paged_prefill=recording_prefill)
+    def recording_decode(q, k_cache, v_cache, context_lens, block_tables, scale):
+        calls.append((context_lens.tolist(), block_tables.tolist()))
+        return reference.paged_decode(q, k_cache, v_cache, context_lens, block_tables, scale)
+
+    runner.backend = dataclasses.replace(runner.backend, paged_prefill=recording_prefill,
+                                         paged_decode=recording_decode)
     writer = StepWriter(BLOCK_SIZE)
     first = runner.step(writer.request(writer.entry(1, PROMPT[:8], reset=True), writer.entry(3, PROMPT[:2], reset=True,
                                                                                              sample=False)))
     calls.clear()
+    return runner, writer, first, calls
+
+
+def test_prefill_context_carries_the_lengths_the_host_knows(tiny_model_dir):
+    """A step of a first prefill, a chunk and a decode after them: every layer's prefill call gets the
+    step's cumulative key lengths and its longest query and context as plain ints."""
+    runner, writer, first, calls = _recording_runner(tiny_model_dir)
+    runner.step(writer.request(writer.entry(2, PROMPT[:5], reset=True), writer.entry(3, PROMPT[2:9], 2, sample=False),
+                               writer.entry(1, first, 8)))
+    # new tokens 5, 7, 1; contexts 5, 9, 9; tables of 2, 3 and 3 blocks
+    expected = ([0, 5, 12, 13], [0, 5, 14, 23], 7, 9, [padded_table(writer.tables[i], 3) for i in (2, 3, 1)])
+    assert calls == [expected] * runner.model_config.num_hidden_layers
+
+
+def test_a_mixed_steps_leading_decodes_attend_through_the_decode_kernel(tiny_model_dir):
+    """The scheduler's order: a decode, then a first prefill and a chunk. Each layer's decode call
+    gets the decode's row; its prefill call the lengths of the two others, from 0."""
+    runner, writer, first, calls = _recording_runner(tiny_model_dir)
     runner.step(writer.request(writer.entry(1, first, 8), writer.entry(2, PROMPT[:5], reset=True),
                                writer.entry(3, PROMPT[2:9], 2, sample=False)))
-    # new tokens 1, 5, 7; contexts 9, 5, 9; tables of 3, 2 and 3 blocks
-    expected = ([0, 1, 6, 13], [0, 9, 14, 23], 7, 9, [padded_table(writer.tables[i], 3) for i in (1, 2, 3)])
-    assert calls == [expected] * runner.model_config.num_hidden_layers
+    # the decode: context 9, a table of 3 blocks; then new tokens 5, 7; contexts 5, 9; tables of 2 and 3 blocks
+    decode = ([9], [padded_table(writer.tables[1], 3)])
+    prefill = ([0, 5, 12], [0, 5, 14], 7, 9, [padded_table(writer.tables[i], 3) for i in (2, 3)])
+    assert calls == [decode, prefill] * runner.model_config.num_hidden_layers
 
 
 def test_decode_rows_past_the_batch_are_padding_that_disturbs_nothing(tiny_model_dir):

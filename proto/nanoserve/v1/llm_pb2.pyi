@@ -229,7 +229,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "kv_blocks_total", "kv_blocks_free", "prefix_cache_hit_tokens", "prompt_tokens_total", "generated_tokens_total", "requests_finished", "prefill_steps", "decode_steps", "prefill_tokens", "decode_tokens", "prefill_busy_seconds", "decode_busy_seconds", "decode_idle_seconds", "prefill_host_seconds", "decode_host_seconds")
+    __slots__ = ("num_waiting", "num_running", "kv_blocks_total", "kv_blocks_free", "prefix_cache_hit_tokens", "prompt_tokens_total", "generated_tokens_total", "requests_finished", "prefill_steps", "decode_steps", "prefill_tokens", "decode_tokens", "prefill_busy_seconds", "decode_busy_seconds", "decode_idle_seconds", "prefill_host_seconds", "decode_host_seconds", "mixed_steps", "mixed_decode_tokens")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +247,8 @@ class Stats(_message.Message):
     DECODE_IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_HOST_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_HOST_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MIXED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MIXED_DECODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     kv_blocks_total: int
@@ -264,4 +266,6 @@ class Stats(_message.Message):
     decode_idle_seconds: float
     prefill_host_seconds: float
     decode_host_seconds: float
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., requests_finished: _Optional[int] = ..., prefill_steps: _Optional[int] = ..., decode_steps: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., prefill_busy_seconds: _Optional[float] = ..., decode_busy_seconds: _Optional[float] = ..., decode_idle_seconds: _Optional[float] = ..., prefill_host_seconds: _Optional[float] = ..., decode_host_seconds: _Optional[float] = ...) -> None: ...
+    mixed_steps: int
+    mixed_decode_tokens: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., requests_finished: _Optional[int] = ..., prefill_steps: _Optional[int] = ..., decode_steps: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., prefill_busy_seconds: _Optional[float] = ..., decode_busy_seconds: _Optional[float] = ..., decode_idle_seconds: _Optional[float] = ..., prefill_host_seconds: _Optional[float] = ..., decode_host_seconds: _Optional[float] = ..., mixed_steps: _Optional[int] = ..., mixed_decode_tokens: _Optional[int] = ...) -> None: ...

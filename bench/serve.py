@@ -1,0 +1,285 @@
+"""Online serving benchmark through the public gRPC API (issue 15; DESIGN §8 "online"), after vLLM's
+serving benchmark: requests arrive as a Poisson process at each given rate (`inf`: all at once), with
+prompt and output lengths drawn uniformly from ranges (and an optional prefix every prompt shares);
+each request's time to first token, time per output token, inter-token latencies and end-to-end
+latency, then p50/p90/p99, throughput and goodput (requests per second that meet the SLO).
+
+    python3 bench/serve.py                          # starts `nanoserve up` on the demo model (CPU works)
+    python3 bench/serve.py --model DIR              # ... on a checkpoint (e.g. on the GPU machine)
+    python3 bench/serve.py --address HOST:PORT      # against a server that is already running
+    python3 bench/serve.py --model DIR --request-rates 8 32 --num-prompts 1000   # DESIGN's online workload
+
+Every rate gets prompts of its own (fresh random token ids), so no rate is served from the cache of
+another; only the shared prefix (--shared-prefix-len) is meant to hit. The server's own step counters
+(GetStats: prefill, decode and mixed steps, rank 0's busy time) are reported beside each rate.
+
+Other benches import the parts: make_requests and arrival_times (the workload), run_request (one
+request, measured), run_rate and summarize. A target is anything with `stream(request)`, an async
+iterator of the token count of each message the server streams back, and `stats()`; GrpcTarget is
+the gRPC one, and open_target is where the command line picks it.
+"""
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator, Callable, Protocol
+
+import grpc
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "proto"), str(REPO / "bench")]
+
+from latency import percentiles, start_server  # noqa: E402
+from nanoserve.client import make_request  # noqa: E402
+from nanoserve.v1 import llm_pb2, llm_pb2_grpc  # noqa: E402
+from nanoserve.wire import GRPC_OPTIONS  # noqa: E402
+
+# Stats counters whose change over a rate's run is reported with it.
+STEP_COUNTERS = ("prefill_steps", "decode_steps", "mixed_steps", "prefill_tokens", "decode_tokens",
+                 "mixed_decode_tokens", "prefill_busy_seconds", "decode_busy_seconds")
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass
+class RequestResult:
+    """One request as the client saw it; seconds, from the moment it was sent."""
+    prompt_tokens: int
+    output_tokens: int = 0
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)  # gaps between tokens after the first
+    e2e: float | None = None
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.e2e is None or self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+class RequestFailed(Exception):
+    """The server ended a request with an error; the message says which."""
+
+
+class Target(Protocol):
+    def stream(self, request: BenchRequest) -> AsyncIterator[int]: ...  # tokens per streamed message
+    async def stats(self) -> dict[str, float]: ...  # the server's counters; {} where it has none
+
+
+def make_requests(count: int, input_len: tuple[int, int], output_len: tuple[int, int], shared_prefix_len: int = 0,
+                  seed: int = 0, vocab: int = 10000) -> list[BenchRequest]:
+    """Prompts of random token ids in [0, vocab] (DESIGN §8) whose lengths, and output lengths, are
+    uniform in the inclusive ranges; each prompt starts with the same shared_prefix_len ids."""
+    rng = random.Random(seed)
+    prefix = [rng.randint(0, vocab) for _ in range(shared_prefix_len)]
+    return [BenchRequest(prefix + [rng.randint(0, vocab) for _ in range(rng.randint(*input_len))],
+                         rng.randint(*output_len)) for _ in range(count)]
+
+
+def arrival_times(count: int, rate: float, seed: int = 0) -> list[float]:
+    """Seconds after the start at which each request is sent: a Poisson process of `rate` requests
+    per second (exponential gaps, the first at 0); all at 0 when rate is infinite."""
+    if math.isinf(rate):
+        return [0.0] * count
+    rng = random.Random(seed)
+    times, now = [], 0.0
+    for _ in range(count):
+        times.append(now)
+        now += rng.expovariate(rate)
+    return times
+
+
+async def run_request(target: Target, request: BenchRequest,
+                      clock: Callable[[], float] = time.perf_counter) -> RequestResult:
+    """Sends one request and times its stream. A message of k tokens after the first message counts
+    as k equal gaps since the message before; tokens that come with the first count in no gap."""
+    result = RequestResult(len(request.prompt))
+    start = last = clock()
+    try:
+        async for count in target.stream(request):
+            now = clock()
+            if not count:
+                continue
+            if result.ttft is None:
+                result.ttft = now - start
+            else:
+                result.itl += [(now - last) / count] * count
+            result.output_tokens += count
+            last = now
+        result.e2e = clock() - start
+    except RequestFailed as err:
+        result.error = str(err)
+    return result
+
+
+async def run_rate(target: Target, requests: list[BenchRequest], rate: float, seed: int = 0,
+                   max_concurrency: int = 0) -> tuple[list[RequestResult], float]:
+    """Every request sent at its arrival time (at most max_concurrency in flight, 0 = no limit);
+    the results in request order and the seconds from the first send to the last token."""
+    limit = asyncio.Semaphore(max_concurrency or len(requests) or 1)
+    start = time.perf_counter()
+
+    async def send(request: BenchRequest, at: float) -> RequestResult:
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        async with limit:
+            return await run_request(target, request)
+
+    results = await asyncio.gather(*(send(r, at) for r, at in zip(requests, arrival_times(len(requests), rate, seed))))
+    return list(results), time.perf_counter() - start
+
+
+def summarize(results: list[RequestResult], seconds: float, slo_ttft: float, slo_tpot: float) -> dict:
+    """Throughput, goodput (requests per second within both SLOs, in seconds) and latency
+    percentiles in milliseconds over the requests that completed."""
+    done = [r for r in results if not r.error and r.ttft is not None]
+    output = sum(r.output_tokens for r in done)
+    good = [r for r in done if r.ttft <= slo_ttft and (r.tpot is None or r.tpot <= slo_tpot)]
+
+    def ms(values: list[float]) -> dict[str, float]:
+        return {k: (v * 1e3 if k != "n" else v) for k, v in percentiles(values).items()} if values else {}
+
+    return {"requests": len(results), "completed": len(done), "failed": sum(1 for r in results if r.error),
+            "errors": sorted({r.error for r in results if r.error})[:5], "seconds": seconds,
+            "request_throughput": len(done) / seconds, "output_tok_per_s": output / seconds,
+            "total_tok_per_s": (output + sum(r.prompt_tokens for r in done)) / seconds,
+            "goodput_req_per_s": len(good) / seconds, "output_tokens": output,
+            "ttft_ms": ms([r.ttft for r in done]), "tpot_ms": ms([r.tpot for r in done if r.tpot is not None]),
+            "itl_ms": ms([gap for r in done for gap in r.itl]), "e2e_ms": ms([r.e2e for r in done])}
+
+
+class GrpcTarget:
+    """The public gRPC API: Generate streams, GetStats counters."""
+
+    def __init__(self, address: str, temperature: float, ignore_eos: bool):
+        self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self.stub = llm_pb2_grpc.LLMStub(self.channel)
+        self.sampling = dict(temperature=temperature, ignore_eos=ignore_eos)
+
+    async def stream(self, request: BenchRequest) -> AsyncIterator[int]:
+        try:
+            async for msg in self.stub.Generate(make_request(request.prompt, max_tokens=request.max_tokens,
+                                                             **self.sampling)):
+                yield len(msg.token_ids)
+        except grpc.aio.AioRpcError as err:
+            raise RequestFailed(f"{err.code().name}: {err.details()}") from err
+
+    async def stats(self) -> dict[str, float]:
+        stats = await self.stub.GetStats(llm_pb2.GetStatsRequest())
+        return {name: getattr(stats, name) for name in STEP_COUNTERS}
+
+    async def describe(self) -> dict[str, str]:
+        info = await self.stub.GetModelInfo(llm_pb2.GetModelInfoRequest())
+        return {"model": info.model, "attention_backend": info.attention_backend}
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+def open_target(args: argparse.Namespace, address: str) -> GrpcTarget:
+    """The API the benchmark drives (the place for other targets, such as issue 19's --openai URL)."""
+    return GrpcTarget(address, args.temperature, not args.no_ignore_eos)
+
+
+async def benchmark(args: argparse.Namespace, address: str) -> dict:
+    target = open_target(args, address)
+    workload = dict(input_len=tuple(args.input_len), output_len=tuple(args.output_len),
+                    shared_prefix_len=args.shared_prefix_len)
+    report = {"address": address, **await target.describe(), "workload": workload,
+              "num_prompts": args.num_prompts, "temperature": args.temperature,
+              "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}, "rates": {}}
+    try:
+        warmup = make_requests(args.warmup, **workload, seed=args.seed + 10_000)
+        await run_rate(target, warmup, math.inf)  # first steps of each kind, connections, the shared prefix
+        for index, rate in enumerate(args.request_rates):
+            requests = make_requests(args.num_prompts, **workload, seed=args.seed + index)
+            before = await target.stats()
+            results, seconds = await run_rate(target, requests, rate, args.seed + index, args.max_concurrency)
+            after = await target.stats()
+            summary = summarize(results, seconds, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+            summary["server_steps"] = {name: after[name] - before[name] for name in after}
+            report["rates"][format_rate(rate)] = summary
+            print_row(format_rate(rate), summary)
+    finally:
+        await target.close()
+    return report
+
+
+def format_rate(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def print_header() -> None:
+    print(f"{'rate':>6} {'done':>6} {'req/s':>7} {'out tok/s':>10} {'goodput':>8}  "
+          f"{'TTFT ms p50/p90/p99':>22}  {'TPOT ms p50/p90/p99':>22}  {'ITL ms p50/p90/p99':>22}  "
+          f"{'E2E s p50/p99':>14}")
+
+
+def print_row(rate: str, s: dict) -> None:
+    def three(d: dict, scale: float = 1.0) -> str:
+        return "/".join(f"{d[k] * scale:.1f}" for k in ("p50", "p90", "p99")) if d else "-"
+
+    e2e = f"{s['e2e_ms']['p50'] / 1e3:.2f}/{s['e2e_ms']['p99'] / 1e3:.2f}" if s["e2e_ms"] else "-"
+    print(f"{rate:>6} {s['completed']:>6} {s['request_throughput']:>7.2f} {s['output_tok_per_s']:>10.1f} "
+          f"{s['goodput_req_per_s']:>8.2f}  {three(s['ttft_ms']):>22}  {three(s['tpot_ms']):>22}  "
+          f"{three(s['itl_ms']):>22}  {e2e:>14}", flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--address", default="", help="a running server; default: start `nanoserve up`")
+    p.add_argument("--model", default="", help="checkpoint for the started server; default: the demo model")
+    p.add_argument("--max-model-len", type=int, default=4096, help="the started server's; 0: the model's own")
+    p.add_argument("--extra", default="", help="more `nanoserve up` flags, space separated")
+    p.add_argument("--request-rates", type=float, nargs="+", default=[8.0, 32.0],
+                   help="requests per second, one run each; inf = all at once")
+    p.add_argument("--num-prompts", type=int, default=500, help="requests per rate")
+    p.add_argument("--input-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[100, 512], metavar=("MIN", "MAX"))
+    p.add_argument("--shared-prefix-len", type=int, default=0, help="tokens every prompt starts with")
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--no-ignore-eos", action="store_true", help="let eos end a request before its output length")
+    p.add_argument("--max-concurrency", type=int, default=0, help="most requests in flight; 0 = no limit")
+    p.add_argument("--warmup", type=int, default=4, help="requests sent together before the timed runs")
+    p.add_argument("--slo-ttft-ms", type=float, default=200.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=25.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(REPO / "bench" / "out" / "serve.json"))
+    args = p.parse_args(argv)
+    for name in ("input_len", "output_len"):
+        low, high = getattr(args, name)
+        if not 1 <= low <= high:
+            p.error(f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX, got {low} {high}")
+    if any(not rate > 0 for rate in args.request_rates):
+        p.error("--request-rates must be positive (inf = all at once)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    proc, address = (None, args.address) if args.address else start_server(args)
+    try:
+        print_header()
+        report = asyncio.run(benchmark(args, address))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=30)
+    report["command"] = " ".join(sys.argv)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
