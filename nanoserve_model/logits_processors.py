@@ -118,6 +118,7 @@ class ProcessorParams(NamedTuple):
 BAN, BIAS, PENALTIES, MIN_P, TOP_K, TOP_P = (1 << i for i in range(6))
 # Columns of the per-slot float parameters, gathered and uploaded for a batch in one copy.
 _COLUMNS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "top_k")
+_DEFAULT_ROW = np.array([getattr(ProcessorParams(), name) for name in _COLUMNS], np.float32)
 
 
 def _flags(params: ProcessorParams) -> int:
@@ -141,7 +142,9 @@ class LogitsProcessors:
     def __init__(self, capacity: int, vocab_size: int, device: torch.device):
         self.vocab_size, self.device = vocab_size, device
         self.flags = np.zeros(capacity, np.uint8)
-        self.params = np.zeros((capacity, len(_COLUMNS)), np.float32)
+        # A slot without flags holds the defaults (clear()): a batch that other rows flag passes
+        # it through every pass unchanged.
+        self.params = np.tile(_DEFAULT_ROW, (capacity, 1))
         self.min_tokens = np.zeros(capacity, np.int64)
         self.num_generated = np.zeros(capacity, np.int64)
         self.banned = np.zeros((capacity, 1), np.int64)
@@ -158,12 +161,23 @@ class LogitsProcessors:
         self.num_flagged += bool(flags) - bool(self.flags[slot])
         self.flags[slot] = flags
         self.params[slot] = [getattr(params, name) for name in _COLUMNS]
-        self.min_tokens[slot], self.num_generated[slot] = params.min_tokens, num_generated
+        # Without tokens to ban, min_tokens asks for nothing (a BAN batch must not ban its padding).
+        self.min_tokens[slot] = params.min_tokens if flags & BAN else 0
+        self.num_generated[slot] = num_generated
         self.banned = _set_row(self.banned, slot, params.banned_until_min_tokens)
         self.bias_ids = _set_row(self.bias_ids, slot, [token_id for token_id, _ in params.logit_bias])
         self.bias = _set_row(self.bias, slot, [bias for _, bias in params.logit_bias], pad=0.0)
         if flags & PENALTIES:
             self._reset_counts(slot, history, num_generated)
+
+    def clear(self, slot: int) -> None:
+        """A new sequence in `slot` that asks for no pass: only a slot that held one has work."""
+        if self.flags[slot]:
+            self.num_flagged -= 1
+            self.flags[slot] = 0
+            self.params[slot] = _DEFAULT_ROW
+            self.min_tokens[slot] = 0
+            self.bias[slot] = 0.0
 
     def _reset_counts(self, slot: int, history: list[int], num_generated: int) -> None:
         if self.output_counts is None:
