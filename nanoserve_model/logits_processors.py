@@ -118,6 +118,7 @@ class ProcessorParams(NamedTuple):
 BAN, BIAS, PENALTIES, MIN_P, TOP_K, TOP_P = (1 << i for i in range(6))
 # Columns of the per-slot float parameters, gathered and uploaded for a batch in one copy.
 _COLUMNS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "top_k")
+_DEFAULT_ROW = np.array([getattr(ProcessorParams(), name) for name in _COLUMNS], np.float32)
 
 
 def _flags(params: ProcessorParams) -> int:
@@ -141,7 +142,9 @@ class LogitsProcessors:
     def __init__(self, capacity: int, vocab_size: int, device: torch.device):
         self.vocab_size, self.device = vocab_size, device
         self.flags = np.zeros(capacity, np.uint8)
-        self.params = np.zeros((capacity, len(_COLUMNS)), np.float32)
+        # A slot without flags holds the defaults (clear()): a batch that other rows flag passes
+        # it through every pass unchanged.
+        self.params = np.tile(_DEFAULT_ROW, (capacity, 1))
         self.min_tokens = np.zeros(capacity, np.int64)
         self.num_generated = np.zeros(capacity, np.int64)
         self.banned = np.zeros((capacity, 1), np.int64)
@@ -150,6 +153,7 @@ class LogitsProcessors:
         self.output_counts: torch.Tensor | None = None
         self.in_prompt: torch.Tensor | None = None
         self.num_flagged = 0  # slots with any flag: while 0, no batch is even looked at
+        self._device_table: torch.Tensor | None = None  # self.params on the device; None: changed since
 
     def reset(self, slot: int, params: ProcessorParams, history: list[int], num_generated: int) -> None:
         """A new sequence in `slot`; `history` is its prompt then its `num_generated` tokens so far
@@ -158,12 +162,25 @@ class LogitsProcessors:
         self.num_flagged += bool(flags) - bool(self.flags[slot])
         self.flags[slot] = flags
         self.params[slot] = [getattr(params, name) for name in _COLUMNS]
-        self.min_tokens[slot], self.num_generated[slot] = params.min_tokens, num_generated
+        self._device_table = None
+        # Without tokens to ban, min_tokens asks for nothing (a BAN batch must not ban its padding).
+        self.min_tokens[slot] = params.min_tokens if flags & BAN else 0
+        self.num_generated[slot] = num_generated
         self.banned = _set_row(self.banned, slot, params.banned_until_min_tokens)
         self.bias_ids = _set_row(self.bias_ids, slot, [token_id for token_id, _ in params.logit_bias])
         self.bias = _set_row(self.bias, slot, [bias for _, bias in params.logit_bias], pad=0.0)
         if flags & PENALTIES:
             self._reset_counts(slot, history, num_generated)
+
+    def clear(self, slot: int) -> None:
+        """A new sequence in `slot` that asks for no pass: only a slot that held one has work."""
+        if self.flags[slot]:
+            self.num_flagged -= 1
+            self.flags[slot] = 0
+            self.params[slot] = _DEFAULT_ROW
+            self._device_table = None
+            self.min_tokens[slot] = 0
+            self.bias[slot] = 0.0
 
     def _reset_counts(self, slot: int, history: list[int], num_generated: int) -> None:
         if self.output_counts is None:
@@ -182,11 +199,13 @@ class LogitsProcessors:
 
     def __call__(self, logits: torch.Tensor, slots: np.ndarray, device_slots: torch.Tensor,
                  flags: int) -> torch.Tensor:
-        """The processed logits (a float32 copy; `logits` stays as it is) of the batch whose rows
-        sample for `slots` (host) / `device_slots` (the same, on the device)."""
-        out = logits.to(torch.float32, copy=True)
+        """The processed logits of the batch whose rows sample for `slots` (host) / `device_slots`
+        (the same, on the device); `logits` stays as it is. A float32 copy when a pass adds to the
+        logits (ban, bias, penalties); min_p, top_k and top_p only remove tokens, so alone they
+        keep the logits' dtype and copy no [batch, vocab] float32 tensor."""
+        out = logits.to(torch.float32, copy=True) if flags & (BAN | BIAS | PENALTIES) else logits
         params = self.params[slots]
-        columns = dict(zip(_COLUMNS, self._upload(params).unbind(dim=1)))
+        columns = dict(zip(_COLUMNS, self._device_params()[device_slots].unbind(dim=1)))
         if flags & BAN:
             rows = np.flatnonzero(self.num_generated[slots] < self.min_tokens[slots])
             if rows.size:
@@ -217,8 +236,8 @@ class LogitsProcessors:
         if rows.size < len(params):
             index = self._upload(rows)
             top_k, top_p, temperature = top_k[index], top_p[index], temperature[index]
-            logits[index] = self._top_p(logits[index], top_k, top_p, temperature, host_k[rows])
-            return logits
+            # Out of place: `logits` may be the caller's own.
+            return logits.index_put((index,), self._top_p(logits[index], top_k, top_p, temperature, host_k[rows]))
         return self._top_p(logits, top_k, top_p, temperature, host_k)
 
     @staticmethod
@@ -234,6 +253,13 @@ class LogitsProcessors:
         if flags & PENALTIES:
             self.output_counts.index_put_((device_slots, tokens), torch.ones_like(tokens, dtype=torch.int32),
                                           accumulate=True)
+
+    def _device_params(self) -> torch.Tensor:
+        """self.params on the device, uploaded again only after a slot's parameters changed: a
+        step gathers its rows there instead of uploading them."""
+        if self._device_table is None:
+            self._device_table = self._upload(self.params)
+        return self._device_table
 
     def _upload(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(np.ascontiguousarray(array))

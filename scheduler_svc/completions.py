@@ -48,30 +48,45 @@ class CompletionOutput:
         self.stop_string: str | None = None  # the stop string that ended it
         self.done = False
         self.prompt_logprobs_sent = False
+        self.has_extras = (self.seq.index > 0 or options.logprobs is not None
+                           or options.prompt_logprobs is not None)
 
     def next_message(self) -> llm_pb2.GenerateResponse | None:
         """The message with everything delivered since the last one (None when nothing was);
-        the last one, with the finish reason and usage, once the completion is done."""
-        finished = self.stream.finished  # read before taking: the final token may land meanwhile
-        tokens, logprobs = self.stream.take()
+        the last one, with the finish reason and usage, once the completion is done. A completion
+        without stop strings, logprobs or an index pays for none of them (this runs for every
+        streamed message)."""
+        stream = self.stream
+        finished = stream.finished  # read before taking: the final token may land meanwhile
+        tokens = stream.take()
         if self.stops is None:
-            text = self.detokenizer.push(tokens) + (self.detokenizer.flush() if finished else "")
+            text = self.detokenizer.push(tokens)
+            if finished:
+                text += self.detokenizer.flush()
         else:
             tokens, text = self._through_stop_strings(tokens, finished)
-        self.done = finished or self.stop_string is not None
-        if not tokens and not self.done:
+            finished = finished or self.stop_string is not None
+        self.done = finished
+        if not tokens and not finished:
             return None
         self.num_sent += len(tokens)
-        message = llm_pb2.GenerateResponse(request_id=self.request_id, token_ids=tokens, text=text,
-                                           index=self.seq.index)
+        stream.timer.received(tokens)
+        message = llm_pb2.GenerateResponse(request_id=self.request_id, token_ids=tokens, text=text)
+        if self.has_extras:
+            self._add_extras(message, len(tokens))
+        if finished:
+            self._finish(message)
+        return message
+
+    def _add_extras(self, message: llm_pb2.GenerateResponse, num_tokens: int) -> None:
+        """The completion's index, its tokens' logprob rows and, once, the prompt's."""
+        message.index = self.seq.index
+        logprobs = self.stream.take_logprobs()
         if logprobs:
-            message.logprobs.extend(self._token_logprob(row) for row in logprobs[:len(tokens)])
+            message.logprobs.extend(self._token_logprob(row) for row in logprobs[:num_tokens])
         if not self.prompt_logprobs_sent and self.stream.prompt_logprobs:
             message.prompt_logprobs.extend(self._token_logprob(row) for row in self.stream.prompt_logprobs)
             self.prompt_logprobs_sent = True
-        if self.done:
-            self._finish(message)
-        return message
 
     def _through_stop_strings(self, tokens: list[int], finished: bool) -> tuple[list[int], str]:
         """Token by token, so that a match ends the tokens at the one completing it."""

@@ -37,12 +37,16 @@ class RequestStream:
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     timer: RequestTimer = field(default_factory=RequestTimer)
 
-    def take(self) -> tuple[list[int], list[ScoredToken]]:
-        """The tokens (and their logprob rows) since the last take."""
+    def take(self) -> list[int]:
+        """The tokens since the last take."""
         tokens, self.new_tokens = self.new_tokens, []
-        logprobs, self.new_logprobs = self.new_logprobs, []
         self.wakeup.clear()
-        return tokens, logprobs
+        return tokens
+
+    def take_logprobs(self) -> list[ScoredToken]:
+        """The logprob rows since the last take (of a sequence that asks for logprobs)."""
+        logprobs, self.new_logprobs = self.new_logprobs, []
+        return logprobs
 
 
 @dataclass

@@ -57,7 +57,9 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         queued (RESOURCE_EXHAUSTED when the waiting queue is full or it could never fit); then each
         message carries the tokens and text one completion produced since its previous message,
         its last one the finish reason and usage. A client that goes away (or whose deadline
-        passes) frees the sequences' blocks; a worker failure ends the stream UNAVAILABLE."""
+        passes) frees the sequences' blocks; a worker failure ends the stream UNAVAILABLE. A
+        coroutine that writes its messages, not an async generator: gRPC would wrap a generator
+        in a loop of its own, which costs every streamed message a few microseconds more."""
         timer = RequestTimer()
         engine = await self._ready_engine(context)
         try:
@@ -66,8 +68,7 @@ class LLMService(llm_pb2_grpc.LLMServicer):
             check_room(len(ids), options.max_tokens, self.limits.max_model_len)
         except BadRequest as err:
             await context.abort(err.code, str(err))
-        async for message in self._stream(engine, ids, options, request.request_id, timer, context):
-            yield message
+        await self._stream(engine, ids, options, request.request_id, timer, context)
 
     async def Chat(self, request: llm_pb2.ChatRequest, context):
         """Generate on the conversation as the model's chat template writes it out."""
@@ -79,8 +80,7 @@ class LLMService(llm_pb2_grpc.LLMServicer):
             check_room(len(ids), options.max_tokens, self.limits.max_model_len)
         except BadRequest as err:
             await context.abort(err.code, str(err))
-        async for message in self._stream(engine, ids, options, request.request_id, timer, context):
-            yield message
+        await self._stream(engine, ids, options, request.request_id, timer, context)
 
     async def _stream(self, engine: Engine, ids: list[int], options: SamplingOptions, request_id: str,
                       timer: RequestTimer, context):
@@ -97,23 +97,20 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         outputs = [CompletionOutput(stream, self.tokenizer, request_id) for stream in streams]
         for stream in streams:
             stream.timer = timer
+        live = outputs  # the completions not done yet
         try:
-            while not all(output.done for output in outputs):
+            while live:
                 await wakeup.wait()
                 wakeup.clear()  # then every stream is read before the next wait: no wakeup is lost
-                error = next((stream.error for stream in streams if stream.error), "")
-                if error:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, error)
-                messages = []
-                for output in (output for output in outputs if not output.done):
+                for output in live:
+                    if output.stream.error:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, output.stream.error)
                     message = output.next_message()
                     if output.stop_string is not None:
                         engine.stop(output.seq)
                     if message is not None:
-                        messages.append(message)
-                for message in messages:
-                    timer.received(message.token_ids)
-                    yield message
+                        await context.write(message)
+                live = [output for output in live if not output.done]
         finally:
             for output in outputs:
                 if not output.done:  # cancelled, disconnected, past its deadline or failed: free its blocks

@@ -29,12 +29,23 @@ def encode_step(plan: StepPlan) -> worker_pb2.StepRequest:
     return request
 
 
+# The options the workers apply beyond temperature: each goes on the wire only when a request
+# changes it, so a plain request's reset entry is as small as it was before they existed (the
+# workers read an unset field as its default, and skip every pass a sequence does not ask for).
+_WORKER_OPTIONS = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                   "min_tokens", "logprobs", "prompt_logprobs")
+_DEFAULTS = SamplingOptions()
+
+
 def encode_sampling(options: SamplingOptions) -> llm_pb2.SamplingParams:
     """What the workers apply; the options the scheduler applies itself (stop strings, n) stay here."""
-    return llm_pb2.SamplingParams(
-        temperature=options.temperature, max_tokens=options.max_tokens, ignore_eos=options.ignore_eos,
-        seed=options.seed, stop_token_ids=options.stop_token_ids, top_p=options.top_p, top_k=options.top_k,
-        min_p=options.min_p, repetition_penalty=options.repetition_penalty,
-        presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty,
-        min_tokens=options.min_tokens, logit_bias=dict(options.logit_bias), logprobs=options.logprobs,
-        prompt_logprobs=options.prompt_logprobs)
+    params = llm_pb2.SamplingParams(temperature=options.temperature, max_tokens=options.max_tokens,
+                                    ignore_eos=options.ignore_eos, seed=options.seed,
+                                    stop_token_ids=options.stop_token_ids)
+    for name in _WORKER_OPTIONS:
+        value = getattr(options, name)
+        if value != getattr(_DEFAULTS, name):
+            setattr(params, name, value)
+    if options.logit_bias:
+        params.logit_bias.update(dict(options.logit_bias))
+    return params

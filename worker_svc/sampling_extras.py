@@ -20,6 +20,19 @@ from worker_svc.sequence_table import StepWork
 PROMPT_SCORING_ROWS = 256
 
 
+# The SamplingParams fields beyond temperature and seed that the workers act on: the scheduler
+# sets only those a request changes (scheduler_svc/step_encoder.py), so a plain request's reset
+# has none of them.
+_EXTRA_FIELDS = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                 "min_tokens", "logprobs", "prompt_logprobs")
+
+
+def asks_for_extras(sampling: llm_pb2.SamplingParams) -> bool:
+    """Whether a sequence may need a logits pass or logprobs; False: neither (map, not a
+    generator: this runs for every reset entry)."""
+    return any(map(sampling.HasField, _EXTRA_FIELDS)) or bool(sampling.logit_bias)
+
+
 def processor_params(sampling: llm_pb2.SamplingParams, eos_token_ids: tuple[int, ...],
                      vocab_size: int) -> ProcessorParams:
     def value(name: str, default):
@@ -98,6 +111,10 @@ class SamplingExtras:
             return
         for slot, entry in work.resets:
             sampling = entry.sampling
+            if not asks_for_extras(sampling):
+                self.processors.clear(slot)
+                self.num_logprobs[slot], self.num_prompt_logprobs[slot] = -1, 0
+                continue
             self.processors.reset(slot, processor_params(sampling, self.eos_token_ids, self.processors.vocab_size),
                                   list(entry.history_token_ids), entry.num_generated)
             self.num_logprobs[slot] = sampling.logprobs if sampling.HasField("logprobs") else -1

@@ -143,16 +143,17 @@ class SequenceTable:
         return SeqState(spare_slots.pop(), temperature, sampling.seed if sampling.HasField("seed") else None)
 
     def _check_sampling(self, entry: worker_pb2.SeqStep) -> None:
-        """What the logits processors and logprobs would index the vocabulary with."""
-        sampling, vocab_size = entry.sampling, self.vocab_size
-        token_ids = [*sampling.stop_token_ids, *sampling.logit_bias, *entry.history_token_ids]
-        if token_ids and max(token_ids) >= vocab_size:
-            raise ValueError(f"sequence {entry.seq_id}: token id {max(token_ids)} in its sampling params or "
-                             f"history is outside the vocabulary (size {vocab_size})")
-        if 0 < len(entry.history_token_ids) < entry.num_generated:
-            raise ValueError(f"sequence {entry.seq_id}: its history has {len(entry.history_token_ids)} tokens, "
+        """What the logits processors and logprobs would index the vocabulary with (empty fields
+        are skipped first: iterating one costs more than asking whether it is empty)."""
+        sampling, history, vocab_size = entry.sampling, entry.history_token_ids, self.vocab_size
+        for token_ids in (sampling.stop_token_ids, sampling.logit_bias, history):
+            if token_ids and max(token_ids) >= vocab_size:
+                raise ValueError(f"sequence {entry.seq_id}: token id {max(token_ids)} in its sampling params or "
+                                 f"history is outside the vocabulary (size {vocab_size})")
+        if history and len(history) < entry.num_generated:
+            raise ValueError(f"sequence {entry.seq_id}: its history has {len(history)} tokens, "
                              f"fewer than the {entry.num_generated} it generated")
-        if max(sampling.logprobs, sampling.prompt_logprobs) > vocab_size:
+        if sampling.logprobs > vocab_size or sampling.prompt_logprobs > vocab_size:
             raise ValueError(f"sequence {entry.seq_id}: logprobs or prompt_logprobs exceed the vocabulary")
 
     def _check(self, entries, work: StepWork, is_reset: np.ndarray, appends: list[tuple[int, list[int]]],

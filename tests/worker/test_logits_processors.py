@@ -180,3 +180,18 @@ def test_draws_follow_the_processed_distribution(params):
     expected = torch.softmax(hf_row(logits, params) / params.temperature, dim=-1)
     assert (frequencies[expected == 0] == 0).all()
     assert (frequencies - expected).abs().max().item() < 0.016  # 4.5 binomial standard errors
+
+
+def test_removing_passes_keep_the_logits_dtype_and_leave_them_untouched():
+    """min_p, top_k and top_p only remove tokens: on bf16 logits they give bf16 logits with the
+    masks and values that float32 processing of the same values gives, and never write into the
+    caller's logits (a mixed batch processes a subset of its rows)."""
+    rows = [ProcessorParams(top_k=50, top_p=0.9, temperature=0.6), ProcessorParams(top_k=5),
+            ProcessorParams(top_p=0.5), ProcessorParams(min_p=0.1, top_p=0.95), ProcessorParams()]
+    logits = fixed_logits(len(rows), seed=4).to(torch.bfloat16)
+    before = logits.clone()
+    got = ours(rows, logits)
+    assert got.dtype == torch.bfloat16 and torch.equal(logits, before)
+    want = ours(rows, logits.float())
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    assert torch.equal(got.float()[~torch.isneginf(want)], want[~torch.isneginf(want)])
