@@ -22,6 +22,7 @@ PROMPTS = {i: [_rng.randrange(151_643) for _ in range(_rng.randrange(64, 512))] 
 FOLLOWING = {i: [_rng.randrange(151_643) for _ in range(DECODE_STEPS)] for i in range(NUM_SEQS)}
 # An FP8 cache may move the distributions this many times further than bf16 moves them from fp32.
 KL_BOUND_OVER_FLOOR = 8.0
+KL_BOUND_NATS = 1e-3  # or this many nats per position on average, where the floor is ~0
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,8 @@ def test_fp8_cache_kl_stays_near_the_bf16_noise_floor(model, tiny_model_dir, req
           f"fp8 vs bf16 KV {cost.mean():.2e} / {cost.quantile(0.99):.2e} / {cost.max():.2e}; "
           f"fp8 KV vs fp32 {total.mean():.2e}; greedy agreement fp8/bf16 "
           f"{(fp8.argmax(-1) == bf16.argmax(-1)).float().mean():.3f}")
-    # The random 0.6B-shape model barely uses attention (init std 0.02): its bf16 logits may not move
-    # at all under an FP8 cache, so a zero cost is a result there; the tiny model must show one.
-    assert 0 < floor.mean() and cost.mean() <= KL_BOUND_OVER_FLOOR * floor.mean()
+    # Random weights at a trained model's scale give the 0.6B shape near one-hot distributions, whose
+    # KLs can be exactly 0 in float32 (both floor and cost measured so on an H200); hence an absolute
+    # bound beside the relative one. The tiny model's distributions are broad: FP8 must show there.
+    assert cost.mean() <= max(KL_BOUND_OVER_FLOOR * floor.mean(), KL_BOUND_NATS)
     assert cost.mean() > 0 or model != "tiny"
