@@ -33,8 +33,9 @@ log = logging.getLogger("nanoserve.scheduler")
 
 
 class LLMService(llm_pb2_grpc.LLMServicer):
-    """nanoserve.v1.LLM over one engine. Until the workers have shaken hands (and while a failed
-    group is being rebuilt) every call answers UNAVAILABLE."""
+    """nanoserve.v1.LLM over one engine. Until the workers have shaken hands every call answers
+    UNAVAILABLE; while a failed group is rebuilt, requests are taken and held (recovery.py), and
+    once the engine gives up waiting for it, UNAVAILABLE again until a group is back."""
 
     def __init__(self, max_waiting: int):
         self.max_waiting = max_waiting
@@ -48,7 +49,7 @@ class LLMService(llm_pb2_grpc.LLMServicer):
     async def _ready_engine(self, context) -> Engine:
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is still connecting to its workers")
-        if not self.engine.healthy:
+        if not self.engine.accepts_requests:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"no worker group can serve: {self.engine.failure}")
         return self.engine
 
@@ -57,7 +58,8 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         queued (RESOURCE_EXHAUSTED when the waiting queue is full or it could never fit); then each
         message carries the tokens and text one completion produced since its previous message,
         its last one the finish reason and usage. A client that goes away (or whose deadline
-        passes) frees the sequences' blocks; a worker failure ends the stream UNAVAILABLE."""
+        passes) frees the sequences' blocks; a worker failure pauses the stream until a restarted
+        group recomputes it, or ends it UNAVAILABLE when none comes back in time."""
         timer = RequestTimer()
         engine = await self._ready_engine(context)
         try:
@@ -253,7 +255,8 @@ async def _serve(args: argparse.Namespace) -> int:
     await set_health(False)
     log.info("listening on %s; connecting to workers %s", address, args.workers)
 
-    group = WorkerGroup([a.strip() for a in args.workers.split(",") if a.strip()], args.worker_token, worker_tls)
+    group = WorkerGroup([a.strip() for a in args.workers.split(",") if a.strip()], args.worker_token, worker_tls,
+                        args.step_timeout)
     try:
         await group.connect(args.worker_connect_timeout)
         config = _scheduler_config(args, group)
@@ -270,7 +273,7 @@ async def _serve(args: argparse.Namespace) -> int:
                                    min(args.max_logprobs, group.infos[0].vocab_size))
     service.info = _model_info(config, group, service.limits)
     service.sampling_defaults = group.infos[0].sampling_defaults
-    engine = Engine(group, config, args.worker_connect_timeout)
+    engine = Engine(group, config, args.worker_restart_timeout)
     engine.on_health_change = lambda healthy: asyncio.get_running_loop().create_task(set_health(healthy))
     engine.start()
     service.engine = engine
@@ -284,7 +287,12 @@ async def _serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    stopping = loop.create_task(stop.wait())
+    await asyncio.wait((stopping, engine.task), return_when=asyncio.FIRST_COMPLETED)
+    if not stopping.done():  # the engine ended: no worker group can ever serve this scheduler
+        log.error("exiting: %s", engine.failure)
+        await server.stop(grace=1)
+        return 1
     log.info("shutting down")
     await server.stop(grace=2)
     return 0

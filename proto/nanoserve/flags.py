@@ -143,6 +143,10 @@ FLAGS = (
     Flag("--max-waiting", 4096, "queued requests before RESOURCE_EXHAUSTED", SCHEDULER),
     Flag("--enable-prefix-caching", True, "reuse KV blocks of shared prompt prefixes", SCHEDULER),
     Flag("--worker-connect-timeout", 300.0, "seconds to wait for every worker at start-up", SCHEDULER),
+    Flag("--worker-restart-timeout", 300.0, "seconds to hold requests after a worker failure for the restarted "
+         "worker group; past it they end UNAVAILABLE", SCHEDULER),
+    Flag("--step-timeout", 300.0, "seconds a step may take before its unanswering workers count as hung (up "
+         "restarts them)", SCHEDULER),
     Flag("--metrics-port", 0, "port serving Prometheus metrics at /metrics; 0 = off", SCHEDULER,
          limits=(0, PORTS[1])),
     Flag("--max-n", 16, "most completions one request may ask for (n)", SCHEDULER, limits=(1, 2**32 - 1)),
@@ -175,6 +179,9 @@ FLAGS = (
     # the local launcher
     Flag("--host", "127.0.0.1", "address the scheduler listens on", ("up",)),
     Flag("--worker-base-port", WORKER_PORT, "rank r listens on this port + r", ("up",), limits=PORTS),
+    Flag("--max-worker-restarts", 10, "restarts of a failed worker group in a row (each after a longer pause, up "
+         "to 30s) before up gives up and stops; a group that has run a minute resets the count", ("up",),
+         limits=(0, 2**31 - 1)),
     Flag("--openai-port", 0, "also start the OpenAI-compatible gateway, listening on --host at this port; "
          "0 = no gateway", ("up",), limits=(0, PORTS[1])),
     # clients

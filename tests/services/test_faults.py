@@ -30,10 +30,13 @@ def test_missing_worker_is_named_and_requests_get_unavailable(tmp_path: Path):
         stop([sched])
 
 
-def test_worker_dying_mid_run_fails_in_flight_requests_then_recovers(tiny_model_dir, tmp_path: Path):
+def test_worker_not_back_in_time_fails_in_flight_requests_then_recovers(tiny_model_dir, tmp_path: Path):
+    """Nothing restarts the worker: after --worker-restart-timeout the held request ends
+    UNAVAILABLE, new ones are refused, and a worker started later serves again."""
     log = tmp_path / "services.log"
     flags = ("--block-size", "16", "--num-kv-blocks", "128")
-    with running_service(Path(tiny_model_dir), log, worker_flags=flags) as svc, Client(svc["address"]) as client:
+    with running_service(Path(tiny_model_dir), log, worker_flags=flags,
+                         scheduler_flags=("--worker-restart-timeout", "2")) as svc, Client(svc["address"]) as client:
         worker = svc["workers"][0]
         worker_port = worker.args[worker.args.index("--port") + 1]
         stream = client.stream([1, 2, 3, 4], max_tokens=2000, temperature=0, ignore_eos=True, timeout=60)
