@@ -1,0 +1,162 @@
+"""Worker failure without losing a request (issue 16): `nanoserve up` run as users run it, its worker
+killed (SIGKILL), frozen (SIGSTOP) or, with two ranks, one rank killed, while requests stream. Every
+request completes, with exactly the tokens of an undisturbed run: greedy ones, and seeded sampled
+ones (their draws are keyed by seed and position, so a recompute draws the same)."""
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from nanoserve.client import Client
+from nanoserve_cli.launcher import free_port
+from tests.services.processes import CLI, ENV, wait_serving
+
+pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds up's workers in /proc")
+
+NUM_REQUESTS, MAX_TOKENS = 32, 120
+UP_FLAGS = ("--device", "cpu", "--block-size", "16", "--num-kv-blocks", "512", "--max-num-seqs", "32",
+            "--max-num-batched-tokens", "512")
+
+
+def requests() -> list[tuple[list[int], dict]]:
+    """Mixed greedy and seeded sampled requests of different prompt lengths."""
+    out = []
+    for i in range(NUM_REQUESTS):
+        prompt = [(i * 7919 + j * 104729) % 150_000 for j in range(5 + 3 * i)]
+        sampling = {"temperature": 0.0} if i % 2 else {"temperature": 0.9, "seed": 1000 + i}
+        out.append((prompt, {"max_tokens": MAX_TOKENS, "ignore_eos": True, **sampling}))
+    return out
+
+
+class Up:
+    def __init__(self, model: Path, log: Path, *flags: str):
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log = log
+        argv = CLI + ["up", "--model", str(model), "--port", str(self.port), "--worker-base-port", str(free_port()),
+                      *UP_FLAGS, *flags]
+        self.launcher = subprocess.Popen(argv, env=ENV, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+        wait_serving(self.address, [self.launcher], log)
+
+    def workers(self) -> list[int]:
+        """Pids of the launcher's live worker ranks, in rank order."""
+        found = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+                argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
+            except (OSError, IndexError):
+                continue
+            if ppid == self.launcher.pid and b"worker_svc" in argv:
+                found.append((int(argv[argv.index(b"--rank") + 1]), int(stat.parent.name)))
+        return [pid for _, pid in sorted(found)]
+
+    def stop(self) -> None:
+        if self.launcher.poll() is None:
+            self.launcher.send_signal(signal.SIGTERM)
+            self.launcher.wait(timeout=30)
+
+
+class Streams:
+    """The requests streaming on threads; `received` counts tokens as they arrive."""
+
+    def __init__(self, address: str):
+        self.tokens: list[list[int]] = [[] for _ in range(NUM_REQUESTS)]
+        self.errors: list[Exception] = []
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run, args=(address, i, prompt, sampling))
+                        for i, (prompt, sampling) in enumerate(requests())]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, address: str, i: int, prompt: list[int], sampling: dict) -> None:
+        try:
+            with Client(address) as client:
+                for message in client.stream(prompt, timeout=180, **sampling):
+                    with self.lock:
+                        self.tokens[i].extend(message.token_ids)
+        except Exception as err:  # noqa: BLE001 (reported by the test)
+            self.errors.append(err)
+
+    @property
+    def received(self) -> int:
+        with self.lock:
+            return sum(map(len, self.tokens))
+
+    def wait_received(self, count: int, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while self.received < count and not self.errors and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not self.errors and self.received >= count, (self.errors, self.received)
+
+    def join(self) -> list[list[int]]:
+        for thread in self.threads:
+            thread.join(timeout=180)
+        assert not self.errors, self.errors
+        return self.tokens
+
+
+def undisturbed(address: str) -> list[list[int]]:
+    return Streams(address).join()
+
+
+def kill_and_wait_for_more(up: Up, streams: Streams, sig: int, rank: int, more: int) -> None:
+    """Sends `sig` to a rank once tokens flow, then waits until `more` tokens came after it."""
+    streams.wait_received(streams.received + NUM_REQUESTS)
+    os.kill(up.workers()[rank], sig)
+    at_kill = streams.received
+    streams.wait_received(at_kill + more)
+
+
+@pytest.fixture
+def up_factory(tmp_path):
+    started = []
+
+    def start(model: Path, *flags: str) -> Up:
+        started.append(Up(model, tmp_path / "up.log", *flags))
+        return started[-1]
+
+    yield start
+    for up in started:
+        up.stop()
+
+
+def test_sigkill_under_32_streams_three_times_loses_nothing(tiny_model_dir, up_factory):
+    up = up_factory(tiny_model_dir)
+    expected = undisturbed(up.address)
+    assert all(len(tokens) == MAX_TOKENS for tokens in expected)
+    streams = Streams(up.address)
+    for _ in range(3):
+        kill_and_wait_for_more(up, streams, signal.SIGKILL, 0, more=NUM_REQUESTS)
+    got = streams.join()
+    assert got == expected  # every token once, in order: none lost, none sent twice
+    log = up.log.read_text()
+    assert log.count("restarting the worker group") == 3
+    assert log.count("worker group back after") == 3
+    with Client(up.address) as client:
+        stats = client.stats()
+    assert (stats.num_running, stats.num_waiting, stats.kv_blocks_free) == (0, 0, stats.kv_blocks_total)
+
+
+def test_a_hung_worker_is_replaced_after_the_step_timeout(tiny_model_dir, up_factory):
+    up = up_factory(tiny_model_dir, "--step-timeout", "3")
+    expected = undisturbed(up.address)
+    streams = Streams(up.address)
+    kill_and_wait_for_more(up, streams, signal.SIGSTOP, 0, more=NUM_REQUESTS)
+    assert streams.join() == expected
+    log = up.log.read_text()
+    assert "did not answer step" in log and "(--step-timeout): treated as hung" in log
+    assert "has not answered for" in log and "(--step-timeout 3): hung" in log
+
+
+def test_tensor_parallel_group_recovers_from_a_killed_rank(tiny_model_dir, up_factory):
+    up = up_factory(tiny_model_dir, "--tensor-parallel-size", "2")
+    expected = undisturbed(up.address)
+    streams = Streams(up.address)
+    kill_and_wait_for_more(up, streams, signal.SIGKILL, 1, more=NUM_REQUESTS)
+    assert streams.join() == expected
+    assert "restarting the worker group" in up.log.read_text()
