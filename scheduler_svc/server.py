@@ -3,6 +3,7 @@ import argparse
 import asyncio
 import logging
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -22,6 +23,7 @@ from scheduler_svc.completions import CompletionOutput, completion_sequences
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine
 from scheduler_svc.metrics import RequestTimer
+from scheduler_svc.request_bytes import RequestBytesGuard
 from scheduler_svc.request_validation import (BadRequest, RequestLimits, check_room, checked_length, prompt_ids,
                                               sampling_options)
 from scheduler_svc.scheduler import AdmissionError
@@ -45,6 +47,11 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         self.info: llm_pb2.ModelInfo | None = None
         self.limits: RequestLimits | None = None
         self.sampling_defaults = worker_pb2.SamplingDefaults()  # the model's, from its workers
+        # Text is tokenized here, off the event loop: a long prompt must not stall the engine's steps.
+        self.tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
+
+    async def _off_loop(self, function, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, function, *args)
 
     async def _ready_engine(self, context) -> Engine:
         if self.engine is None:
@@ -63,7 +70,10 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         timer = RequestTimer()
         engine = await self._ready_engine(context)
         try:
-            ids = prompt_ids(request, self.tokenizer, self.limits)
+            if request.WhichOneof("prompt") == "text":
+                ids = await self._off_loop(prompt_ids, request, self.tokenizer, self.limits)
+            else:
+                ids = prompt_ids(request, self.tokenizer, self.limits)
             options = sampling_options(request.sampling, self.limits, self.sampling_defaults)
             check_room(len(ids), options.max_tokens, self.limits.max_model_len)
         except BadRequest as err:
@@ -76,7 +86,7 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         timer = RequestTimer()
         engine = await self._ready_engine(context)
         try:
-            ids = checked_length(self._conversation_ids(request), self.limits)
+            ids = checked_length(await self._off_loop(self._conversation_ids, request), self.limits)
             options = sampling_options(request.sampling, self.limits, self.sampling_defaults)
             check_room(len(ids), options.max_tokens, self.limits.max_model_len)
         except BadRequest as err:
@@ -141,10 +151,13 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         if request.messages and request.text:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "send either `text` or `messages`, not both")
         try:
-            ids = self._conversation_ids(request) if request.messages else self.tokenizer.encode(request.text)
+            ids = await self._off_loop(self._conversation_ids if request.messages else self._text_ids, request)
         except BadRequest as err:
             await context.abort(err.code, str(err))
         return llm_pb2.TokenizeResponse(token_ids=ids)
+
+    def _text_ids(self, request: llm_pb2.TokenizeRequest) -> list[int]:
+        return self.tokenizer.encode(request.text)
 
     async def Detokenize(self, request: llm_pb2.DetokenizeRequest, context) -> llm_pb2.DetokenizeResponse:
         await self._ready_engine(context)
@@ -228,7 +241,7 @@ def _model_info(config: SchedulerConfig, group: WorkerGroup, limits: RequestLimi
 
 async def _serve(args: argparse.Namespace) -> int:
     worker_tls = tls_files(args, "worker_tls")
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RequestBytesGuard(args.max_request_bytes)])
     try:  # what can fail at once, before any waiting
         if args.metrics_port:
             check_port_free(args.host, args.metrics_port, "the scheduler's --metrics-port")

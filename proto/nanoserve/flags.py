@@ -18,6 +18,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from nanoserve.wire import MAX_MESSAGE_BYTES
+
 SCHEDULER_PORT = 50051  # the public nanoserve.v1.LLM API
 WORKER_PORT = 50061     # the internal nanoserve.v1.Worker API
 OPENAI_PORT = 8000      # the gateway's OpenAI-compatible HTTP API
@@ -143,6 +145,8 @@ FLAGS = (
     Flag("--max-waiting", 4096, "queued requests before RESOURCE_EXHAUSTED", SCHEDULER),
     Flag("--enable-prefix-caching", True, "reuse KV blocks of shared prompt prefixes", SCHEDULER),
     Flag("--worker-connect-timeout", 300.0, "seconds to wait for every worker at start-up", SCHEDULER),
+    Flag("--max-request-bytes", 8 << 20, "largest request accepted, in bytes (a text prompt is tokenized only "
+         "below it); larger ones get INVALID_ARGUMENT", SCHEDULER, limits=(1, MAX_MESSAGE_BYTES)),
     Flag("--worker-restart-timeout", 300.0, "seconds to hold requests after a worker failure for the restarted "
          "worker group; past it they end UNAVAILABLE", SCHEDULER),
     Flag("--step-timeout", 300.0, "seconds a step may take before its unanswering workers count as hung (up "

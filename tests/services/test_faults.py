@@ -57,6 +57,9 @@ def test_worker_not_back_in_time_fails_in_flight_requests_then_recovers(tiny_mod
         wait_serving(svc["address"], [svc["scheduler"], restarted], log)
         done = client.generate([1, 2, 3], max_tokens=3, temperature=0, ignore_eos=True)
         assert len(done.token_ids) == 3
+        stats = client.stats()  # the ended request left nothing behind
+        assert (stats.num_running, stats.num_waiting, stats.kv_blocks_free) == (0, 0, stats.kv_blocks_total)
+    assert "no worker group came back within 2s (--worker-restart-timeout)" in log.read_text()
 
 
 def test_a_full_waiting_queue_refuses_with_resource_exhausted(tiny_model_dir, tmp_path: Path):

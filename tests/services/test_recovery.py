@@ -7,9 +7,12 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+
+import grpc
 
 from nanoserve.client import Client
 from nanoserve_cli.launcher import free_port
@@ -18,6 +21,7 @@ from tests.services.processes import CLI, ENV, wait_serving
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds up's workers in /proc")
 
 NUM_REQUESTS, MAX_TOKENS = 32, 32
+MAX_REQUEST_BYTES = 1 << 20
 UP_FLAGS = ("--device", "cpu", "--block-size", "16", "--num-kv-blocks", "512", "--max-num-seqs", "32",
             "--max-num-batched-tokens", "512")
 
@@ -34,11 +38,11 @@ def requests() -> list[tuple[list[int], dict]]:
 
 class Up:
     def __init__(self, model: Path, log: Path, *flags: str):
-        self.port = free_port()
+        self.port, self.metrics_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log = log
         argv = CLI + ["up", "--model", str(model), "--port", str(self.port), "--worker-base-port", str(free_port()),
-                      *UP_FLAGS, *flags]
+                      "--metrics-port", str(self.metrics_port), *UP_FLAGS, *flags]
         self.launcher = subprocess.Popen(argv, env=ENV, stdout=log.open("ab"), stderr=subprocess.STDOUT)
         wait_serving(self.address, [self.launcher], log)
 
@@ -54,6 +58,11 @@ class Up:
             if ppid == self.launcher.pid and b"worker_svc" in argv:
                 found.append((int(argv[argv.index(b"--rank") + 1]), int(stat.parent.name)))
         return [pid for _, pid in sorted(found)]
+
+    def metric(self, name: str) -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as reply:
+            lines = reply.read().decode().splitlines()
+        return next(float(line.split()[1]) for line in lines if line.startswith(name + " "))
 
     def stop(self) -> None:
         if self.launcher.poll() is None:
@@ -115,11 +124,46 @@ def kill_and_wait_for_more(up: Up, streams: Streams, sig: int, rank: int, more: 
 @pytest.fixture(scope="module")
 def single(tiny_model_dir, tmp_path_factory):
     """One rank, whose steps may take 3 s before it counts as hung; and the tokens of an undisturbed run."""
-    up = Up(tiny_model_dir, tmp_path_factory.mktemp("up") / "up.log", "--step-timeout", "3")
+    up = Up(tiny_model_dir, tmp_path_factory.mktemp("up") / "up.log", "--step-timeout", "3",
+            "--max-request-bytes", str(MAX_REQUEST_BYTES))
     try:
         yield up, undisturbed(up.address)
     finally:
         up.stop()
+
+
+def test_tokenizing_a_long_text_leaves_the_streams_running(single):
+    """Item 6: a text prompt is tokenized off the engine's loop, so a stream keeps getting tokens."""
+    up, _ = single
+    text = "The sea is calm tonight, and the tide is full. " * (MAX_REQUEST_BYTES // 50)
+    with Client(up.address) as client:
+        tokens = []
+        call = client.stream([1, 2, 3], max_tokens=4000, temperature=0, ignore_eos=True, timeout=120)
+        stream = threading.Thread(target=lambda: [tokens.extend(m.token_ids) for m in call])
+        stream.start()
+        while not tokens:
+            time.sleep(0.01)
+        before = len(tokens)
+        assert len(client.tokenize(text)) > MAX_REQUEST_BYTES // 10
+        during = len(tokens) - before
+        call.cancel()
+        with pytest.raises(grpc.RpcError):
+            stream.run()  # the cancelled call's end, on this thread
+    assert during >= 5, during
+
+
+def test_oversized_and_malformed_requests_are_invalid_arguments(single):
+    up, _ = single
+    with Client(up.address) as client, pytest.raises(grpc.RpcError) as info:
+        client.generate("x" * (MAX_REQUEST_BYTES + 1), max_tokens=1)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"this server takes at most {MAX_REQUEST_BYTES} (--max-request-bytes)" in info.value.details()
+    with grpc.insecure_channel(up.address) as channel:
+        generate = channel.unary_stream("/nanoserve.v1.LLM/Generate")  # bytes in, bytes out
+        with pytest.raises(grpc.RpcError) as info:
+            list(generate(b"\x0a\xff\xff\xff\xff", timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid message for /nanoserve.v1.LLM/Generate" in info.value.details()
 
 
 def test_sigkill_under_32_streams_three_times_loses_nothing(single):
@@ -132,6 +176,8 @@ def test_sigkill_under_32_streams_three_times_loses_nothing(single):
     log = up.log.read_text()
     assert log.count("restarting the worker group") == 3
     assert log.count("worker group back after") == 3
+    assert up.metric("nanoserve_worker_failures_total") == up.metric("nanoserve_worker_group_restarts_total") == 3
+    assert up.metric("nanoserve_recomputed_tokens_total") >= 3 * NUM_REQUESTS
     with Client(up.address) as client:
         stats = client.stats()
     assert (stats.num_running, stats.num_waiting, stats.kv_blocks_free) == (0, 0, stats.kv_blocks_total)
