@@ -44,7 +44,7 @@ class RequestSpec:
 def online_requests(rate: float, duration: float, seed: int = 0) -> list[RequestSpec]:
     """Poisson arrivals at `rate` per second for `duration` seconds, prompts of random token ids in
     [0, 10000) of 100-1,024 tokens, outputs of 100-512 (DESIGN §8's online workload). The one
-    place the workload is made: bench/serve.py's generator may take its place."""
+    place the workload is made: the serve benchmark's generator may take its place."""
     rng = random.Random(seed)
     specs, now = [], rng.expovariate(rate)
     while now < duration:
