@@ -30,7 +30,8 @@ def test_missing_worker_is_named_and_requests_get_unavailable(tmp_path: Path):
         stop([sched])
 
 
-def test_worker_not_back_in_time_fails_in_flight_requests_then_recovers(tiny_model_dir, tmp_path: Path):
+def test_worker_not_back_in_time_fails_in_flight_requests_then_recovers(tiny_model_dir, tiny_tied_model_dir,
+                                                                         tmp_path: Path):
     """Nothing restarts the worker: after --worker-restart-timeout the held request ends
     UNAVAILABLE, new ones are refused, and a worker started later serves again."""
     log = tmp_path / "services.log"
@@ -59,7 +60,14 @@ def test_worker_not_back_in_time_fails_in_flight_requests_then_recovers(tiny_mod
         assert len(done.token_ids) == 3
         stats = client.stats()  # the ended request left nothing behind
         assert (stats.num_running, stats.num_waiting, stats.kv_blocks_free) == (0, 0, stats.kv_blocks_total)
-    assert "no worker group came back within 2s (--worker-restart-timeout)" in log.read_text()
+        assert "no worker group came back within 2s (--worker-restart-timeout)" in log.read_text()
+
+        # Back with another model, the worker can never serve this scheduler: it exits for its supervisor.
+        restarted.kill()
+        restarted.wait()
+        svc["procs"].append(start_worker(Path(tiny_tied_model_dir), int(worker_port), *flags, log=log))
+        assert svc["scheduler"].wait(timeout=120) == 1
+        assert "this scheduler was started for" in log.read_text()
 
 
 def test_a_full_waiting_queue_refuses_with_resource_exhausted(tiny_model_dir, tmp_path: Path):
