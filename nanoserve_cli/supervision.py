@@ -3,8 +3,10 @@ up starts a fresh one (with tensor parallelism a dead rank poisons the group's c
 the survivors cannot go on). The scheduler holds its requests meanwhile and recomputes them on
 the new group (scheduler_svc/recovery.py).
 
-A rank hangs when it stops answering its health check for longer than --step-timeout, after
-having answered once (a rank still importing or loading is not probed into a restart). Restarts
+A rank hangs when it stops answering its health check for HANG_GRACE_SECONDS longer than
+--step-timeout, after having answered once (a rank still importing or loading is not probed into a
+restart); the grace lets the scheduler, which stops waiting for a step at --step-timeout, see the
+hang first and name the step. Restarts
 in a row wait longer each time, from none to 30 s, and after --max-worker-restarts of them up
 gives up; a group that ran for a minute starts the count over.
 """
@@ -21,6 +23,7 @@ from nanoserve.healthcheck import serving_status
 BACKOFF_MAX_SECONDS = 30.0
 STABLE_SECONDS = 60.0  # a group that lived this long was not failing in a loop
 PROBE_SECONDS = 1.0
+HANG_GRACE_SECONDS = 5.0
 
 
 class GaveUp(Exception):
@@ -97,9 +100,9 @@ class WorkerGroupSupervisor:
             if proc.poll() is not None:
                 return self.failure(proc)
             silent = self.liveness.silent_for(rank)
-            if silent > self.hang_seconds:
+            if silent > self.hang_seconds + HANG_GRACE_SECONDS:
                 return (f"{self.describe(proc)} has not answered for {silent:.0f}s (--step-timeout "
-                        f"{self.hang_seconds:g}): hung")
+                        f"{self.hang_seconds:g} + {HANG_GRACE_SECONDS:g}): hung")
         return None
 
     def stop(self) -> None:

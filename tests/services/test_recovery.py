@@ -123,8 +123,8 @@ def kill_and_wait_for_more(up: Up, streams: Streams, sig: int, rank: int, more: 
 
 @pytest.fixture(scope="module")
 def single(tiny_model_dir, tmp_path_factory):
-    """One rank, whose steps may take 3 s before it counts as hung; and the tokens of an undisturbed run."""
-    up = Up(tiny_model_dir, tmp_path_factory.mktemp("up") / "up.log", "--step-timeout", "3",
+    """One rank, whose steps may take 4 s before it counts as hung; and the tokens of an undisturbed run."""
+    up = Up(tiny_model_dir, tmp_path_factory.mktemp("up") / "up.log", "--step-timeout", "4",
             "--max-request-bytes", str(MAX_REQUEST_BYTES))
     try:
         yield up, undisturbed(up.address)
@@ -182,9 +182,10 @@ def test_sigkill_under_32_streams_three_times_loses_nothing(single):
         kill_and_wait_for_more(up, streams, signal.SIGKILL, 0, more=NUM_REQUESTS)
     assert streams.join() == expected  # every token once, in order: none lost, none sent twice
     log = up.log.read_text()
-    assert log.count("restarting the worker group") == 3
-    assert log.count("worker group back after") == 3
-    assert up.metric("nanoserve_worker_failures_total") == up.metric("nanoserve_worker_group_restarts_total") == 3
+    # At least the three kills (a loaded machine may also see a step outlive the short --step-timeout).
+    assert log.count("restarting the worker group") >= 3
+    assert log.count("worker group back after") == log.count("worker group failed") >= 3
+    assert up.metric("nanoserve_worker_failures_total") == up.metric("nanoserve_worker_group_restarts_total") >= 3
     assert up.metric("nanoserve_recomputed_tokens_total") >= 3 * NUM_REQUESTS
     with Client(up.address) as client:
         stats = client.stats()
@@ -198,7 +199,7 @@ def test_a_hung_worker_is_replaced_after_the_step_timeout(single):
     assert streams.join() == expected
     log = up.log.read_text()
     assert "did not answer step" in log and "(--step-timeout): treated as hung" in log
-    assert "has not answered for" in log and "(--step-timeout 3): hung" in log
+    assert "has not answered for" in log and "(--step-timeout 4 + 5): hung" in log
 
 
 def test_tensor_parallel_group_recovers_from_a_killed_rank(tiny_model_dir, tmp_path):
