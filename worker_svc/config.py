@@ -31,6 +31,7 @@ class WorkerConfig:
     enforce_eager: bool = _DEFAULT["enforce_eager"]         # no CUDA graphs
     attention_backend: str = _DEFAULT["attention_backend"]
     seed: int = _DEFAULT["seed"]
+    step_timeout: float = _DEFAULT["step_timeout"]         # a step running longer ends the process (hung)
 
     @classmethod
     def from_flags(cls, args: argparse.Namespace) -> "WorkerConfig":

@@ -149,8 +149,8 @@ FLAGS = (
          "below it); larger ones get INVALID_ARGUMENT", SCHEDULER, limits=(1, MAX_MESSAGE_BYTES)),
     Flag("--worker-restart-timeout", 300.0, "seconds to hold requests after a worker failure for the restarted "
          "worker group; past it they end UNAVAILABLE", SCHEDULER),
-    Flag("--step-timeout", 300.0, "seconds a step may take before its unanswering workers count as hung (up "
-         "restarts them)", SCHEDULER),
+    Flag("--step-timeout", 300.0, "seconds a step may take before the ranks that have not answered count as "
+         "hung: the scheduler stops waiting for them, a worker exits, up restarts them", ENGINE),
     Flag("--metrics-port", 0, "port serving Prometheus metrics at /metrics; 0 = off", SCHEDULER,
          limits=(0, PORTS[1])),
     Flag("--max-n", 16, "most completions one request may ask for (n)", SCHEDULER, limits=(1, 2**32 - 1)),
