@@ -26,10 +26,10 @@ UP_FLAGS = ("--device", "cpu", "--block-size", "16", "--num-kv-blocks", "512", "
             "--max-num-batched-tokens", "512")
 
 
-def requests() -> list[tuple[list[int], dict]]:
+def requests(count: int = NUM_REQUESTS) -> list[tuple[list[int], dict]]:
     """Mixed greedy and seeded sampled requests of different prompt lengths."""
     out = []
-    for i in range(NUM_REQUESTS):
+    for i in range(count):
         prompt = [(i * 7919 + j * 104729) % 150_000 for j in range(5 + 3 * i)]
         sampling = {"temperature": 0.0} if i % 2 else {"temperature": 0.9, "seed": 1000 + i}
         out.append((prompt, {"max_tokens": MAX_TOKENS, "ignore_eos": True, **sampling}))
@@ -73,12 +73,12 @@ class Up:
 class Streams:
     """The requests streaming on threads; `received` counts tokens as they arrive."""
 
-    def __init__(self, address: str):
-        self.tokens: list[list[int]] = [[] for _ in range(NUM_REQUESTS)]
+    def __init__(self, address: str, count: int = NUM_REQUESTS):
+        self.tokens: list[list[int]] = [[] for _ in range(count)]
         self.errors: list[Exception] = []
         self.lock = threading.Lock()
         self.threads = [threading.Thread(target=self._run, args=(address, i, prompt, sampling))
-                        for i, (prompt, sampling) in enumerate(requests())]
+                        for i, (prompt, sampling) in enumerate(requests(count))]
         for thread in self.threads:
             thread.start()
 
@@ -109,13 +109,13 @@ class Streams:
         return self.tokens
 
 
-def undisturbed(address: str) -> list[list[int]]:
-    return Streams(address).join()
+def undisturbed(address: str, count: int = NUM_REQUESTS) -> list[list[int]]:
+    return Streams(address, count).join()
 
 
 def kill_and_wait_for_more(up: Up, streams: Streams, sig: int, rank: int, more: int) -> None:
     """Sends `sig` to a rank once tokens flow, then waits until `more` tokens came after it."""
-    streams.wait_received(streams.received + NUM_REQUESTS)
+    streams.wait_received(streams.received + len(streams.tokens))
     os.kill(up.workers()[rank], sig)
     at_kill = streams.received
     streams.wait_received(at_kill + more)
@@ -205,9 +205,9 @@ def test_a_hung_worker_is_replaced_after_the_step_timeout(single):
 def test_tensor_parallel_group_recovers_from_a_killed_rank(tiny_model_dir, tmp_path):
     up = Up(tiny_model_dir, tmp_path / "up.log", "--tensor-parallel-size", "2")
     try:
-        expected = undisturbed(up.address)
-        streams = Streams(up.address)
-        kill_and_wait_for_more(up, streams, signal.SIGKILL, 1, more=NUM_REQUESTS)
+        expected = undisturbed(up.address, 8)
+        streams = Streams(up.address, 8)
+        kill_and_wait_for_more(up, streams, signal.SIGKILL, 1, more=8)
         assert streams.join() == expected
         log = up.log.read_text()  # rank 0 fails with its peer: whichever exit up sees first restarts both
         assert "restarting the worker group" in log and "worker group back after" in log
