@@ -6,8 +6,10 @@ Each child is the service itself (`python -m worker_svc`, `python -m scheduler_s
 flag table, as `up` parsed them, plus the ones only the launcher can know (ports, ranks, addresses)
 and, in its environment, a random --worker-token shared by this launcher's scheduler and workers.
 Busy ports and a checkpoint without its config.json or tokenizer.json fail before any child starts;
-children die with the launcher (children.py); when one fails, `up` stops the others and exits 1 with
-that child's last error line.
+children die with the launcher (children.py). Once serving, a worker rank that exits or hangs is
+replaced with its whole group (supervision.py) while the scheduler holds its requests; when the
+group keeps failing, or another child fails, `up` stops the others and exits 1 with that child's
+last error line.
 """
 import argparse
 import itertools
@@ -29,6 +31,7 @@ from nanoserve.healthcheck import SERVING, serving_status
 from nanoserve.listen import ListenError, check_port_free
 from nanoserve_cli.cache import demo_model_dir
 from nanoserve_cli.children import Child
+from nanoserve_cli.supervision import GaveUp, WorkerGroupSupervisor
 
 SERVICE_MODULES = {"worker": "worker_svc", "scheduler": "scheduler_svc", "gateway": "gateway_svc"}  # command -> module
 
@@ -162,34 +165,43 @@ def run_local(args: argparse.Namespace) -> int:
         print(f"nanoserve up: {err}", file=sys.stderr)
         return 1
     size = args.tensor_parallel_size
-    dist_init_addr = f"127.0.0.1:{free_port()}"
     # Only this launcher's scheduler can drive its workers.
     env = {**os.environ, "NANOSERVE_WORKER_TOKEN": os.environ.get("NANOSERVE_WORKER_TOKEN") or secrets.token_hex(16)}
-    procs = [Child(worker_command(args, model, rank, dist_init_addr), env) for rank in range(size)]
-    procs.append(Child(scheduler_command(args), env))
+
+    def start_workers() -> list[subprocess.Popen]:
+        dist_init_addr = f"127.0.0.1:{free_port()}"  # a fresh meeting point: the last group's may linger
+        return [Child(worker_command(args, model, rank, dist_init_addr), env) for rank in range(size)]
+
+    workers = WorkerGroupSupervisor(start_workers, [f"127.0.0.1:{args.worker_base_port + r}" for r in range(size)],
+                                    describe, failure, args.max_worker_restarts, args.step_timeout,
+                                    lambda line: print(line, file=sys.stderr, flush=True))
+    workers.start()
+    others = [Child(scheduler_command(args), env)]
     if args.openai_port:  # started now: it waits for the scheduler itself, and says so
-        procs.append(Child(gateway_command(args), env))
+        others.append(Child(gateway_command(args), env))
     signal.signal(signal.SIGTERM, _interrupt)
     address = f"{args.host}:{args.port}"
     try:
-        wait_serving(address, procs, args.worker_connect_timeout + 60)
+        wait_serving(address, workers.procs + others, args.worker_connect_timeout + 60)
         openai = ""
         if args.openai_port:
             url = f"http://{args.host}:{args.openai_port}"
-            wait_http_ok(url + "/health", procs, 60)
+            wait_http_ok(url + "/health", workers.procs + others, 60)
             openai = f", the OpenAI API on {url}/v1"
         print(f"nanoserve is serving {model} on {address} ({size} worker rank{'s' if size > 1 else ''}{openai}); "
               "Ctrl-C stops it", flush=True)
-        while all(p.poll() is None for p in procs):
+        while all(p.poll() is None for p in others):
+            workers.check()
             time.sleep(0.5)
-        dead = next(p for p in procs if p.poll() is not None)
+        dead = next(p for p in others if p.poll() is not None)
         print(f"nanoserve up: {failure(dead)}; stopping the others", file=sys.stderr)
         return 1
-    except RuntimeError as err:
+    except (RuntimeError, GaveUp) as err:
         print(f"nanoserve up failed: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("stopping nanoserve ...", flush=True)
         return 0
     finally:
-        stop_all(procs)
+        stop_all(workers.procs + others)
+        workers.liveness.stop()

@@ -16,6 +16,7 @@ from nanoserve.v1 import worker_pb2
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.logprob_rows import ScoredToken, prompt_logprobs, sampled_logprobs
 from scheduler_svc.metrics import RequestTimer, SchedulerMetrics
+from scheduler_svc.recovery import CannotServe, GroupRecovery
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.step_plan import StepPlan
@@ -33,7 +34,7 @@ class RequestStream:
     new_logprobs: list[ScoredToken] = field(default_factory=list)  # one per new token, when asked for
     prompt_logprobs: list[ScoredToken] = field(default_factory=list)  # every prompt row so far, in order
     finished: bool = False
-    error: str = ""  # set when the workers failed; the handler answers UNAVAILABLE
+    error: str = ""  # set when no worker group can serve it; the handler answers UNAVAILABLE
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     timer: RequestTimer = field(default_factory=RequestTimer)
 
@@ -121,20 +122,22 @@ class Waker:
 class Engine:
     """Drives one worker group: a loop that schedules steps, sends them to every rank, applies
     the tokens that come back and hands them to the request streams. Handlers submit sequences
-    and abort them; both take effect between steps. When a rank fails, every request in flight
-    ends UNAVAILABLE and the engine reconnects to a fresh group with a fresh scheduler."""
+    and abort them; both take effect between steps. When a rank fails, the requests are held
+    while a fresh group connects, then recomputed (recovery.py); the loop ends only when no group
+    can ever serve."""
 
-    def __init__(self, group: WorkerGroup, config: SchedulerConfig, reconnect_timeout: float):
+    def __init__(self, group: WorkerGroup, config: SchedulerConfig, restart_timeout: float):
         self.group = group
         self.config = config
-        self.reconnect_timeout = reconnect_timeout
         self.scheduler = Scheduler(config)
+        self.recovery = GroupRecovery(self, restart_timeout)
         self.streams: dict[int, RequestStream] = {}
         self.pending_aborts: list[int] = []
         self.totals = Totals()
         self.metrics = SchedulerMetrics()
         self.metrics.engine = self
         self.healthy = True
+        self.recovering = False  # a group is being rebuilt: requests are taken, held, not admitted
         self.failure = ""
         self.on_health_change = lambda healthy: None
         self.work = asyncio.Event()
@@ -149,22 +152,48 @@ class Engine:
         self.task = loop.create_task(self._loop())
         self.task.add_done_callback(self._loop_ended)
 
-    def _loop_ended(self, task: asyncio.Task) -> None:
-        """A bug that ends the loop must not leave requests hanging: they fail, health goes down."""
-        if task.cancelled() or task.exception() is None:
-            return
-        log.critical("engine loop crashed", exc_info=task.exception())
-        self._fail_streams(f"the engine loop crashed: {task.exception()!r}")
+    @property
+    def accepts_requests(self) -> bool:
+        """Serving, or holding requests while a worker group comes back."""
+        return self.healthy or self.recovering
 
-    def _fail_streams(self, reason: str) -> None:
-        """Ends every request in flight with `reason` (UNAVAILABLE) and marks the service down."""
-        self.healthy, self.failure = False, reason
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """A loop that ends (no group can ever serve, or a bug) must not leave requests hanging:
+        they fail, health goes down, and the scheduler exits (server.py)."""
+        if task.cancelled():
+            return
+        error = task.exception()
+        log.critical("the engine stopped: %s", error, exc_info=not isinstance(error, CannotServe))
+        self._end_all(f"the engine stopped: {error}")
+
+    def enter_recovery(self, reason: str) -> None:
+        """A rank failed: requests are held (health NOT_SERVING) until a group is back."""
+        self.healthy, self.recovering, self.failure = False, True, reason
         self.on_health_change(False)
-        for stream in self.streams.values():
-            stream.error = reason
-            stream.wakeup.set()
-        self.streams.clear()
+
+    def resume(self) -> None:
+        self.healthy, self.recovering, self.failure = True, False, ""
+        self.on_health_change(True)
+
+    def give_up(self, reason: str) -> None:
+        """Ends every request with `reason` (UNAVAILABLE); new ones are refused until a group serves."""
+        for seq_id in list(self.streams):
+            self.scheduler.abort(seq_id)
+        self._end_all(reason)
+
+    def _end_all(self, reason: str) -> None:
+        self.healthy, self.recovering, self.failure = False, False, reason
+        self.on_health_change(False)
+        self.end_requests([stream.seq for stream in self.streams.values()], reason)
         self.pending_aborts.clear()
+
+    def end_requests(self, seqs: list[Sequence], reason: str) -> None:
+        """Ends these sequences' requests with `reason` (UNAVAILABLE); the scheduler has let them go."""
+        for seq in seqs:
+            stream = self.streams.pop(seq.seq_id, None)
+            if stream is not None:
+                stream.error = reason
+                stream.wakeup.set()
 
     def submit(self, seq: Sequence, wakeup: asyncio.Event | None = None) -> RequestStream:
         """Queues a sequence for scheduling and returns the stream its tokens will arrive on
@@ -198,7 +227,7 @@ class Engine:
         in_flight: deque[StepPlan] = deque()  # sent, in step order
         delivered: list[RequestStream] = []  # streams with new tokens, woken once the next step is out
         while True:
-            self._apply_aborts()
+            self.apply_aborts()
             depth = self.group.max_steps_in_flight  # the group is replaced after a failure
             plan = None
             if len(in_flight) < depth and self.scheduler.has_work():
@@ -219,10 +248,10 @@ class Engine:
                 done = in_flight.popleft()
                 reply = await self.group.receive(done.step_id)
             except WorkerUnavailable as err:
-                in_flight.clear()
+                in_flight.clear()  # their tokens are dropped: recomputed, they come again
                 self.waker.wake_soon(delivered)
                 delivered = []
-                await self._fail_all(str(err))
+                await self.recovery.recover(str(err))
                 continue
             self.totals.record_step(done, reply)
             self.metrics.steps_in_flight.set(len(in_flight))
@@ -240,7 +269,7 @@ class Engine:
         except TimeoutError:
             await self.group.ping()
 
-    def _apply_aborts(self) -> None:
+    def apply_aborts(self) -> None:
         for seq_id in self.pending_aborts:
             if self.streams.pop(seq_id, None) is not None:
                 self.scheduler.abort(seq_id)
@@ -275,26 +304,3 @@ class Engine:
             if stream is not None:
                 skip = len(stream.prompt_logprobs) - plan.num_computed[index]
                 stream.prompt_logprobs.extend(entry_rows[max(0, skip):])
-
-    async def _fail_all(self, reason: str) -> None:
-        """A rank failed: every request in flight ends UNAVAILABLE, then the group is rebuilt."""
-        log.error("%s; failing %d request(s) and reconnecting", reason, len(self.streams))
-        self.metrics.worker_failure(self.scheduler)
-        self._fail_streams(reason)
-        await self.group.close()
-        while True:
-            self.group = self.group.renewed()
-            try:
-                await self.group.connect(self.reconnect_timeout)
-                break
-            except WorkerUnavailable as err:
-                log.error("group still incomplete: %s", err)
-                self.failure = str(err)
-                await self.group.close()
-                await asyncio.sleep(1)  # a refusal comes at once: do not spin on it
-        # Worker KV memory was reset: the prefix cache and all block state start over.
-        self.config.num_kv_blocks = self.group.num_blocks
-        self.scheduler = Scheduler(self.config)
-        self.healthy, self.failure = True, ""
-        self.on_health_change(True)
-        log.info("worker group whole again; serving")

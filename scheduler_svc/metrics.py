@@ -16,7 +16,6 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:  # type hints only: the engine imports this module
     from scheduler_svc.engine import Engine, RequestStream
-    from scheduler_svc.scheduler import Scheduler
     from scheduler_svc.sequence import Sequence
     from scheduler_svc.step_plan import StepPlan
 
@@ -48,9 +47,6 @@ class SchedulerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.engine: "Engine | None" = None  # read at scrape time; set once the workers are connected
-        # Counters of schedulers discarded after a worker failure, so the totals never go back.
-        self.retired_preemptions = 0
-        self.retired_prefix_cache_hit_tokens = 0
         r = self.registry
         self.ttft = Histogram("nanoserve_time_to_first_token_seconds",
                               "Arrival to the first generated token being sent", buckets=_LATENCY_BUCKETS,
@@ -67,8 +63,12 @@ class SchedulerMetrics:
                                 ["finish_reason"], registry=r)
         for reason in FINISH_REASONS:
             self.finished.labels(reason)
-        self.worker_failures = Counter("nanoserve_worker_failures", "Worker group failures (every request "
-                                       "in flight ended UNAVAILABLE, the group was reconnected)", registry=r)
+        self.worker_failures = Counter("nanoserve_worker_failures", "Worker group failures (a rank died or hung; "
+                                       "the requests were held for a restarted group)", registry=r)
+        self.worker_restarts = Counter("nanoserve_worker_group_restarts", "Worker groups connected again after a "
+                                       "failure (the held requests resumed)", registry=r)
+        self.recomputed_tokens = Counter("nanoserve_recomputed_tokens", "Tokens recomputed after a worker failure "
+                                         "(prompt and output so far of every resumed request)", registry=r)
         self.steps_in_flight = Gauge("nanoserve_steps_in_flight", "Steps sent to the workers and not yet "
                                      "answered", registry=r)
         r.register(_EngineCollector(self))
@@ -95,12 +95,13 @@ class SchedulerMetrics:
                 break
             stream.timer.scheduled = now = now or time.monotonic()
 
-    def worker_failure(self, scheduler: "Scheduler") -> None:
-        """The group failed: its scheduler is about to be replaced, so its counters are retired."""
+    def worker_failure(self) -> None:
         self.worker_failures.inc()
         self.steps_in_flight.set(0)
-        self.retired_preemptions += scheduler.num_preemptions
-        self.retired_prefix_cache_hit_tokens += scheduler.prefix_cache_hit_tokens
+
+    def group_restored(self, recomputed_tokens: int) -> None:
+        self.worker_restarts.inc()
+        self.recomputed_tokens.inc(recomputed_tokens)
 
     def request_finished(self, request_id: str, seq: "Sequence", timer: RequestTimer) -> None:
         """Observes a request that ended with its last token (or was aborted) and logs its line."""
@@ -136,7 +137,7 @@ class _EngineCollector(Collector):
         engine = self.metrics.engine
         if engine is None:
             return
-        scheduler, totals, m = engine.scheduler, engine.totals, self.metrics
+        scheduler, totals = engine.scheduler, engine.totals
         yield _gauge("nanoserve_num_requests_running", "Requests holding KV blocks", scheduler.num_running)
         yield _gauge("nanoserve_num_requests_waiting", "Requests queued for admission", scheduler.num_waiting)
         yield _gauge("nanoserve_kv_blocks_total", "KV cache blocks in the pool", scheduler.num_total_blocks)
@@ -145,9 +146,9 @@ class _EngineCollector(Collector):
         yield _counter("nanoserve_prompt_tokens", "Prompt tokens of admitted requests", totals.prompt_tokens)
         yield _counter("nanoserve_generation_tokens", "Tokens generated", totals.generated_tokens)
         yield _counter("nanoserve_prefix_cache_hit_tokens", "Tokens served from the prefix cache at admission",
-                       m.retired_prefix_cache_hit_tokens + scheduler.prefix_cache_hit_tokens)
+                       scheduler.prefix_cache_hit_tokens)
         yield _counter("nanoserve_preemptions", "Running requests preempted for lack of KV blocks",
-                       m.retired_preemptions + scheduler.num_preemptions)
+                       scheduler.num_preemptions)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -164,6 +164,28 @@ class Scheduler:
         self._admit_waiting(seqs, num_tokens, budget)
         return self._build(seqs, num_tokens) if seqs else None
 
+    def drop_kv(self, num_blocks: int) -> list[Sequence]:
+        """The workers lost their KV memory (a rank failed; the group restarts with `num_blocks`):
+        forgets every block and prefix hash, and puts the running sequences back at the front of
+        the waiting queue as preempted, to recompute prompt and tokens so far. Tokens of steps in
+        flight are never post-processed: their plans are dropped. Returns the live sequences that
+        no longer fit the new pool, finished (the caller ends their requests)."""
+        self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.max_seq_len = min(self.config.max_model_len, num_blocks * self.config.block_size)
+        self.num_preemptions += len(self.running)
+        self.waiting.extendleft(reversed(self.running))
+        self.running, self.forget_seq_ids, self.next_step_id = [], [], 1
+        too_long = []
+        for seq in list(self.waiting):
+            seq.status, seq.block_table = SequenceStatus.WAITING, []
+            seq.num_computed_tokens = seq.num_blocks_on_workers = 0
+            seq.num_pending_tokens = seq.num_steps_in_flight = 0
+            if self.block_manager.num_blocks_for(len(seq)) > num_blocks:
+                self.waiting.remove(seq)
+                self._release(seq)
+                too_long.append(seq)
+        return too_long
+
     def _schedule_prefill(self) -> StepPlan | None:
         """Without chunked prefill: a step of prompts only, when any can be computed."""
         budget = self.config.max_num_batched_tokens

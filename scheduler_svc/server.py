@@ -3,6 +3,7 @@ import argparse
 import asyncio
 import logging
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -22,6 +23,7 @@ from scheduler_svc.completions import CompletionOutput, completion_sequences
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine
 from scheduler_svc.metrics import RequestTimer
+from scheduler_svc.request_bytes import RequestBytesGuard
 from scheduler_svc.request_validation import (BadRequest, RequestLimits, check_room, checked_length, prompt_ids,
                                               sampling_options)
 from scheduler_svc.scheduler import AdmissionError
@@ -33,8 +35,9 @@ log = logging.getLogger("nanoserve.scheduler")
 
 
 class LLMService(llm_pb2_grpc.LLMServicer):
-    """nanoserve.v1.LLM over one engine. Until the workers have shaken hands (and while a failed
-    group is being rebuilt) every call answers UNAVAILABLE."""
+    """nanoserve.v1.LLM over one engine. Until the workers have shaken hands every call answers
+    UNAVAILABLE; while a failed group is rebuilt, requests are taken and held (recovery.py), and
+    once the engine gives up waiting for it, UNAVAILABLE again until a group is back."""
 
     def __init__(self, max_waiting: int):
         self.max_waiting = max_waiting
@@ -44,11 +47,16 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         self.info: llm_pb2.ModelInfo | None = None
         self.limits: RequestLimits | None = None
         self.sampling_defaults = worker_pb2.SamplingDefaults()  # the model's, from its workers
+        # Text is tokenized here, off the event loop: a long prompt must not stall the engine's steps.
+        self.tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
+
+    async def _off_loop(self, function, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, function, *args)
 
     async def _ready_engine(self, context) -> Engine:
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is still connecting to its workers")
-        if not self.engine.healthy:
+        if not self.engine.accepts_requests:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"no worker group can serve: {self.engine.failure}")
         return self.engine
 
@@ -57,13 +65,17 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         queued (RESOURCE_EXHAUSTED when the waiting queue is full or it could never fit); then each
         message carries the tokens and text one completion produced since its previous message,
         its last one the finish reason and usage. A client that goes away (or whose deadline
-        passes) frees the sequences' blocks; a worker failure ends the stream UNAVAILABLE. A
-        coroutine that writes its messages, not an async generator: gRPC would wrap a generator
-        in a loop of its own, which costs every streamed message a few microseconds more."""
+        passes) frees the sequences' blocks; a worker failure pauses the stream until a restarted
+        group recomputes it, or ends it UNAVAILABLE when none comes back in time. A coroutine that
+        writes its messages, not an async generator: gRPC would wrap a generator in a loop of its
+        own, which costs every streamed message a few microseconds more."""
         timer = RequestTimer()
         engine = await self._ready_engine(context)
         try:
-            ids = prompt_ids(request, self.tokenizer, self.limits)
+            if request.WhichOneof("prompt") == "text":
+                ids = await self._off_loop(prompt_ids, request, self.tokenizer, self.limits)
+            else:
+                ids = prompt_ids(request, self.tokenizer, self.limits)
             options = sampling_options(request.sampling, self.limits, self.sampling_defaults)
             check_room(len(ids), options.max_tokens, self.limits.max_model_len)
         except BadRequest as err:
@@ -75,7 +87,7 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         timer = RequestTimer()
         engine = await self._ready_engine(context)
         try:
-            ids = checked_length(self._conversation_ids(request), self.limits)
+            ids = checked_length(await self._off_loop(self._conversation_ids, request), self.limits)
             options = sampling_options(request.sampling, self.limits, self.sampling_defaults)
             check_room(len(ids), options.max_tokens, self.limits.max_model_len)
         except BadRequest as err:
@@ -136,10 +148,13 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         if request.messages and request.text:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "send either `text` or `messages`, not both")
         try:
-            ids = self._conversation_ids(request) if request.messages else self.tokenizer.encode(request.text)
+            ids = await self._off_loop(self._conversation_ids if request.messages else self._text_ids, request)
         except BadRequest as err:
             await context.abort(err.code, str(err))
         return llm_pb2.TokenizeResponse(token_ids=ids)
+
+    def _text_ids(self, request: llm_pb2.TokenizeRequest) -> list[int]:
+        return self.tokenizer.encode(request.text)
 
     async def Detokenize(self, request: llm_pb2.DetokenizeRequest, context) -> llm_pb2.DetokenizeResponse:
         await self._ready_engine(context)
@@ -226,7 +241,7 @@ def _model_info(config: SchedulerConfig, group: WorkerGroup, limits: RequestLimi
 
 async def _serve(args: argparse.Namespace) -> int:
     worker_tls = tls_files(args, "worker_tls")
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RequestBytesGuard(args.max_request_bytes)])
     try:  # what can fail at once, before any waiting
         if args.metrics_port:
             check_port_free(args.host, args.metrics_port, "the scheduler's --metrics-port")
@@ -253,7 +268,8 @@ async def _serve(args: argparse.Namespace) -> int:
     await set_health(False)
     log.info("listening on %s; connecting to workers %s", address, args.workers)
 
-    group = WorkerGroup([a.strip() for a in args.workers.split(",") if a.strip()], args.worker_token, worker_tls)
+    group = WorkerGroup([a.strip() for a in args.workers.split(",") if a.strip()], args.worker_token, worker_tls,
+                        args.step_timeout)
     try:
         await group.connect(args.worker_connect_timeout)
         config = _scheduler_config(args, group)
@@ -270,7 +286,7 @@ async def _serve(args: argparse.Namespace) -> int:
                                    min(args.max_logprobs, group.infos[0].vocab_size))
     service.info = _model_info(config, group, service.limits)
     service.sampling_defaults = group.infos[0].sampling_defaults
-    engine = Engine(group, config, args.worker_connect_timeout)
+    engine = Engine(group, config, args.worker_restart_timeout)
     engine.on_health_change = lambda healthy: asyncio.get_running_loop().create_task(set_health(healthy))
     engine.start()
     service.engine = engine
@@ -284,7 +300,12 @@ async def _serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    stopping = loop.create_task(stop.wait())
+    await asyncio.wait((stopping, engine.task), return_when=asyncio.FIRST_COMPLETED)
+    if not stopping.done():  # the engine ended: no worker group can ever serve this scheduler
+        log.error("exiting: %s", engine.failure)
+        await server.stop(grace=1)
+        return 1
     log.info("shutting down")
     await server.stop(grace=2)
     return 0

@@ -28,7 +28,9 @@ class TextTokenizer:
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Prompt ids: the text's tokens, after a BOS only if the tokenizer config asks for one
         (add_bos False: never, e.g. for a chat template's text, which writes its own)."""
-        return self._bos_ids * add_bos + self._tokenizer.encode(text, add_special_tokens=False).ids
+        # encode_batch lets go of the GIL while it works (encode does not): a long text tokenized on
+        # the server's tokenizer thread leaves the engine's event loop running.
+        return self._bos_ids * add_bos + self._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of the ids; special tokens (eos, chat markers) are left out unless asked for,

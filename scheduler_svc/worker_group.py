@@ -17,7 +17,12 @@ log = logging.getLogger("nanoserve.scheduler")
 
 
 class WorkerUnavailable(Exception):
-    """A rank could not be reached or failed a step; the message names it."""
+    """A rank could not be reached, failed a step or hung; the message names it. `final`: it
+    refused this scheduler in a way that waiting will not change (a wrong token, a foreign group)."""
+
+    def __init__(self, message: str, final: bool = False):
+        super().__init__(message)
+        self.final = final
 
 
 # Answers that waiting will not change: a wrong or missing --worker-token, a port that is no worker.
@@ -33,11 +38,15 @@ class WorkerGroup:
 
     Each group is one session on its workers (a random id sent with the handshake and the step
     streams): a worker serving another scheduler's live session refuses it (FAILED_PRECONDITION).
-    With a token every call carries it; with TLS files the channels are TLS."""
+    With a token every call carries it; with TLS files the channels are TLS. A step whose replies
+    take longer than `step_timeout` seconds counts as a failure of the ranks that did not answer:
+    they are hung."""
 
-    def __init__(self, addresses: list[str], token: str = "", tls: TLSFiles = TLSFiles()):
+    def __init__(self, addresses: list[str], token: str = "", tls: TLSFiles = TLSFiles(),
+                 step_timeout: float | None = None):
         self.addresses = addresses
         self.token, self.tls = token, tls
+        self.step_timeout = step_timeout
         self.session_id = secrets.token_hex(16)
         self.metadata = ((SESSION_KEY, self.session_id),) + (((TOKEN_KEY, TOKEN_SCHEME + token),) if token else ())
         self.channels = [open_aio_channel(a, tls, options=GRPC_OPTIONS) for a in addresses]
@@ -49,7 +58,7 @@ class WorkerGroup:
 
     def renewed(self) -> "WorkerGroup":
         """A new group (and session) on the same workers, for after this one failed."""
-        return WorkerGroup(self.addresses, self.token, self.tls)
+        return WorkerGroup(self.addresses, self.token, self.tls, self.step_timeout)
 
     def name(self, rank: int) -> str:
         return f"worker rank {rank} at {self.addresses[rank]}"
@@ -106,7 +115,7 @@ class WorkerGroup:
                 now = time.monotonic()
                 if err.code() in _FINAL_CODES:
                     raise WorkerUnavailable(f"{self.name(rank)} refused the handshake: {err.code().name}: "
-                                            f"{err.details()}") from err
+                                            f"{err.details()}", final=True) from err
                 if now >= deadline:
                     raise WorkerUnavailable(f"{self.name(rank)} did not answer within {timeout:.0f}s: "
                                             f"{err.code().name}") from err
@@ -132,7 +141,8 @@ class WorkerGroup:
             if info.block_size != first.block_size:
                 problems.append(f"uses block size {info.block_size}, rank 0 uses {first.block_size}")
             if problems:
-                raise WorkerUnavailable(f"{self.name(rank)} does not match the group: " + "; ".join(problems))
+                raise WorkerUnavailable(f"{self.name(rank)} does not match the group: " + "; ".join(problems),
+                                        final=True)
 
     async def send(self, plan: StepPlan) -> None:
         """Sends one step to every rank; `receive` collects the replies."""
@@ -144,10 +154,19 @@ class WorkerGroup:
 
     async def receive(self, step_id: int) -> worker_pb2.StepResponse:
         """Every rank's reply to the step sent last; returns rank 0's (its tokens and timings)."""
+        reads = [asyncio.ensure_future(s.read()) for s in self.streams]
         try:
-            replies = await asyncio.gather(*(s.read() for s in self.streams))
+            await asyncio.wait(reads, timeout=self.step_timeout, return_when=asyncio.FIRST_EXCEPTION)
+            hung = [rank for rank, read in enumerate(reads) if not read.done()]
+            if hung and not any(read.done() and read.exception() for read in reads):
+                raise WorkerUnavailable(", ".join(map(self.name, hung)) + f" did not answer step {step_id} within "
+                                        f"{self.step_timeout:g}s (--step-timeout): treated as hung")
+            replies = [read.result() for read in reads if read.done()]
         except grpc.aio.AioRpcError as err:
             raise WorkerUnavailable(self._which_failed(err)) from err
+        finally:
+            for read in reads:
+                read.cancel()
         for rank, reply in enumerate(replies):
             if reply is grpc.aio.EOF:
                 raise WorkerUnavailable(f"{self.name(rank)} closed its step stream")

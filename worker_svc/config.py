@@ -32,6 +32,7 @@ class WorkerConfig:
     attention_backend: str = _DEFAULT["attention_backend"]
     kv_cache_dtype: str = _DEFAULT["kv_cache_dtype"]        # fp8: e4m3 values, float32 scales
     seed: int = _DEFAULT["seed"]
+    step_timeout: float = _DEFAULT["step_timeout"]         # a step running longer ends the process (hung)
 
     @classmethod
     def from_flags(cls, args: argparse.Namespace) -> "WorkerConfig":

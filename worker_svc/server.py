@@ -19,16 +19,19 @@ from worker_svc.guard import WorkerGuard
 from worker_svc.launched_step import MAX_STEPS_IN_FLIGHT, LaunchedStep, RefusedStep
 from worker_svc.preflight import StartupError, check_startup
 from worker_svc.sessions import Sessions
+from worker_svc.watchdog import StepWatchdog
 
 log = logging.getLogger("nanoserve.worker")
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
     """The Worker API over one runner. The port is served while the model loads (runner None):
-    every call then answers UNAVAILABLE, so a scheduler waits and a second server on the port fails."""
+    every call then answers UNAVAILABLE, so a scheduler waits and a second server on the port fails.
+    With a step timeout, a step that does not finish within it ends the process (watchdog.py)."""
 
-    def __init__(self, runner=None):
+    def __init__(self, runner=None, step_timeout: float | None = None):
         self.runner = runner
+        self.watchdog = StepWatchdog(step_timeout) if step_timeout else None
         self.lock = threading.Lock()  # the runner is driven by one request at a time
         self.depth = MAX_STEPS_IN_FLIGHT
 
@@ -67,7 +70,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             if request is _END:
                 break
             if request is not None:
-                launched.append((request.step_id, self._launch(request)))
+                step = self._launch(request)
+                if self.watchdog is not None:
+                    self.watchdog.launched(step, request.step_id)
+                launched.append((request.step_id, step))
                 if len(launched) < self.depth:
                     continue
             yield self._reply(*launched.popleft())
@@ -87,9 +93,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     def _reply(self, step_id: int, step: LaunchedStep | RefusedStep) -> worker_pb2.StepResponse:
         try:
-            return step.reply(step_id)
+            reply = step.reply(step_id)
         except Exception as err:  # a device fault surfaces when the step's work is waited for
             exit_broken_rank(f"step {step_id} failed: {err!r}")
+        if self.watchdog is not None:
+            self.watchdog.answered(step)
+        return reply
 
 
 _END = object()
@@ -136,7 +145,7 @@ def serve_worker(config: WorkerConfig, host: str, port: int, tls: TLSFiles = TLS
     except (StartupError, ListenError, TLSConfigError) as err:
         log.error("cannot start: %s", err)
         return 1
-    service = WorkerService()
+    service = WorkerService(step_timeout=config.step_timeout)
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

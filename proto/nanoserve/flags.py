@@ -18,6 +18,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from nanoserve.wire import MAX_MESSAGE_BYTES
+
 SCHEDULER_PORT = 50051  # the public nanoserve.v1.LLM API
 WORKER_PORT = 50061     # the internal nanoserve.v1.Worker API
 OPENAI_PORT = 8000      # the gateway's OpenAI-compatible HTTP API
@@ -154,6 +156,12 @@ FLAGS = (
          "in a step (long prompts take more steps, others start sooner); 0 = the budget", SCHEDULER,
          limits=(0, 2**31 - 1)),
     Flag("--worker-connect-timeout", 300.0, "seconds to wait for every worker at start-up", SCHEDULER),
+    Flag("--max-request-bytes", 8 << 20, "largest request accepted, in bytes (a text prompt is tokenized only "
+         "below it); larger ones get INVALID_ARGUMENT", SCHEDULER, limits=(1, MAX_MESSAGE_BYTES)),
+    Flag("--worker-restart-timeout", 300.0, "seconds to hold requests after a worker failure for the restarted "
+         "worker group; past it they end UNAVAILABLE", SCHEDULER),
+    Flag("--step-timeout", 300.0, "seconds a step may take before the ranks that have not answered count as "
+         "hung: the scheduler stops waiting for them, a worker exits, up restarts them", ENGINE),
     Flag("--metrics-port", 0, "port serving Prometheus metrics at /metrics; 0 = off", SCHEDULER,
          limits=(0, PORTS[1])),
     Flag("--max-n", 16, "most completions one request may ask for (n)", SCHEDULER, limits=(1, 2**32 - 1)),
@@ -186,6 +194,9 @@ FLAGS = (
     # the local launcher
     Flag("--host", "127.0.0.1", "address the scheduler listens on", ("up",)),
     Flag("--worker-base-port", WORKER_PORT, "rank r listens on this port + r", ("up",), limits=PORTS),
+    Flag("--max-worker-restarts", 10, "restarts of a failed worker group in a row (each after a longer pause, up "
+         "to 30s) before up gives up and stops; a group that has run a minute resets the count", ("up",),
+         limits=(0, 2**31 - 1)),
     Flag("--openai-port", 0, "also start the OpenAI-compatible gateway, listening on --host at this port; "
          "0 = no gateway", ("up",), limits=(0, PORTS[1])),
     # clients

@@ -93,7 +93,7 @@ def test_engine_keeps_the_smallest_depth_in_flight_and_counts_rank_0_host_time()
         group = WorkerGroup(addresses)
         await group.connect(timeout=10)
         config = SchedulerConfig(num_kv_blocks=group.num_blocks, block_size=4, max_model_len=64)
-        engine = Engine(group, config, reconnect_timeout=10)
+        engine = Engine(group, config, restart_timeout=10)
         engine.start()
         streams = [engine.submit(Sequence(engine.new_seq_id(), [1, 2, 3], SamplingOptions(max_tokens=8)))
                    for _ in range(4)]

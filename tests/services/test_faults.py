@@ -30,10 +30,14 @@ def test_missing_worker_is_named_and_requests_get_unavailable(tmp_path: Path):
         stop([sched])
 
 
-def test_worker_dying_mid_run_fails_in_flight_requests_then_recovers(tiny_model_dir, tmp_path: Path):
+def test_worker_not_back_in_time_fails_in_flight_requests_then_recovers(tiny_model_dir, tiny_tied_model_dir,
+                                                                         tmp_path: Path):
+    """Nothing restarts the worker: after --worker-restart-timeout the held request ends
+    UNAVAILABLE, new ones are refused, and a worker started later serves again."""
     log = tmp_path / "services.log"
     flags = ("--block-size", "16", "--num-kv-blocks", "128")
-    with running_service(Path(tiny_model_dir), log, worker_flags=flags) as svc, Client(svc["address"]) as client:
+    with running_service(Path(tiny_model_dir), log, worker_flags=flags,
+                         scheduler_flags=("--worker-restart-timeout", "2")) as svc, Client(svc["address"]) as client:
         worker = svc["workers"][0]
         worker_port = worker.args[worker.args.index("--port") + 1]
         stream = client.stream([1, 2, 3, 4], max_tokens=2000, temperature=0, ignore_eos=True, timeout=60)
@@ -54,6 +58,16 @@ def test_worker_dying_mid_run_fails_in_flight_requests_then_recovers(tiny_model_
         wait_serving(svc["address"], [svc["scheduler"], restarted], log)
         done = client.generate([1, 2, 3], max_tokens=3, temperature=0, ignore_eos=True)
         assert len(done.token_ids) == 3
+        stats = client.stats()  # the ended request left nothing behind
+        assert (stats.num_running, stats.num_waiting, stats.kv_blocks_free) == (0, 0, stats.kv_blocks_total)
+        assert "no worker group came back within 2s (--worker-restart-timeout)" in log.read_text()
+
+        # Back with another model, the worker can never serve this scheduler: it exits for its supervisor.
+        restarted.kill()
+        restarted.wait()
+        svc["procs"].append(start_worker(Path(tiny_tied_model_dir), int(worker_port), *flags, log=log))
+        assert svc["scheduler"].wait(timeout=120) == 1
+        assert "this scheduler was started for" in log.read_text()
 
 
 def test_a_full_waiting_queue_refuses_with_resource_exhausted(tiny_model_dir, tmp_path: Path):

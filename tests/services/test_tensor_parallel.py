@@ -269,8 +269,10 @@ def test_missing_rank_is_waited_for_then_reported(tiny_model_dir, tmp_path):
 
 
 def test_rank_dying_mid_stream_fails_in_flight_requests(models, tmp_path):
+    """Nothing restarts the group: the request held for it ends after --worker-restart-timeout."""
     log = tmp_path / "services.log"
-    with running_service(models["kv-split"], log, tensor_parallel_size=2, worker_flags=WORKER_FLAGS) as svc, \
+    with running_service(models["kv-split"], log, tensor_parallel_size=2, worker_flags=WORKER_FLAGS,
+                         scheduler_flags=("--worker-restart-timeout", "2")) as svc, \
             Client(svc["address"]) as client:
         rank0, rank1 = svc["workers"]
         stream = client.stream(token_prompt(8), max_tokens=1000, temperature=0, ignore_eos=True, timeout=60)

@@ -1,0 +1,184 @@
+"""Worker failures under load (issue 16): `nanoserve up` serves a steady online load while a worker
+rank is killed (SIGKILL) every --kill-every seconds; every request must still complete.
+
+    python bench/chaos.py                                   # CPU, the demo model, 10 kills
+    python bench/chaos.py --model DIR --extra "--load-format dummy" --rate 8 --kills 10   # on a GPU
+
+Reports requests completed and failed (the target is 0 failed), the recovery time of each kill
+(the kill to the first token any request receives after it) and the extra latency per failure
+(mean end-to-end latency of the requests in flight at a kill, less that of the requests no kill
+touched). Tokens arriving in the first KILL_GRACE_SECONDS after a kill are steps that completed
+before it, still on their way, so they do not count as recovered. Prints a table, writes JSON.
+"""
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "proto")]
+
+from nanoserve.client import Client  # noqa: E402
+from nanoserve_cli.launcher import free_port, wait_serving  # noqa: E402
+
+KILL_GRACE_SECONDS = 0.25
+
+
+@dataclass
+class RequestSpec:
+    arrival: float        # seconds after the load starts
+    prompt: list[int]
+    max_tokens: int
+
+
+def online_requests(rate: float, duration: float, seed: int = 0) -> list[RequestSpec]:
+    """Poisson arrivals at `rate` per second for `duration` seconds, prompts of random token ids in
+    [0, 10000) of 100-1,024 tokens, outputs of 100-512 (DESIGN §8's online workload). The one
+    place the workload is made: the serve benchmark's generator may take its place."""
+    rng = random.Random(seed)
+    specs, now = [], rng.expovariate(rate)
+    while now < duration:
+        prompt = [rng.randrange(10_000) for _ in range(rng.randint(100, 1024))]
+        specs.append(RequestSpec(now, prompt, rng.randint(100, 512)))
+        now += rng.expovariate(rate)
+    return specs
+
+
+@dataclass
+class Outcome:
+    started: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    ended: float = 0.0
+    error: str = ""
+
+
+def run_request(address: str, spec: RequestSpec, t0: float, outcome: Outcome) -> None:
+    time.sleep(max(0.0, t0 + spec.arrival - time.monotonic()))
+    outcome.started = time.monotonic()
+    try:
+        with Client(address) as client:
+            for message in client.stream(spec.prompt, max_tokens=spec.max_tokens, temperature=0.6, seed=len(spec.prompt),
+                                         ignore_eos=True, timeout=900):
+                now = time.monotonic()
+                outcome.token_times.extend([now] * len(message.token_ids))
+    except grpc.RpcError as err:
+        outcome.error = f"{err.code().name}: {err.details()}"
+    outcome.ended = time.monotonic()
+
+
+def worker_pids(launcher: subprocess.Popen) -> list[int]:
+    """The launcher's live worker ranks (their parent is the launcher, their command worker_svc)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            is_worker = b"worker_svc" in (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError):
+            continue
+        if ppid == launcher.pid and is_worker:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def killer(launcher: subprocess.Popen, every: float, count: int, kills: list[float], done: threading.Event) -> None:
+    rng = random.Random(1)
+    for _ in range(count):
+        if done.wait(every):
+            return
+        pids = worker_pids(launcher)
+        if pids:
+            os.kill(rng.choice(pids), signal.SIGKILL)
+            kills.append(time.monotonic())
+
+
+def summarize(specs: list[RequestSpec], outcomes: list[Outcome], kills: list[float]) -> dict:
+    tokens = sorted(t for o in outcomes for t in o.token_times)
+    recoveries = []
+    for kill in kills:
+        after = next((t for t in tokens if t > kill + KILL_GRACE_SECONDS), None)
+        recoveries.append(None if after is None else after - kill)
+    done = [o for o in outcomes if not o.error]
+    hit = [o for o in done if any(o.started <= k <= o.ended for k in kills)]
+    clean = [o for o in done if o not in hit]
+    mean = lambda rows: statistics.mean(o.ended - o.started for o in rows) if rows else None  # noqa: E731
+    extra = None if not hit or not clean else mean(hit) - mean(clean)
+    kills_per_hit = statistics.mean(sum(o.started <= k <= o.ended for k in kills) for o in hit) if hit else 0
+    return {"requests": len(specs), "completed": len(done), "failed": len(outcomes) - len(done),
+            "errors": sorted({o.error for o in outcomes if o.error})[:5], "kills": len(kills),
+            "recovery_seconds": recoveries,
+            "extra_latency_per_failure_seconds": None if extra is None else extra / max(kills_per_hit, 1),
+            "mean_e2e_undisturbed_seconds": mean(clean), "mean_e2e_disturbed_seconds": mean(hit)}
+
+
+def start_up(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(REPO / "proto"),
+                                                                    os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "nanoserve_cli", "up", "--port", str(port), "--worker-base-port", str(free_port()),
+           "--max-worker-restarts", str(args.kills + 1), *(["--model", args.model] if args.model else []),
+           *args.extra.split()]
+    launcher = subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    address = f"127.0.0.1:{port}"
+    wait_serving(address, [launcher], 900)
+    return launcher, address
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="", help="checkpoint; default: the demo model")
+    p.add_argument("--extra", default="--device cpu --block-size 16 --num-kv-blocks 2048",
+                   help="more `nanoserve up` flags, space separated")
+    p.add_argument("--rate", type=float, default=2.0, help="requests per second")
+    p.add_argument("--kills", type=int, default=10)
+    p.add_argument("--kill-every", type=float, default=15.0, help="seconds between kills")
+    p.add_argument("--out", default=str(REPO / "bench" / "out" / "chaos.json"))
+    args = p.parse_args()
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    launcher, address = start_up(args, out.with_suffix(".log"))
+    specs = online_requests(args.rate, args.kills * args.kill_every + args.kill_every / 2)
+    outcomes = [Outcome() for _ in specs]
+    kills: list[float] = []
+    done = threading.Event()
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=run_request, args=(address, spec, t0, outcome), daemon=True)
+               for spec, outcome in zip(specs, outcomes)]
+    chaos = threading.Thread(target=killer, args=(launcher, args.kill_every, args.kills, kills, done), daemon=True)
+    try:
+        for thread in threads:
+            thread.start()
+        chaos.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        done.set()
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=60)
+    result = summarize(specs, outcomes, kills) | {"command": " ".join(sys.argv), "rate": args.rate,
+                                                  "kill_every_seconds": args.kill_every}
+    out.write_text(json.dumps(result, indent=2))
+    recovered = [r for r in result["recovery_seconds"] if r is not None]
+    print(f"requests {result['requests']}: completed {result['completed']}, failed {result['failed']} "
+          f"{result['errors'] or ''}")
+    if recovered:
+        print(f"kills {result['kills']}: recovery (kill to the next token) mean {statistics.mean(recovered):.2f} s, "
+              f"max {max(recovered):.2f} s")
+    if result["extra_latency_per_failure_seconds"] is not None:
+        print(f"extra latency per failure {result['extra_latency_per_failure_seconds']:.2f} s "
+              f"(e2e {result['mean_e2e_disturbed_seconds']:.2f} s in flight at a kill, "
+              f"{result['mean_e2e_undisturbed_seconds']:.2f} s otherwise)")
+
+
+if __name__ == "__main__":
+    main()

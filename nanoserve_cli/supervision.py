@@ -1,0 +1,116 @@
+"""`up`'s worker ranks, kept running: a rank that exits or hangs takes its whole group down and
+up starts a fresh one (with tensor parallelism a dead rank poisons the group's collectives, so
+the survivors cannot go on). The scheduler holds its requests meanwhile and recomputes them on
+the new group (scheduler_svc/recovery.py).
+
+A rank hangs when it stops answering its health check for HANG_GRACE_SECONDS longer than
+--step-timeout, after having answered once (a rank still importing or loading is not probed into a
+restart); the grace lets the scheduler, which stops waiting for a step at --step-timeout, see the
+hang first and name the step. Restarts
+in a row wait longer each time, from none to 30 s, and after --max-worker-restarts of them up
+gives up; a group that ran for a minute starts the count over.
+"""
+import signal
+import subprocess
+import threading
+import time
+from typing import Callable
+
+import grpc
+
+from nanoserve.healthcheck import serving_status
+
+BACKOFF_MAX_SECONDS = 30.0
+STABLE_SECONDS = 60.0  # a group that lived this long was not failing in a loop
+PROBE_SECONDS = 1.0
+HANG_GRACE_SECONDS = 5.0
+
+
+class GaveUp(Exception):
+    """The group kept failing: the message says how often and why the last one ended."""
+
+
+class Liveness:
+    """When each rank last answered its health check, probed on a thread of its own."""
+
+    def __init__(self, addresses: list[str]):
+        self.addresses = addresses
+        self.last_answer: list[float | None] = [None] * len(addresses)
+        self.stopped = threading.Event()
+        threading.Thread(target=self._probe, name="worker-liveness", daemon=True).start()
+
+    def _probe(self) -> None:
+        while not self.stopped.wait(PROBE_SECONDS):
+            for rank, address in enumerate(self.addresses):
+                try:
+                    serving_status(address, timeout=PROBE_SECONDS)
+                except grpc.RpcError:
+                    continue
+                self.last_answer[rank] = time.monotonic()
+
+    def silent_for(self, rank: int) -> float:
+        """Seconds since the rank last answered; 0 until it first has."""
+        last = self.last_answer[rank]
+        return 0.0 if last is None else time.monotonic() - last
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+class WorkerGroupSupervisor:
+    """Starts the ranks through start_group(), and replaces the whole group whenever check()
+    finds one of them exited or hung."""
+
+    def __init__(self, start_group: Callable[[], list[subprocess.Popen]], addresses: list[str],
+                 describe: Callable[[subprocess.Popen], str], failure: Callable[[subprocess.Popen], str],
+                 max_restarts: int, hang_seconds: float, log: Callable[[str], None]):
+        self.start_group, self.addresses = start_group, addresses
+        self.describe, self.failure = describe, failure
+        self.max_restarts, self.hang_seconds, self.log = max_restarts, hang_seconds, log
+        self.restarts_in_a_row = 0
+        self.procs: list[subprocess.Popen] = []
+        self.liveness: Liveness | None = None
+        self.started = 0.0
+
+    def start(self) -> None:
+        self.procs = self.start_group()
+        self.started = time.monotonic()
+        self.liveness = Liveness(self.addresses)
+
+    def check(self) -> None:
+        """Restarts the group if a rank exited or hung; raises GaveUp past the restart limit."""
+        why = self._trouble()
+        if why is None:
+            return
+        if time.monotonic() - self.started >= STABLE_SECONDS:
+            self.restarts_in_a_row = 0
+        if self.restarts_in_a_row >= self.max_restarts:
+            raise GaveUp(f"the worker group failed {self.restarts_in_a_row + 1} time(s) in a row "
+                         f"(--max-worker-restarts {self.max_restarts}); the last: {why}")
+        self.restarts_in_a_row += 1
+        pause = min(BACKOFF_MAX_SECONDS, 2.0 ** (self.restarts_in_a_row - 2)) if self.restarts_in_a_row > 1 else 0.0
+        self.log(f"nanoserve up: {why}; restarting the worker group in {pause:g}s "
+                 f"(restart {self.restarts_in_a_row} of at most {self.max_restarts} in a row)")
+        self.stop()
+        time.sleep(pause)
+        self.start()
+
+    def _trouble(self) -> str | None:
+        for rank, proc in enumerate(self.procs):
+            if proc.poll() is not None:
+                return self.failure(proc)
+            silent = self.liveness.silent_for(rank)
+            if silent > self.hang_seconds + HANG_GRACE_SECONDS:
+                return (f"{self.describe(proc)} has not answered for {silent:.0f}s (--step-timeout "
+                        f"{self.hang_seconds:g} + {HANG_GRACE_SECONDS:g}): hung")
+        return None
+
+    def stop(self) -> None:
+        """Kills every rank at once: a broken group has nothing to save, and a hung rank ignores SIGTERM."""
+        if self.liveness is not None:
+            self.liveness.stop()
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+        for proc in self.procs:
+            proc.wait()

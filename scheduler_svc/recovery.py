@@ -1,0 +1,120 @@
+"""Losing a worker group without losing a request (DESIGN §10).
+
+When any rank fails (its stream breaks, or a step outlives --step-timeout), the engine stops
+stepping and hands over to GroupRecovery: the KV of every block is dropped (hashes included), the
+running sequences go back to the front of the waiting queue as preempted, and new requests queue
+behind them without being admitted. The steps in flight are dropped with their tokens: only
+tokens of completed steps were ever delivered, so none is sent twice or lost. Once the group has
+shaken hands again (a fresh session, its KV pool allocated anew) the engine resumes and the
+sequences recompute prompt plus generated tokens; seeded sampling is keyed by (seed, position),
+so they continue with the tokens they would have produced undisturbed.
+
+If no whole group is back within --worker-restart-timeout, the requests end UNAVAILABLE and new
+ones are refused until a group returns. A group that answers but can never serve this scheduler
+(another model, a refused token) ends the engine: the scheduler exits non-zero so that its own
+supervisor restarts it against what its workers now are.
+"""
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from scheduler_svc.worker_group import WorkerGroup, WorkerUnavailable
+
+if TYPE_CHECKING:  # type hints only: the engine imports this module
+    from scheduler_svc.engine import Engine
+
+log = logging.getLogger("nanoserve.scheduler")
+
+
+class CannotServe(Exception):
+    """The workers answer but can never serve this scheduler; waiting will not change it."""
+
+
+class GroupRecovery:
+    """Rebuilds the engine's worker group after a failure, keeping its requests meanwhile."""
+
+    def __init__(self, engine: "Engine", restart_timeout: float):
+        self.engine = engine
+        self.restart_timeout = restart_timeout
+        self.first = engine.group.infos[0]  # what every later group must serve: the same model
+
+    async def recover(self, reason: str) -> None:
+        """Returns once a whole group serves again; raises CannotServe when none ever can."""
+        engine = self.engine
+        started = time.monotonic()
+        engine.metrics.worker_failure()
+        engine.enter_recovery(reason)
+        await engine.group.close()
+        recompute = sum(seq.num_computed_tokens for seq in engine.scheduler.running)  # KV that is gone
+        engine.scheduler.drop_kv(engine.scheduler.num_total_blocks)
+        for stream in engine.streams.values():
+            # Scoring rows of dropped steps never arrived: the recompute asks for them again.
+            stream.seq.num_scored_prompt_tokens = len(stream.prompt_logprobs)
+        requeued = engine.scheduler.num_waiting
+        log.error("worker group failed: %s; dropped the KV of %d token(s), holding %d request(s) until a group is "
+                  "back (within %.0fs, --worker-restart-timeout)", reason, recompute, requeued, self.restart_timeout)
+        if not await self._reconnect(reason, started + self.restart_timeout):
+            recompute = 0  # the held requests were ended
+        lost = engine.scheduler.drop_kv(engine.group.num_blocks)
+        engine.end_requests(lost, f"its sequence no longer fits the restarted workers' KV pool "
+                                  f"({engine.group.num_blocks} blocks)")
+        engine.metrics.group_restored(recompute)
+        engine.resume()
+        log.info("worker group back after %.2fs (session %s, %d KV blocks): resuming %d request(s), "
+                 "recomputing %d token(s)", time.monotonic() - started, engine.group.session_id[:8],
+                 engine.group.num_blocks, engine.scheduler.num_waiting, recompute)
+
+    async def _reconnect(self, reason: str, deadline: float) -> bool:
+        """Connects a fresh group, applying aborts meanwhile (a client's deadline still ends its
+        request); past the deadline the held requests end UNAVAILABLE and it goes on waiting.
+        False when it came to that."""
+        engine = self.engine
+        connecting = asyncio.ensure_future(self._connect())
+        gave_up = False
+        try:
+            while not connecting.done():
+                engine.work.clear()
+                engine.apply_aborts()
+                woken = asyncio.ensure_future(engine.work.wait())
+                timeout = None if gave_up else max(0.0, deadline - time.monotonic())
+                await asyncio.wait((connecting, woken), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                woken.cancel()
+                if not connecting.done() and not gave_up and time.monotonic() >= deadline:
+                    gave_up = True
+                    message = (f"no worker group came back within {self.restart_timeout:.0f}s "
+                               f"(--worker-restart-timeout) after: {reason}")
+                    log.error("%s; ending %d request(s)", message, len(engine.streams))
+                    engine.give_up(message)
+        finally:
+            connecting.cancel()
+        engine.group = connecting.result()
+        return not gave_up
+
+    async def _connect(self) -> WorkerGroup:
+        """A whole group on the same addresses, retried until one connects."""
+        while True:
+            group = self.engine.group.renewed()
+            try:
+                await group.connect(timeout=30)
+                self._check_same_model(group)
+                return group
+            except WorkerUnavailable as err:
+                log.warning("worker group not back yet: %s", err)
+                self.engine.failure = f"no worker group can serve: {err}"
+                await group.close()
+                if err.final:
+                    raise CannotServe(str(err)) from None
+                await asyncio.sleep(1)  # a refusal comes at once: do not spin on it
+            except CannotServe:
+                await group.close()
+                raise
+
+    def _check_same_model(self, group: WorkerGroup) -> None:
+        """The restarted group must serve what the scheduler was set up for (tokenizer, limits)."""
+        info, first = group.infos[0], self.first
+        if (info.model_fingerprint, info.block_size, info.vocab_size) != (first.model_fingerprint, first.block_size,
+                                                                          first.vocab_size):
+            raise CannotServe(f"the restarted workers serve {info.model!r} (block size {info.block_size}, vocabulary "
+                              f"{info.vocab_size}), not the {first.model!r} (block size {first.block_size}, "
+                              f"vocabulary {first.vocab_size}) this scheduler was started for")
