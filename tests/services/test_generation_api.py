@@ -89,17 +89,22 @@ def test_repetition_penalty_gives_transformers_greedy_tokens(client, hf, penalty
 
 
 def test_presence_and_frequency_penalties_give_the_plain_loops_greedy_tokens(client, hf):
-    ids = client.tokenize(PROMPT)
+    """The tiny model never repeats a token on its own in 24 greedy steps, so a logit bias makes one
+    token win again and again; the penalties, which grow with each repeat, push it back."""
+    ids, favourite, bias = client.tokenize(PROMPT), 1000, 12.0
 
     def penalize(logits: torch.Tensor, out: list[int]) -> torch.Tensor:
         logits = logits.clone()
+        logits[favourite] += bias
         for token in set(out):
             logits[token] -= 1.5 + 0.75 * out.count(token)
         return logits
 
-    got = client.generate(ids, max_tokens=24, temperature=0, ignore_eos=True, presence_penalty=1.5,
-                          frequency_penalty=0.75)
+    biased = client.generate(ids, max_tokens=24, temperature=0, ignore_eos=True, logit_bias={favourite: bias})
+    got = client.generate(ids, max_tokens=24, temperature=0, ignore_eos=True, logit_bias={favourite: bias},
+                          presence_penalty=1.5, frequency_penalty=0.75)
     assert got.token_ids == hf_greedy(hf, ids, 24, penalize)
+    assert 1 < got.token_ids.count(favourite) < biased.token_ids.count(favourite)  # the count term shows
 
 
 def test_logit_bias_and_min_tokens_hold_a_stop_token_back(client, hf):
