@@ -39,9 +39,10 @@ class RequestStream:
     timer: RequestTimer = field(default_factory=RequestTimer)
 
     def take(self) -> list[int]:
-        """The tokens since the last take."""
+        """The tokens since the last take. The wakeup stays as it is: the handler clears it before
+        reading all of its streams, and clearing it here, between the writes of an n > 1 request,
+        lost the wakeup of a completion already read (a stream that never ended)."""
         tokens, self.new_tokens = self.new_tokens, []
-        self.wakeup.clear()
         return tokens
 
     def take_logprobs(self) -> list[ScoredToken]:

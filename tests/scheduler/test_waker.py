@@ -31,3 +31,16 @@ def test_streams_are_woken_a_slice_at_a_time_with_other_work_between():
     assert events[:2] == ["stream 0", "stream 1"]
     assert "engine" in events[2:4]  # after the first slice, before the last streams
     assert sorted(e for e in events if e.startswith("stream")) == [f"stream {i}" for i in range(5)]
+
+
+def test_reading_one_completion_keeps_the_wakeup_a_sibling_got_meanwhile():
+    """n > 1: the completions share a wakeup and the handler awaits its writes between them; a token
+    delivered to a completion already read must still wake the handler (it used to hang)."""
+    wakeup = asyncio.Event()
+    first, second = (RequestStream(Sequence(i, [1], SamplingOptions()), wakeup=wakeup) for i in range(2))
+    wakeup.clear()  # the handler's round: clear once, then read every completion
+    assert first.take() == []
+    first.new_tokens.append(5)  # the engine delivers while the handler writes the first's message
+    wakeup.set()
+    assert second.take() == []
+    assert wakeup.is_set() and first.take() == [5]
