@@ -232,8 +232,11 @@ class ModelRunner:
                                       num_generated=num_computed - 1)
 
         self.step(worker_pb2.StepRequest(seqs=[prefill(0)]))
-        self.step(worker_pb2.StepRequest(seqs=[decode(0, 2), prefill(1)]))
-        self.step(worker_pb2.StepRequest(seqs=[decode(0, 3), decode(1, 2)]))
+        if self.config.max_num_seqs == 1:  # no step can mix: one decode is all there is
+            self.step(worker_pb2.StepRequest(seqs=[decode(0, 2)]))
+        else:
+            self.step(worker_pb2.StepRequest(seqs=[decode(0, 2), prefill(1)]))
+            self.step(worker_pb2.StepRequest(seqs=[decode(0, 3), decode(1, 2)]))
         self.step(worker_pb2.StepRequest(forget_seq_ids=[0, 1]))
 
     def _reserved_bytes(self) -> int:
