@@ -64,7 +64,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._require_runner(context)
         log.info("step stream opened by %s", context.peer())
         inbox = _Inbox(requests)
-        launched: deque[tuple[int, LaunchedStep | RefusedStep]] = deque()  # (step id, step)
+        launched: deque[tuple[int, LaunchedStep | RefusedStep, str]] = deque()  # (step id, step, debug summary)
         while True:
             request = inbox.next(wait=not launched, until=launched[0][1] if launched else None)
             if request is _END:
@@ -73,12 +73,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 step = self._launch(request)
                 if self.watchdog is not None:
                     self.watchdog.launched(step, request.step_id)
-                launched.append((request.step_id, step))
+                launched.append((request.step_id, step, _summary(request) if log.isEnabledFor(logging.DEBUG) else ""))
                 if len(launched) < self.depth:
                     continue
             yield self._reply(*launched.popleft())
-        for step_id, step in launched:  # the client left: finish the device work, reply to no one
-            self._reply(step_id, step)
+        for step_id, step, summary in launched:  # the client left: finish the device work, reply to no one
+            self._reply(step_id, step, summary)
         log.info("step stream closed")
 
     def _launch(self, request: worker_pb2.StepRequest) -> LaunchedStep | RefusedStep:
@@ -91,14 +91,25 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             except Exception as err:  # a collective whose peer is gone, a device fault: unrecoverable
                 exit_broken_rank(f"step {request.step_id} failed: {err!r}")
 
-    def _reply(self, step_id: int, step: LaunchedStep | RefusedStep) -> worker_pb2.StepResponse:
+    def _reply(self, step_id: int, step: LaunchedStep | RefusedStep, summary: str = "") -> worker_pb2.StepResponse:
         try:
             reply = step.reply(step_id)
         except Exception as err:  # a device fault surfaces when the step's work is waited for
             exit_broken_rank(f"step {step_id} failed: {err!r}")
         if self.watchdog is not None:
             self.watchdog.answered(step)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step %d (%s): host %.2f ms, device busy %.2f ms, idle %.2f ms before it", step_id,
+                      summary, 1e3 * reply.host_seconds, 1e3 * reply.busy_seconds,
+                      1e3 * reply.idle_seconds)
         return reply
+
+
+def _summary(request: worker_pb2.StepRequest) -> str:
+    """What a step computes, for the debug log: sequences, how many of them decode, tokens."""
+    decodes = sum(len(entry.token_ids) <= 1 for entry in request.seqs)
+    tokens = sum(max(1, len(entry.token_ids)) for entry in request.seqs)
+    return f"{len(request.seqs)} seqs, {decodes} decoding, {tokens} tokens"
 
 
 _END = object()
