@@ -30,7 +30,9 @@ def _split_range(length, split, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     return start, tl.minimum(length, start + chunk)
 
 
-@triton.jit
+# The step metadata's addresses may be offset (a mixed step's decodes are a slice of its rows):
+# one compiled variant whatever their alignment, none compiled while serving.
+@triton.jit(do_not_specialize_on_alignment=["context_lens", "block_tables"])
 def _decode_kernel(q_ptr, k_cache, v_cache, k_scale, v_scale, context_lens, block_tables, out_ptr,
                    part_out, part_max, part_sum, qk_scale, stride_q_seq, stride_q_head, stride_o_seq,
                    stride_o_head, stride_slot, stride_scale_block, stride_table, GROUP: tl.constexpr,
@@ -75,7 +77,7 @@ def _decode_kernel(q_ptr, k_cache, v_cache, k_scale, v_scale, context_lens, bloc
         tl.store(part_sum + rows, l_i[:, None], mask=head_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["context_lens"])
 def _merge_kernel(context_lens, part_out, part_max, part_sum, out_ptr, stride_o_seq, stride_o_head,
                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
     seq = tl.program_id(0)

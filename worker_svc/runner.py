@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from nanoserve_kernels.backend import select_backend
+from nanoserve_kernels.compile_watch import warn_on_compiles
 from nanoserve_kernels.kv_quant import bytes_per_row, is_quantized, kv_cache_dtype, scales_shape
 from nanoserve_model.checkpoint import CONFIG_FILES, weight_files
 from nanoserve_model.compiled import configure_compiler
@@ -212,6 +213,7 @@ class ModelRunner:
                      time.perf_counter() - started, (self._reserved_bytes() - reserved) / 2**30)
         if self.device.type == "cuda":
             self._first_steps(num_blocks)
+            warn_on_compiles(log)
 
     def _first_steps(self, num_blocks: int) -> None:
         """A two-token prefill, a mixed step (its decode beside another two-token prefill) and a
