@@ -33,9 +33,9 @@ from worker_svc.launched_step import LaunchedStep, StepClock
 from worker_svc.prefill_graphs import token_buckets
 from worker_svc.sampling_extras import SamplingExtras
 
-# Prefill steps up to this many tokens replay graphs; above it a step's GPU work dwarfs its host
-# cost, and eager steps run large prefills at full speed (graphs of 16k-token buckets halved the
-# throughput workload's prefill rate on the H100: 336k vs 102k tok/s, bench/RESULTS.md).
+# Prefill and mixed steps up to this many tokens replay graphs; above it a step's GPU work covers
+# its host cost, and eager steps run as fast: buckets up to the 8,192-token budget served the
+# throughput workload at 17.5k tok/s against 17.8k, for 0.29 GiB more memory (bench/RESULTS.md).
 PREFILL_GRAPH_MAX_TOKENS = 2048
 from worker_svc.sequence_table import SequenceTable, StepWork
 from worker_svc.step_buffers import StepBuffers
