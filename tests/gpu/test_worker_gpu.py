@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from nanoserve.v1 import worker_pb2
 from nanoserve_kernels import flash_attn_backend
 from nanoserve_cli.demo_model import SHAPE, config_json, random_weights, write_checkpoint
 from tests.worker.worker_steps import StepWriter, generate
@@ -216,3 +217,42 @@ def test_steps_staged_while_the_device_is_busy_keep_their_own_inputs(tiny_model_
     queued = [runner.step_logits(request) for request in requests()]
     for ours, reference in zip(queued, alone):
         torch.testing.assert_close(ours.cpu(), reference)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_serving_steps_compile_no_kernel_after_start_up(bf16_model_dir, kv_cache_dtype):
+    """Steps of the shapes serving produces (mixed steps with 1 to 8 leading decodes, so their
+    metadata starts at every 16-byte alignment; through the piecewise graphs and eagerly past the
+    largest bucket; decodes of several batch sizes) compile no Triton kernel once the cache is
+    allocated: a compile while serving stalls every request for ~1 s (a mixed step's offset
+    cu_seqlens once compiled two variants of the prefill kernel)."""
+    import triton
+
+    runner = gpu_runner(bf16_model_dir, "triton", False, "bfloat16", num_blocks=2048, kv_cache_dtype=kv_cache_dtype)
+    compiled: list[str] = []
+    triton.knobs.runtime.jit_post_compile_hook = lambda *, repr, **_: compiled.append(repr)
+    try:
+        writer, batch = StepWriter(runner.config.block_size), prompts(8, seed=3)
+        first = runner.step(writer.request(*(writer.entry(i, p, reset=True) for i, p in batch.items())))
+        tokens, lengths = dict(zip(batch, first)), {i: len(p) for i, p in batch.items()}  # lengths: in the cache
+
+        def decode(seq_ids: list[int]) -> list[worker_pb2.SeqStep]:
+            return [writer.entry(i, [tokens[i]], lengths[i], num_generated=1) for i in seq_ids]
+
+        def advance(seq_ids: list[int], sampled: list[int]) -> None:
+            for i, token in zip(seq_ids, sampled):
+                tokens[i], lengths[i] = token, lengths[i] + 1
+
+        for num_decodes in range(1, 9):
+            running = list(batch)[:num_decodes]
+            # one short chunk (a graph bucket), then two long ones (past the largest bucket: eager)
+            for chunks in ([40], [1100, 1100]):
+                new = [writer.entry(100 + j, list(range(n)), reset=True) for j, n in enumerate(chunks)]
+                advance(running, runner.step(writer.request(*decode(running), *new)))
+                runner.step(writer.request(forget=tuple(100 + j for j in range(len(chunks)))))
+        for size in (1, 3, 8):
+            running = list(batch)[:size]
+            advance(running, runner.step(writer.request(*decode(running))))
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = None
+    assert compiled == []
