@@ -33,10 +33,12 @@ from worker_svc.launched_step import LaunchedStep, StepClock
 from worker_svc.prefill_graphs import token_buckets
 from worker_svc.sampling_extras import SamplingExtras
 
-# Prefill and mixed steps up to this many tokens replay graphs; above it a step's GPU work covers
-# its host cost, and eager steps run as fast: buckets up to the 8,192-token budget served the
-# throughput workload at 17.5k tok/s against 17.8k, for 0.29 GiB more memory (bench/RESULTS.md).
-PREFILL_GRAPH_MAX_TOKENS = 2048
+# Prefill and mixed steps up to this many tokens replay graphs (the default step budget); larger
+# steps run eagerly. An eager step costs ~36 ms of host time in the worker process, more than the
+# GPU needs for 4,000 tokens: with buckets only up to 2,048, a 4,000-token prompt's first token took
+# 41 ms on the H100 (nano-vllm: 35). The larger buckets hold ~0.3 GiB more on the 0.6B shape and
+# leave the throughput workload as it was (17.5k vs 17.8k tok/s, bench/RESULTS.md).
+PREFILL_GRAPH_MAX_TOKENS = 8192
 from worker_svc.sequence_table import SequenceTable, StepWork
 from worker_svc.step_buffers import StepBuffers
 from worker_svc.step_inputs import StepInputs, build_step_inputs

@@ -228,7 +228,10 @@ def test_serving_steps_compile_no_kernel_after_start_up(bf16_model_dir, kv_cache
     cu_seqlens once compiled two variants of the prefill kernel)."""
     import triton
 
-    runner = gpu_runner(bf16_model_dir, "triton", False, "bfloat16", num_blocks=2048, kv_cache_dtype=kv_cache_dtype)
+    runner = ModelRunner(WorkerConfig(model=str(bf16_model_dir), device="cuda", dtype="bfloat16", block_size=256,
+                                      num_kv_blocks=1024, max_num_seqs=32, attention_backend="triton",
+                                      max_model_len=6144, max_num_batched_tokens=12288, kv_cache_dtype=kv_cache_dtype))
+    runner.allocate_kv_cache(1024)
     compiled: list[str] = []
     triton.knobs.runtime.jit_post_compile_hook = lambda *, repr, **_: compiled.append(repr)
     try:
@@ -245,8 +248,8 @@ def test_serving_steps_compile_no_kernel_after_start_up(bf16_model_dir, kv_cache
 
         for num_decodes in range(1, 9):
             running = list(batch)[:num_decodes]
-            # one short chunk (a graph bucket), then two long ones (past the largest bucket: eager)
-            for chunks in ([40], [1100, 1100]):
+            # one short chunk and two longer ones (graph buckets), then two long ones (past the largest bucket: eager)
+            for chunks in ([40], [1100, 1100], [5000, 5000]):
                 new = [writer.entry(100 + j, list(range(n)), reset=True) for j, n in enumerate(chunks)]
                 advance(running, runner.step(writer.request(*decode(running), *new)))
                 runner.step(writer.request(forget=tuple(100 + j for j in range(len(chunks)))))
