@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from nanoserve.checkpoint import TOKENIZER_FILE, CheckpointError, check_files
+from nanoserve.gc_freeze import freeze_start_up_objects
 from nanoserve.hub import ModelNotFound
 from nanoserve.listen import ListenError, check_port_free, listen
 from nanoserve.mathutil import cdiv
@@ -293,6 +294,7 @@ async def _serve(args: argparse.Namespace) -> int:
     if args.metrics_port:
         engine.metrics.serve(args.host, args.metrics_port)
     await set_health(True)
+    freeze_start_up_objects()
     log.info("serving %s (%d KV blocks, max model len %d)", service.info.model, config.num_kv_blocks,
              config.max_model_len)
 

@@ -9,6 +9,7 @@ from typing import Iterator
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from nanoserve.gc_freeze import freeze_start_up_objects
 from nanoserve.listen import ListenError, listen
 from nanoserve.tls import TLSConfigError, TLSFiles
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
@@ -54,6 +55,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
             except Exception as err:  # on CUDA, graph capture runs collectives too
                 exit_broken_rank(f"allocating the KV cache failed: {err!r}")
+        freeze_start_up_objects()  # the model, its compiled kernels and graphs: nothing a collection need walk
         log.info("KV cache allocated: %d blocks", request.num_blocks)
         return worker_pb2.AllocateKVCacheResponse(num_blocks=request.num_blocks)
 
