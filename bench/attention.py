@@ -5,10 +5,12 @@ and decode bytes/s against the measured device-to-device copy rate; Triton decod
 decode over the bf16 cache it dequantizes to. Prints a table, writes JSON.
 
     PYTHONPATH=.:proto python bench/attention.py [--out bench/out/attention.json]
+    PYTHONPATH=.:proto python bench/attention.py --sweep-fp8   # FP8 decode launch configs, % of copy
 """
 import argparse
 import datetime
 import functools
+import itertools
 import json
 import random
 import subprocess
@@ -198,10 +200,33 @@ def print_table(result: dict) -> None:
         print(f"{row['case']:38} {row['triton_ms']:10.4f} {flash} {rate:>12} {share}")
 
 
+def sweep_fp8() -> dict:
+    """FP8 decode at each launch config (key tile, warps, stages) on the FP8 shapes: which one
+    triton_decode.FP8_LAUNCH should be."""
+    copy_rate, rows = copy_bandwidth(), []
+    chosen = dict(triton_decode.FP8_LAUNCH)
+    for block_n, warps, stages in itertools.product((64, 128, 256), (4, 8), (2, 3, 4)):
+        triton_decode.FP8_LAUNCH.update(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        for batch, context in FP8_DECODE_SHAPES:
+            row = fp8_decode_row(batch, context, copy_rate)
+            rows.append(dict(block_n=block_n, num_warps=warps, num_stages=stages, **row))
+            print(f"BLOCK_N {block_n:3} warps {warps} stages {stages}  {row['case']:28} {row['triton_ms']:8.4f} ms "
+                  f"{100 * row['triton_fraction_of_copy']:5.1f}% of copy  fp8/bf16 {row['fp8_over_bf16']:.2f}",
+                  flush=True)
+    triton_decode.FP8_LAUNCH.update(chosen)
+    return dict(device=torch.cuda.get_device_name(), copy_bytes_per_s=copy_rate, sweep=rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / "bench/out/attention.json")
+    parser.add_argument("--sweep-fp8", action="store_true", help="time FP8 decode at every launch config instead")
     args = parser.parse_args()
+    if args.sweep_fp8:
+        result = sweep_fp8()
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_name("attention-fp8-sweep.json").write_text(json.dumps(result, indent=2))
+        return
     result = run()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

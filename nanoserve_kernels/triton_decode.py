@@ -14,9 +14,10 @@ import triton.language as tl
 
 from nanoserve_kernels.triton_prefill import LOG2_E, attend_block, dot_precision, scale_block_stride
 
-BLOCK_N = 64
-NUM_WARPS = 4
-NUM_STAGES = 3
+# Key tile and pipelining (bench/NOTES-kernels.md); an FP8 cache's rows are half the bytes, so its
+# tiles take twice the keys to move as many bytes per load (tuned with bench/attention.py --sweep-fp8).
+LAUNCH = dict(BLOCK_N=64, num_warps=4, num_stages=3)
+FP8_LAUNCH = dict(BLOCK_N=128, num_warps=4, num_stages=3)
 # Programs wanted in flight per multiprocessor before splitting stops paying for its merge.
 PROGRAMS_PER_SM = 2
 MAX_SPLITS = 32
@@ -122,6 +123,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     group = heads // kv_heads
     group_pad = max(16, triton.next_power_of_2(group))  # tl.dot takes 16 rows at least
     splits = num_splits(num_seqs, kv_heads, q.device)
+    launch = FP8_LAUNCH if k_scale is not None else LAUNCH
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous for o_proj (see triton_prefill)
     part_out = torch.empty(num_seqs, heads, splits, head_dim, dtype=torch.float32, device=q.device)
     part_max = torch.empty(num_seqs, heads, splits, dtype=torch.float32, device=q.device)
@@ -130,11 +132,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, k_scale, v_scale, context_lens, block_tables, out, part_out, part_max, part_sum,
         scale * LOG2_E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(1), scale_block_stride(k_scale, v_scale), block_tables.stride(0), GROUP=group,
-        GROUP_PAD=group_pad, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        BLOCK_N=BLOCK_N, SPLITS=splits, PRECISION=dot_precision(q.dtype), QUANTIZED=k_scale is not None,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        GROUP_PAD=group_pad, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, SPLITS=splits,
+        PRECISION=dot_precision(q.dtype), QUANTIZED=k_scale is not None, **launch)
     if splits > 1:
         _merge_kernel[(num_seqs, heads)](
             context_lens, part_out, part_max, part_sum, out, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, SPLITS=splits)
+            HEAD_DIM=head_dim, BLOCK_N=launch["BLOCK_N"], SPLITS=splits)
     return out
