@@ -41,7 +41,9 @@ def bytes_per_row(dtype: torch.dtype, head_dim: int) -> int:
 def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """rows [..., head_dim] -> (e4m3 values [..., head_dim], float32 scales [...])."""
     rows = rows.float()
-    scales = rows.abs().amax(dim=-1).clamp_min(AMAX_FLOOR) / FP8_MAX
+    # A tensor divisor, not the float: torch on CUDA multiplies by the float's reciprocal instead
+    # of dividing, one ulp off the IEEE quotient the store kernel computes for some scales.
+    scales = rows.abs().amax(dim=-1).clamp_min(AMAX_FLOOR) / torch.full((), FP8_MAX, device=rows.device)
     values = (rows / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return values, scales
 
