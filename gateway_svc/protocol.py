@@ -50,6 +50,7 @@ class _Sampling(BaseModel):
     stop_token_ids: list[TokenId] = Field(default_factory=list)
     ignore_eos: bool = False
     prompt_logprobs: Count | None = None         # vLLM's: scores of the prompt's tokens (whole responses only)
+    return_token_ids: bool = False               # vLLM's: each choice (and each streamed event) gives its token ids
 
     @property
     def include_usage(self) -> bool:
@@ -127,7 +128,8 @@ class CompletionRequest(_Sampling):
         return request
 
     def output(self, echo: Echo | None) -> Output:
-        return Output(n=self.n or 1, logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs, echo=echo)
+        return Output(n=self.n or 1, logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs, echo=echo,
+                      token_ids=self.return_token_ids)
 
     def param_names(self) -> dict[str, str]:
         """The request's parameter behind each SamplingParams field its errors may name."""
@@ -176,7 +178,8 @@ class ChatCompletionRequest(_Sampling):
         return request
 
     def output(self) -> Output:
-        return Output(n=self.n or 1, logprobs=self.num_logprobs, prompt_logprobs=self.prompt_logprobs)
+        return Output(n=self.n or 1, logprobs=self.num_logprobs, prompt_logprobs=self.prompt_logprobs,
+                      token_ids=self.return_token_ids)
 
     def param_names(self) -> dict[str, str]:
         """The request's parameter behind each SamplingParams field its errors may name."""

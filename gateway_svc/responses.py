@@ -28,6 +28,7 @@ class Output:
     logprobs: int | None = None         # alternatives per token (completions' logprobs, chat's top_logprobs)
     prompt_logprobs: int | None = None  # vLLM's field: the prompt's tokens scored
     echo: Echo | None = None
+    token_ids: bool = False             # vLLM's return_token_ids: each choice's token ids beside its text
 
     @property
     def scores_echo(self) -> bool:
@@ -70,17 +71,18 @@ class Reply:
     def _whole_choice(self, c: Completion, prompt_rows: Sequence[llm_pb2.TokenLogprob]) -> dict:
         ending = {"finish_reason": FINISH_REASONS.get(c.finish_reason), "stop_reason": c.stop_reason}
         num_top = self.output.logprobs
+        ids = {"token_ids": list(c.token_ids)} if self.output.token_ids else {}
         if self.chat:
             logprobs = None if num_top is None else {"content": chat_content(c.logprobs, num_top)}
             return {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
-                    **ending}
+                    **ending, **ids}
         echo, text, rows = self.output.echo, c.text, c.logprobs
         if echo is not None:
             text = echo.text + text
             rows = [*prompt_rows, *rows]
         logprobs = None if num_top is None else \
             CompletionLogprobs(num_top).block(rows, echo.first_token if echo else None)
-        return {"index": c.index, "text": text, "logprobs": logprobs, **ending}
+        return {"index": c.index, "text": text, "logprobs": logprobs, **ending, **ids}
 
 
 class Chunks:
@@ -107,9 +109,10 @@ class Chunks:
 
     def message(self, msg: llm_pb2.GenerateResponse) -> bytes | None:
         """The event for one message of the call; None when it has nothing to show (its text held
-        back, as a stop string may still complete, and no logprobs asked for)."""
-        scored = self.num_top is not None
-        if not (msg.text or msg.finish_reason or (scored and msg.logprobs)):
+        back, as a stop string or an unfinished character may still complete, and no logprobs or
+        token ids asked for)."""
+        scored, ids = self.num_top is not None, self.reply.output.token_ids
+        if not (msg.text or msg.finish_reason or (scored and msg.logprobs) or (ids and msg.token_ids)):
             return None
         ending = {"finish_reason": None, "stop_reason": None}
         if msg.finish_reason:
@@ -123,6 +126,8 @@ class Chunks:
         else:
             choice = {"index": msg.index, "text": msg.text,
                       "logprobs": self._offsets(msg.index).block(msg.logprobs) if scored else None}
+        if ids:
+            choice["token_ids"] = list(msg.token_ids)
         return self._event({**choice, **ending})
 
     def usage(self) -> bytes:

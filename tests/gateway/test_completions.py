@@ -70,3 +70,22 @@ def test_model_is_accepted_by_its_listed_id_its_path_and_its_name(oai, gateway, 
     for name in (model_name, str(tiny_model_dir)):
         got = oai.completions.create(model=name, prompt=PROMPT, max_tokens=2, temperature=0)
         assert got.model == model_name and got.usage.completion_tokens <= 2
+
+
+def test_return_token_ids_gives_the_grpc_token_ids_whole_and_streamed(oai, grpc_client, model_name):
+    """vLLM's return_token_ids: each choice (whole) and each event (streamed) carries its token ids,
+    which add up to the tokens the same request generates over gRPC; without it, none are sent."""
+    want = grpc_client.generate(PROMPT, max_tokens=12, temperature=0, ignore_eos=True)
+    whole = oai.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0,
+                                   extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert whole.choices[0].model_extra["token_ids"] == want.token_ids and len(want.token_ids) == 12
+    chunks = list(oai.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True, "return_token_ids": True}))
+    streamed = [c.choices[0].model_extra["token_ids"] for c in chunks if c.choices]
+    assert sum(streamed, []) == want.token_ids and len(streamed) > 2
+    plain = oai.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert "token_ids" not in plain.choices[0].model_extra
+    chat = oai.chat.completions.create(model=model_name, messages=[{"role": "user", "content": PROMPT}],
+                                       max_tokens=5, temperature=0,
+                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert len(chat.choices[0].model_extra["token_ids"]) == 5
