@@ -5,9 +5,10 @@ which the same 256 sequences decode while chunks of 2,048-token prompts take 512
 online step) or the rest of the default 8,192-token budget; and one 16,384-token prefill step. The
 target is well under a GPU step: < 1 ms per decode or mixed round at 256 sequences. A mixed round
 costs a decode round plus its prompt tokens' own work (blocks taken, hashed and freed, token ids
-encoded), which a prefill step of the same tokens costs as well.
+encoded), which a prefill step of the same tokens costs as well. Blocks are the server's default
+size (--block-size 256); `--block-size 16` multiplies the per-block work by 16 (a stress case).
 
-    PYTHONPATH=.:proto python bench/scheduler.py [--out bench/out/scheduler.json]
+    PYTHONPATH=.:proto python bench/scheduler.py [--block-size 256] [--out bench/out/scheduler.json]
 """
 import argparse
 import json
@@ -21,7 +22,7 @@ from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import SamplingOptions, Sequence
 from scheduler_svc.step_encoder import encode_step
 
-BLOCK_SIZE = 16
+BLOCK_SIZE = 256  # the server's default; main() sets it from --block-size
 CONTEXT = 1000
 MIXED_BUDGET = 8192  # --max-num-batched-tokens' default
 MIXED_PROMPT = 2048  # tokens of each prompt that mixed rounds prefill
@@ -112,7 +113,10 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/out/scheduler.json"))
     parser.add_argument("--rounds", type=int, default=200, help="decode rounds per case")
+    parser.add_argument("--block-size", type=int, default=256, help="tokens per KV block")
     args = parser.parse_args()
+    global BLOCK_SIZE
+    BLOCK_SIZE = args.block_size
     results = {
         "decode_256_seqs": _summary(decode_rounds(256, args.rounds)),
         "decode_1024_seqs": _summary(decode_rounds(1024, args.rounds)),

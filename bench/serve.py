@@ -16,7 +16,23 @@ another; only the shared prefix (--shared-prefix-len) is meant to hit. The serve
 Other benches import the parts: make_requests and arrival_times (the workload), run_request (one
 request, measured), run_rate and summarize. A target is anything with `stream(request)`, an async
 iterator of the token count of each message the server streams back, and `stats()`; GrpcTarget is
-the gRPC one, and open_target is where the command line picks it.
+the gRPC one, OpenAITarget the OpenAI HTTP API of the gateway (issue 19), and open_target is where the
+command line picks one.
+
+Through the gateway (streamed /v1/completions with token-id prompts, counting each event's tokens by
+vLLM's `return_token_ids`), and beside the same requests over gRPC with --compare-grpc:
+
+    python3 bench/serve.py --model DIR --openai --compare-grpc --request-rates inf --num-prompts 256 \
+        --input-len 100 1024 --output-len 100 1024        # DESIGN's throughput workload, both APIs
+    python3 bench/serve.py --model DIR --openai --compare-grpc --request-rates 1 --max-concurrency 1 \
+        --num-prompts 50 --input-len 512 512 --output-len 1 1   # batch-1 TTFT: what the gateway adds
+    python3 bench/serve.py --openai http://HOST:8000 [--address HOST:PORT]   # a running gateway
+
+`--openai` alone starts `nanoserve up --openai-port`. On the GPU machine, whose image has no HTTP
+stack, carry the gateway's wheels in .whl/ (pip download --no-deps --only-binary=:all:
+--python-version 3.12 --platform manylinux2014_x86_64 of fastapi, starlette, pydantic, pydantic-core,
+annotated-types, annotated-doc, typing-inspection, typing-extensions, uvicorn, click, h11, anyio, idna,
+httpx, httpcore, certifi, at the versions requirements*.txt pin) and install them with --no-deps.
 """
 import argparse
 import asyncio
@@ -30,11 +46,13 @@ from pathlib import Path
 from typing import AsyncIterator, Callable, Protocol
 
 import grpc
+import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "proto"), str(REPO / "bench")]
 
 from latency import percentiles, start_server  # noqa: E402
+from nanoserve_cli.launcher import free_port, wait_http_ok  # noqa: E402
 from nanoserve.client import make_request  # noqa: E402
 from nanoserve.v1 import llm_pb2, llm_pb2_grpc  # noqa: E402
 from nanoserve.wire import GRPC_OPTIONS  # noqa: E402
@@ -186,32 +204,89 @@ class GrpcTarget:
         await self.channel.close()
 
 
-def open_target(args: argparse.Namespace, address: str) -> GrpcTarget:
-    """The API the benchmark drives (the place for other targets, such as issue 19's --openai URL)."""
-    return GrpcTarget(address, args.temperature, not args.no_ignore_eos)
+class OpenAITarget:
+    """The gateway's OpenAI API: streamed /v1/completions with token-id prompts; each event's tokens
+    are counted from its `token_ids` (vLLM's return_token_ids), since an event's text may hold
+    several tokens or none (a character not complete yet). Counters and the backend come over gRPC
+    when the scheduler's address is known."""
+
+    def __init__(self, url: str, temperature: float, ignore_eos: bool, grpc_target: GrpcTarget | None = None):
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        self.client = httpx.AsyncClient(base_url=url, limits=limits, timeout=None)
+        self.sampling = dict(temperature=temperature, ignore_eos=ignore_eos)
+        self.grpc_target = grpc_target
+
+    async def stream(self, request: BenchRequest) -> AsyncIterator[int]:
+        body = {"prompt": request.prompt, "max_tokens": request.max_tokens, "stream": True,
+                "return_token_ids": True, **self.sampling}
+        async with self.client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                error = json.loads(await response.aread()).get("error", {})
+                raise RequestFailed(f"HTTP {response.status_code}: {error.get('message', '')}")
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    yield sum(len(choice.get("token_ids", ())) for choice in json.loads(line[6:])["choices"])
+
+    async def stats(self) -> dict[str, float]:
+        return await self.grpc_target.stats() if self.grpc_target else {}
+
+    async def describe(self) -> dict[str, str]:
+        model = (await self.client.get("/v1/models")).json()["data"][0]["id"]
+        return {**(await self.grpc_target.describe() if self.grpc_target else {}), "model": model, "api": "openai"}
+
+    async def close(self) -> None:
+        await self.client.aclose()
+        if self.grpc_target:
+            await self.grpc_target.close()
+
+
+def open_target(args: argparse.Namespace, address: str, api: str) -> GrpcTarget | OpenAITarget:
+    """The API the benchmark drives: "grpc" (the scheduler at `address`) or "openai" (the gateway at
+    args.openai, with the scheduler's counters when `address` is known)."""
+    grpc_target = GrpcTarget(address, args.temperature, not args.no_ignore_eos) if address else None
+    if api == "grpc":
+        return grpc_target
+    return OpenAITarget(args.openai, args.temperature, not args.no_ignore_eos, grpc_target)
+
+
+async def run_rates(args: argparse.Namespace, target: GrpcTarget | OpenAITarget, label: str) -> dict:
+    """A warm-up, then each rate's run: its summary by rate."""
+    workload = dict(input_len=tuple(args.input_len), output_len=tuple(args.output_len),
+                    shared_prefix_len=args.shared_prefix_len)
+    rates = {}
+    warmup = make_requests(args.warmup, **workload, seed=args.seed + 10_000)
+    await run_rate(target, warmup, math.inf)  # first steps of each kind, connections, the shared prefix
+    for index, rate in enumerate(args.request_rates):
+        requests = make_requests(args.num_prompts, **workload, seed=args.seed + index)
+        before = await target.stats()
+        results, seconds = await run_rate(target, requests, rate, args.seed + index, args.max_concurrency)
+        after = await target.stats()
+        summary = summarize(results, seconds, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+        summary["server_steps"] = {name: after[name] - before[name] for name in after}
+        rates[format_rate(rate)] = summary
+        print_row(f"{label}{format_rate(rate)}", summary)
+    return rates
 
 
 async def benchmark(args: argparse.Namespace, address: str) -> dict:
-    target = open_target(args, address)
-    workload = dict(input_len=tuple(args.input_len), output_len=tuple(args.output_len),
-                    shared_prefix_len=args.shared_prefix_len)
-    report = {"address": address, **await target.describe(), "workload": workload,
-              "num_prompts": args.num_prompts, "temperature": args.temperature,
-              "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}, "rates": {}}
-    try:
-        warmup = make_requests(args.warmup, **workload, seed=args.seed + 10_000)
-        await run_rate(target, warmup, math.inf)  # first steps of each kind, connections, the shared prefix
-        for index, rate in enumerate(args.request_rates):
-            requests = make_requests(args.num_prompts, **workload, seed=args.seed + index)
-            before = await target.stats()
-            results, seconds = await run_rate(target, requests, rate, args.seed + index, args.max_concurrency)
-            after = await target.stats()
-            summary = summarize(results, seconds, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
-            summary["server_steps"] = {name: after[name] - before[name] for name in after}
-            report["rates"][format_rate(rate)] = summary
-            print_row(format_rate(rate), summary)
-    finally:
-        await target.close()
+    apis = ["openai", "grpc"] if args.openai and args.compare_grpc else ["openai" if args.openai else "grpc"]
+    report = {"address": address, "openai": args.openai or None, "num_prompts": args.num_prompts,
+              "workload": dict(input_len=args.input_len, output_len=args.output_len,
+                               shared_prefix_len=args.shared_prefix_len),
+              "temperature": args.temperature, "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}}
+    for api in apis:
+        target = open_target(args, address, api)
+        try:
+            report.update(await target.describe())
+            report["rates" if api == apis[0] else "grpc_rates"] = await run_rates(
+                args, target, "grpc " if api == "grpc" and len(apis) > 1 else "")
+        finally:
+            await target.close()
+    if len(apis) > 1:  # what the gateway costs: its throughput over gRPC's, its TTFT p50 beyond gRPC's
+        report["openai_vs_grpc"] = {rate: {
+            "output_tok_per_s_ratio": s["output_tok_per_s"] / report["grpc_rates"][rate]["output_tok_per_s"],
+            "ttft_p50_added_ms": s["ttft_ms"]["p50"] - report["grpc_rates"][rate]["ttft_ms"]["p50"]}
+            for rate, s in report["rates"].items()}
     return report
 
 
@@ -254,8 +329,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slo-ttft-ms", type=float, default=200.0)
     p.add_argument("--slo-tpot-ms", type=float, default=25.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--openai", nargs="?", const="start", default="",
+                   help="drive the OpenAI API of a gateway at this URL; alone: start `nanoserve up --openai-port`")
+    p.add_argument("--compare-grpc", action="store_true",
+                   help="with --openai, also run every rate over gRPC on the same server, and compare")
     p.add_argument("--out", default=str(REPO / "bench" / "out" / "serve.json"))
     args = p.parse_args(argv)
+    if args.compare_grpc and not args.openai:
+        p.error("--compare-grpc compares the --openai runs with gRPC: give --openai")
+    if args.openai not in ("", "start") and args.compare_grpc and not args.address:
+        p.error("--compare-grpc against a running gateway needs its scheduler's --address")
+    if args.openai == "start" and args.address:
+        p.error("--openai alone starts a server with its gateway; for a running one give the gateway's URL")
     for name in ("input_len", "output_len"):
         low, high = getattr(args, name)
         if not 1 <= low <= high:
@@ -267,8 +352,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    proc, address = (None, args.address) if args.address else start_server(args)
+    start = not args.address and args.openai in ("", "start")  # else the server (or gateway) runs already
+    if args.openai == "start":
+        port = free_port()
+        args.extra, args.openai = f"{args.extra} --openai-port {port}", f"http://127.0.0.1:{port}"
+    proc, address = start_server(args) if start else (None, args.address)
     try:
+        if args.openai:
+            wait_http_ok(args.openai + "/health", [proc] if proc else [], timeout=120)
         print_header()
         report = asyncio.run(benchmark(args, address))
     finally:

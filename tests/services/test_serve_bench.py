@@ -111,3 +111,30 @@ def test_smoke_run_through_the_grpc_api(tiny_model_dir, tmp_path):
         assert summary["server_steps"]["prefill_tokens"] >= sum(len(r.prompt) for r in drawn) - 16
         assert 0 <= summary["goodput_req_per_s"] <= summary["request_throughput"]
     assert "inf" in run.stdout and "TTFT" in run.stdout
+
+
+def test_smoke_run_through_the_gateway_beside_grpc(tiny_model_dir, tmp_path):
+    """--openai URL --compare-grpc against real processes (scheduler, worker, gateway): the same requests
+    complete through both APIs with exactly their drawn output lengths (counted from each event's
+    token ids), and the report compares the two."""
+    from tests.gateway.gateway_process import running_gateway
+
+    log = tmp_path / "services.log"
+    with running_service(Path(tiny_model_dir), log, worker_flags=("--block-size", "16", "--num-kv-blocks", "200")) as svc, \
+            running_gateway(svc["address"], log) as url:
+        out = tmp_path / "serve.json"
+        run = subprocess.run([sys.executable, str(REPO / "bench" / "serve.py"), "--openai", url, "--address",
+                              svc["address"], "--compare-grpc", "--num-prompts", "5", "--request-rates", "inf",
+                              "--input-len", "4", "24", "--output-len", "2", "8", "--warmup", "1", "--out", str(out)],
+                             env=ENV, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    drawn = serve.make_requests(5, (4, 24), (2, 8), seed=0)
+    assert report["api"] == "openai" and report["openai"] == url
+    for rates in (report["rates"], report["grpc_rates"]):
+        summary = rates["inf"]
+        assert (summary["completed"], summary["failed"]) == (5, 0)
+        assert summary["output_tokens"] == sum(r.max_tokens for r in drawn)
+        assert summary["server_steps"]["prefill_tokens"] >= sum(len(r.prompt) for r in drawn) - 16
+        assert 0 < summary["ttft_ms"]["p50"] <= summary["e2e_ms"]["p99"]
+    assert report["openai_vs_grpc"]["inf"]["output_tok_per_s_ratio"] > 0
