@@ -7,6 +7,7 @@ import uvicorn
 
 from gateway_svc.app import GatewayConfig, create_app
 from nanoserve.flags import parse
+from nanoserve.gc_freeze import freeze_start_up_objects
 from nanoserve.lifeline import follow_launcher
 
 
@@ -15,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     follow_launcher()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     app = create_app(GatewayConfig(scheduler=args.scheduler, served_model_name=args.served_model_name))
+    freeze_start_up_objects()  # the app, FastAPI's and pydantic's machinery: nothing a collection need walk
     # The plain asyncio loop: grpc.aio channels are made for it.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, loop="asyncio")
     return 0
