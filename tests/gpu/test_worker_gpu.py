@@ -230,7 +230,7 @@ def test_serving_steps_compile_no_kernel_after_start_up(bf16_model_dir, kv_cache
 
     runner = ModelRunner(WorkerConfig(model=str(bf16_model_dir), device="cuda", dtype="bfloat16", block_size=256,
                                       num_kv_blocks=1024, max_num_seqs=32, attention_backend="triton",
-                                      max_model_len=6144, max_num_batched_tokens=12288, kv_cache_dtype=kv_cache_dtype))
+                                      max_model_len=4096, max_num_batched_tokens=12288, kv_cache_dtype=kv_cache_dtype))
     runner.allocate_kv_cache(1024)
     compiled: list[str] = []
     triton.knobs.runtime.jit_post_compile_hook = lambda *, repr, **_: compiled.append(repr)
@@ -248,8 +248,8 @@ def test_serving_steps_compile_no_kernel_after_start_up(bf16_model_dir, kv_cache
 
         for num_decodes in range(1, 9):
             running = list(batch)[:num_decodes]
-            # one short chunk and two longer ones (graph buckets), then two long ones (past the largest bucket: eager)
-            for chunks in ([40], [1100, 1100], [5000, 5000]):
+            # one short chunk and two longer ones (graph buckets), then three long ones (past the largest bucket: eager)
+            for chunks in ([40], [1100, 1100], [3000, 3000, 3000]):
                 new = [writer.entry(100 + j, list(range(n)), reset=True) for j, n in enumerate(chunks)]
                 advance(running, runner.step(writer.request(*decode(running), *new)))
                 runner.step(writer.request(forget=tuple(100 + j for j in range(len(chunks)))))
