@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve_kernels.triton_prefill import LOG2_E, attend_block, dot_precision, fp8_query, scale_block_stride
+from nanoserve_kernels.triton_prefill import LOG2_E, attend_block, dot_precision, scale_block_stride
 
 # Key tile and pipelining (bench/NOTES-kernels.md); an FP8 cache's rows are half the bytes, so its
 # tiles take twice the keys to move as many bytes per load (tuned with bench/attention.py --sweep-fp8).
@@ -51,8 +51,7 @@ def _decode_kernel(q_ptr, k_cache, v_cache, k_scale, v_scale, context_lens, bloc
     heads = (kv_head * GROUP + group)[:, None]
     head_valid = (group < GROUP)[:, None]
     dims = tl.arange(0, HEAD_DIM)[None, :]
-    q = fp8_query(tl.load(q_ptr + seq * stride_q_seq + heads * stride_q_head + dims, mask=head_valid, other=0.0),
-                  QUANTIZED)
+    q = tl.load(q_ptr + seq * stride_q_seq + heads * stride_q_head + dims, mask=head_valid, other=0.0)
     # The single query sits after the whole context; masking at end - 1 hides the split's tail.
     q_pos = tl.full([GROUP_PAD], 0, tl.int32) + end - 1
 

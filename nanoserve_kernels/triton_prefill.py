@@ -38,13 +38,10 @@ def attend_block(q, q_pos, m_i, l_i, acc, k_base, v_base, k_scale_base, v_scale_
     row whose q_pos < length).
 
     QUANTIZED: K/V are e4m3 with a scale per row (kv_quant.py), read as they are stored: e4m3
-    converts exactly to q's dtype (float16 for a 16-bit model, see fp8_query: one instruction per
-    two values, where bfloat16 takes a detour through float32), a key's scale joins the score scale
-    of its column, and a value's scale weighs its column of the probabilities, so the second dot
-    takes the stored values too (scaling P [M, BLOCK_N] instead of V [BLOCK_N, HEAD_DIM]: HEAD_DIM / M
-    times fewer multiplies in decode, no float32 V tile). The weights are divided by the tile's
-    largest scale, which multiplies the dot's result, so P stays in [0, 1] where float16 is exact
-    enough (a scale alone can be below float16's normal range)."""
+    converts exactly to q's dtype, a key's scale joins the score scale of its column, and a value's
+    scale weighs its column of the probabilities, so the second dot takes the stored values too
+    (scaling P [M, BLOCK_N] instead of V [BLOCK_N, HEAD_DIM]: HEAD_DIM / M times fewer multiplies in
+    decode, no float32 V tile)."""
     positions = start + tl.arange(0, BLOCK_N)
     valid = positions < length
     rows = cache_rows(block_table_row, positions, valid, BLOCK_SIZE)
@@ -65,22 +62,9 @@ def attend_block(q, q_pos, m_i, l_i, acc, k_base, v_base, k_scale_base, v_scale_
     p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if QUANTIZED:
-        v_top = tl.maximum(tl.max(v_scales, 0), 1e-30)  # keys past `length` have scale 0
-        weighted = (p * (v_scales / v_top)[None, :]).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(weighted, v, input_precision=PRECISION) * v_top
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+        p *= v_scales[None, :]
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
-
-
-@triton.jit
-def fp8_query(q, QUANTIZED: tl.constexpr):
-    """The query as attend_block multiplies it with an FP8 cache: a bfloat16 one in float16, the
-    16-bit type e4m3 converts to directly (query values beyond float16's 65,504 do not occur in
-    attention); float32 and float16 queries as they are."""
-    if QUANTIZED and q.dtype == tl.bfloat16:
-        q = q.to(tl.float16)
-    return q
 
 
 @triton.jit
@@ -123,8 +107,7 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, k_scale, v_scale, out_ptr, cu_seqle
     row_valid = (rows < num_new)[:, None]
     tokens = (q_start + rows).to(tl.int64)[:, None]
     dims = tl.arange(0, HEAD_DIM)[None, :]
-    q = fp8_query(tl.load(q_ptr + tokens * stride_q_token + head * stride_q_head + dims, mask=row_valid, other=0.0),
-                  QUANTIZED)
+    q = tl.load(q_ptr + tokens * stride_q_token + head * stride_q_head + dims, mask=row_valid, other=0.0)
     q_pos = length - num_new + rows
 
     kv_head = head // GROUP
