@@ -1,4 +1,6 @@
-"""CPU cost of the scheduler: one round of schedule(), encoding the step message, postprocess().
+"""CPU cost of the scheduler: one round of schedule(), encoding the step message, postprocess(),
+with steps in flight as the engine keeps them (the tokens of the step built now come back three
+rounds later; --steps-in-flight 1 post-processes each step before the next one is built).
 
 Decode rounds with 256 and 1,024 running sequences of ~1,000 tokens; mixed rounds (issue 15), in
 which the same 256 sequences decode while chunks of 2,048-token prompts take 512 more tokens (an
@@ -11,6 +13,7 @@ size (--block-size 256); `--block-size 16` multiplies the per-block work by 16 (
     PYTHONPATH=.:proto python bench/scheduler.py [--block-size 256] [--out bench/out/scheduler.json]
 """
 import argparse
+import collections
 import json
 import random
 import statistics
@@ -23,6 +26,7 @@ from scheduler_svc.sequence import SamplingOptions, Sequence
 from scheduler_svc.step_encoder import encode_step
 
 BLOCK_SIZE = 256  # the server's default; main() sets it from --block-size
+STEPS_IN_FLIGHT = 3  # as a worker takes them (worker_svc MAX_STEPS_IN_FLIGHT); main() sets it
 CONTEXT = 1000
 MIXED_BUDGET = 8192  # --max-num-batched-tokens' default
 MIXED_PROMPT = 2048  # tokens of each prompt that mixed rounds prefill
@@ -34,7 +38,7 @@ def _scheduler(num_seqs: int, max_tokens_per_seq: int, budget: int, max_model_le
     """Blocks for num_seqs sequences of max_tokens_per_seq tokens, and extra_blocks more."""
     config = SchedulerConfig(num_kv_blocks=num_seqs * (max_tokens_per_seq // BLOCK_SIZE + 2) + extra_blocks,
                              block_size=BLOCK_SIZE, max_model_len=max(max_model_len, max_tokens_per_seq + 1),
-                             max_num_seqs=num_seqs + 8, max_num_batched_tokens=budget)
+                             max_num_seqs=num_seqs + 64, max_num_batched_tokens=budget)
     return Scheduler(config)
 
 
@@ -55,19 +59,32 @@ def _decoding(rng: random.Random, num_seqs: int, num_rounds: int, budget: int, *
     return scheduler
 
 
-def _timed_round(scheduler: Scheduler, rng: random.Random) -> float:
-    start = time.thread_time()
-    plan = scheduler.schedule()
-    encode_step(plan)
-    scheduler.postprocess(plan, [rng.randrange(10000)] * len(plan.sampled))
-    return time.thread_time() - start
+class Rounds:
+    """Rounds as the engine runs them: each builds and encodes the next step while STEPS_IN_FLIGHT
+    steps are out, then post-processes the oldest, so decodes of tokens still in flight send none
+    (--steps-in-flight 1: every step's tokens come back before the next is built)."""
+
+    def __init__(self, scheduler: Scheduler, rng: random.Random):
+        self.scheduler, self.rng = scheduler, rng
+        self.in_flight: collections.deque = collections.deque()
+
+    def timed(self) -> float:
+        start = time.thread_time()
+        plan = self.scheduler.schedule()
+        encode_step(plan)
+        self.in_flight.append(plan)
+        if len(self.in_flight) >= STEPS_IN_FLIGHT:
+            done = self.in_flight.popleft()
+            self.scheduler.postprocess(done, [self.rng.randrange(10000)] * len(done.sampled))
+        return time.thread_time() - start
 
 
 def decode_rounds(num_seqs: int, num_rounds: int) -> list[float]:
     """CPU seconds per round, once all sequences are decoding."""
     rng = random.Random(0)
     scheduler = _decoding(rng, num_seqs, num_rounds, budget=16384)
-    return [_timed_round(scheduler, rng) for _ in range(num_rounds)]
+    rounds = Rounds(scheduler, rng)
+    return [rounds.timed() for _ in range(num_rounds)]
 
 
 def mixed_rounds(num_seqs: int, num_rounds: int, prompt_tokens: int) -> list[float]:
@@ -77,14 +94,14 @@ def mixed_rounds(num_seqs: int, num_rounds: int, prompt_tokens: int) -> list[flo
     rng = random.Random(0)
     prompts_per_round = prompt_tokens // MIXED_PROMPT + 2
     scheduler = _decoding(rng, num_seqs, num_rounds, num_seqs + prompt_tokens, max_model_len=MIXED_PROMPT + 1,
-                          extra_blocks=prompts_per_round * MIXED_PROMPT // BLOCK_SIZE)
+                          extra_blocks=(STEPS_IN_FLIGHT + 1) * prompts_per_round * MIXED_PROMPT // BLOCK_SIZE)
     prompts = [Sequence(num_seqs + i, _random_prompt(rng, MIXED_PROMPT), SamplingOptions(max_tokens=1))
                for i in range(num_rounds * prompt_tokens // MIXED_PROMPT + prompts_per_round)]
-    times = []
+    times, rounds = [], Rounds(scheduler, rng)
     for _ in range(num_rounds):
         while scheduler.num_waiting < prompts_per_round:  # queued outside the timed round, as a handler does
             scheduler.enqueue(prompts.pop())
-        times.append(_timed_round(scheduler, rng))
+        times.append(rounds.timed())
     return times
 
 
@@ -114,9 +131,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/out/scheduler.json"))
     parser.add_argument("--rounds", type=int, default=200, help="decode rounds per case")
     parser.add_argument("--block-size", type=int, default=256, help="tokens per KV block")
+    parser.add_argument("--steps-in-flight", type=int, default=3, help="1: post-process each step before the next")
     args = parser.parse_args()
-    global BLOCK_SIZE
-    BLOCK_SIZE = args.block_size
+    global BLOCK_SIZE, STEPS_IN_FLIGHT
+    BLOCK_SIZE, STEPS_IN_FLIGHT = args.block_size, args.steps_in_flight
     results = {
         "decode_256_seqs": _summary(decode_rounds(256, args.rounds)),
         "decode_1024_seqs": _summary(decode_rounds(1024, args.rounds)),
@@ -130,7 +148,7 @@ def main() -> None:
         print(f"{case:<28}" + "".join(f"{row[key]:>{width}.3f}" for key, width in
                                       (("mean_ms", 10), ("median_ms", 11), ("min_ms", 9), ("max_ms", 9))))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"block_size": BLOCK_SIZE, "context_tokens": CONTEXT, **results}
+    report = {"block_size": BLOCK_SIZE, "steps_in_flight": STEPS_IN_FLIGHT, "context_tokens": CONTEXT, **results}
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
 

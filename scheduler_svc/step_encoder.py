@@ -10,9 +10,13 @@ def encode_step(plan: StepPlan) -> worker_pb2.StepRequest:
     add_entry = request.seqs.add
     for seq, start, num_token_ids, sample, num_generated in zip(plan.seqs, plan.num_computed, plan.num_token_ids,
                                                                 plan.sample, plan.num_generated):
-        # Fields left at their defaults are not passed: each keyword costs on the hot path.
-        add_entry(seq_id=seq.seq_id, token_ids=seq.token_ids[start:start + num_token_ids], num_computed=start,
-                  sample=sample, num_generated=num_generated)
+        # Fields left at their defaults are not passed: each keyword costs on the hot path (an empty
+        # token list, a decode whose token is still in flight, costs as much as the rest of the entry).
+        if num_token_ids:
+            add_entry(seq_id=seq.seq_id, token_ids=seq.token_ids[start:start + num_token_ids], num_computed=start,
+                      sample=sample, num_generated=num_generated)
+        else:
+            add_entry(seq_id=seq.seq_id, num_computed=start, sample=sample, num_generated=num_generated)
     entries = request.seqs
     for index, options in plan.resets.items():
         entry = entries[index]
