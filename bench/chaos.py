@@ -26,10 +26,11 @@ from pathlib import Path
 import grpc
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "proto")]
+sys.path[:0] = [str(REPO), str(REPO / "proto"), str(REPO / "bench")]
 
 from nanoserve.client import Client  # noqa: E402
 from nanoserve_cli.launcher import free_port, wait_serving  # noqa: E402
+from serve import arrival_times, make_requests  # noqa: E402
 
 KILL_GRACE_SECONDS = 0.25
 
@@ -42,16 +43,12 @@ class RequestSpec:
 
 
 def online_requests(rate: float, duration: float, seed: int = 0) -> list[RequestSpec]:
-    """Poisson arrivals at `rate` per second for `duration` seconds, prompts of random token ids in
-    [0, 10000) of 100-1,024 tokens, outputs of 100-512 (DESIGN §8's online workload). The one
-    place the workload is made: the serve benchmark's generator may take its place."""
-    rng = random.Random(seed)
-    specs, now = [], rng.expovariate(rate)
-    while now < duration:
-        prompt = [rng.randrange(10_000) for _ in range(rng.randint(100, 1024))]
-        specs.append(RequestSpec(now, prompt, rng.randint(100, 512)))
-        now += rng.expovariate(rate)
-    return specs
+    """Poisson arrivals at `rate` per second for about `duration` seconds, prompts of 100-1,024
+    random token ids and outputs of 100-512 (DESIGN §8's online workload), drawn by the serve
+    benchmark's generator."""
+    count = max(1, round(rate * duration))
+    requests = make_requests(count, (100, 1024), (100, 512), seed=seed)
+    return [RequestSpec(at, r.prompt, r.max_tokens) for r, at in zip(requests, arrival_times(count, rate, seed))]
 
 
 @dataclass
