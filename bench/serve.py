@@ -28,7 +28,8 @@ vLLM's `return_token_ids`), and beside the same requests over gRPC with --compar
         --num-prompts 50 --input-len 512 512 --output-len 1 1   # batch-1 TTFT: what the gateway adds
     python3 bench/serve.py --openai http://HOST:8000 [--address HOST:PORT]   # a running gateway
 
-`--openai` alone starts `nanoserve up --openai-port`. On the GPU machine, whose image has no HTTP
+`--openai` alone starts a gateway in front of the scheduler; `--null-worker` serves from a scheduler over
+a worker that computes nothing, so what is measured is the services' own cost (CPU is enough). On the GPU machine, whose image has no HTTP
 stack, carry the gateway's wheels in .whl/ (pip download --no-deps --only-binary=:all:
 --python-version 3.12 --platform manylinux2014_x86_64 of fastapi, starlette, pydantic, pydantic-core,
 annotated-types, annotated-doc, typing-inspection, typing-extensions, uvicorn, click, h11, anyio, idna,
@@ -36,14 +37,17 @@ at the versions requirements*.txt pin) and install them with --no-deps; aiohttp,
 """
 import argparse
 import asyncio
+import contextlib
 import json
 import math
+import os
 import random
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Callable, Protocol
+from typing import AsyncIterator, Callable, Iterator, Protocol
 
 import aiohttp
 import grpc
@@ -52,7 +56,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "proto"), str(REPO / "bench")]
 
 from latency import percentiles, start_server  # noqa: E402
-from nanoserve_cli.launcher import free_port, wait_http_ok  # noqa: E402
+from nanoserve_cli.cache import cache_dir  # noqa: E402
+from nanoserve_cli.launcher import free_port, stop_all, wait_http_ok  # noqa: E402
+from service_overhead import null_service  # noqa: E402
 from nanoserve.client import make_request  # noqa: E402
 from nanoserve.v1 import llm_pb2, llm_pb2_grpc  # noqa: E402
 from nanoserve.wire import GRPC_OPTIONS  # noqa: E402
@@ -340,7 +346,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slo-tpot-ms", type=float, default=25.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--openai", nargs="?", const="start", default="",
-                   help="drive the OpenAI API of a gateway at this URL; alone: start `nanoserve up --openai-port`")
+                   help="drive the OpenAI API of a gateway at this URL; alone: start one in front of the scheduler")
+    p.add_argument("--null-worker", action="store_true",
+                   help="serve with a scheduler over a worker that computes nothing (CPU): the services' own costs")
     p.add_argument("--compare-grpc", action="store_true",
                    help="with --openai, also run every rate over gRPC on the same server, and compare")
     p.add_argument("--out", default=str(REPO / "bench" / "out" / "serve.json"))
@@ -349,8 +357,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--compare-grpc compares the --openai runs with gRPC: give --openai")
     if args.openai not in ("", "start") and args.compare_grpc and not args.address:
         p.error("--compare-grpc against a running gateway needs its scheduler's --address")
-    if args.openai == "start" and args.address:
-        p.error("--openai alone starts a server with its gateway; for a running one give the gateway's URL")
+    if args.null_worker and args.address:
+        p.error("--null-worker starts its own scheduler: leave out --address")
     for name in ("input_len", "output_len"):
         low, high = getattr(args, name)
         if not 1 <= low <= high:
@@ -360,22 +368,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+@contextlib.contextmanager
+def started_server(args: argparse.Namespace) -> Iterator[str]:
+    """`nanoserve up` on the model, or with --null-worker a scheduler over a worker that computes
+    nothing: the scheduler's address while it runs."""
+    if args.null_worker:
+        with null_service(str(cache_dir() / "tokenizer-qwen3")) as address:
+            yield address
+        return
+    proc, address = start_server(args)
+    try:
+        yield address
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def started_gateway(address: str) -> Iterator[str]:
+    """The OpenAI gateway in front of the scheduler at `address`, as `nanoserve gateway` runs it: its URL."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(REPO / "proto"),
+                                                                    os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "gateway_svc", "--scheduler", address, "--host", "127.0.0.1",
+                             "--port", str(port), "--log-level", "warning"], env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http_ok(url + "/health", [proc], timeout=120)
+        yield url
+    finally:
+        stop_all([proc])
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    start = not args.address and args.openai in ("", "start")  # else the server (or gateway) runs already
-    if args.openai == "start":
-        port = free_port()
-        args.extra, args.openai = f"{args.extra} --openai-port {port}", f"http://127.0.0.1:{port}"
-    proc, address = start_server(args) if start else (None, args.address)
-    try:
-        if args.openai:
-            wait_http_ok(args.openai + "/health", [proc] if proc else [], timeout=120)
+    with contextlib.ExitStack() as running:
+        address = args.address or running.enter_context(started_server(args))
+        if args.openai == "start":
+            args.openai = running.enter_context(started_gateway(address))
+        elif args.openai:
+            wait_http_ok(args.openai + "/health", [], timeout=120)
         print_header()
         report = asyncio.run(benchmark(args, address))
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=30)
     report["command"] = " ".join(sys.argv)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))

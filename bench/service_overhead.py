@@ -7,6 +7,7 @@ GPU must hide; above the GPU's own step time, the scheduler is the bottleneck.
 """
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import sys
 import time
 from concurrent import futures
 from pathlib import Path
+from typing import Iterator
 
 import grpc
 
@@ -51,28 +53,36 @@ class NullWorker(worker_pb2_grpc.WorkerServicer):
                                           host_seconds=seconds)
 
 
+@contextlib.contextmanager
+def null_service(tokenizer: str, extra: str = "") -> Iterator[str]:
+    """A scheduler process over a NullWorker in this process (the tokenizer's directory lends the
+    model's name and tokenizer): the scheduler's address while it runs."""
+    if not (Path(tokenizer) / "tokenizer.json").exists():
+        subprocess.run([sys.executable, "-m", "nanoserve_cli.demo_model"], check=True, cwd=REPO)  # fetches it
+    worker = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    worker_pb2_grpc.add_WorkerServicer_to_server(NullWorker(tokenizer), worker)
+    worker_port = worker.add_insecure_port("127.0.0.1:0")
+    worker.start()
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "proto")])}
+    scheduler = subprocess.Popen([sys.executable, "-m", "scheduler_svc", "--port", str(port),
+                                  "--workers", f"127.0.0.1:{worker_port}", *extra.split()], env=env)
+    try:
+        wait_serving(f"127.0.0.1:{port}", [scheduler], timeout=120)
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop_all([scheduler])
+        worker.stop(0)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--tokenizer", default=str(cache_dir() / "tokenizer-qwen3"))
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--extra", default="", help="more `nanoserve scheduler` flags, space separated")
     args = p.parse_args()
-    if not (Path(args.tokenizer) / "tokenizer.json").exists():
-        subprocess.run([sys.executable, "-m", "nanoserve_cli.demo_model"], check=True, cwd=REPO)  # fetches it
-    worker = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    worker_pb2_grpc.add_WorkerServicer_to_server(NullWorker(args.tokenizer), worker)
-    worker_port = worker.add_insecure_port("127.0.0.1:0")
-    worker.start()
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "proto")])}
-    scheduler = subprocess.Popen([sys.executable, "-m", "scheduler_svc", "--port", str(port),
-                                  "--workers", f"127.0.0.1:{worker_port}", *args.extra.split()], env=env)
-    try:
-        wait_serving(f"127.0.0.1:{port}", [scheduler], timeout=120)
-        result = asyncio.run(drive(f"127.0.0.1:{port}", workload(args.num_seqs, 1024, 1024)))
-    finally:
-        stop_all([scheduler])
-        worker.stop(0)
+    with null_service(args.tokenizer, args.extra) as address:
+        result = asyncio.run(drive(address, workload(args.num_seqs, 1024, 1024)))
     steps = result["prefill_steps"] + result["decode_steps"]
     summary = {"output_tokens": result["output_tokens"], "seconds": result["seconds"],
                "tok_per_s": result["tok_per_s"], "steps": steps, "ms_per_step": 1e3 * result["seconds"] / steps}

@@ -138,3 +138,21 @@ def test_smoke_run_through_the_gateway_beside_grpc(tiny_model_dir, tmp_path):
         assert summary["server_steps"]["prefill_tokens"] >= sum(len(r.prompt) for r in drawn) - 16
         assert 0 < summary["ttft_ms"]["p50"] <= summary["e2e_ms"]["p99"]
     assert report["openai_vs_grpc"]["inf"]["output_tok_per_s_ratio"] > 0
+
+
+def test_null_worker_run_starts_its_own_scheduler_and_gateway(tmp_path):
+    """--null-worker --openai --compare-grpc: a scheduler over a worker that computes nothing and a
+    gateway in front of it, both started by the benchmark; every request completes through both APIs
+    with its drawn output length, and the processes are gone afterwards."""
+    out = tmp_path / "serve.json"
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "serve.py"), "--null-worker", "--openai", "--compare-grpc",
+                          "--num-prompts", "4", "--request-rates", "inf", "--input-len", "4", "24",
+                          "--output-len", "2", "8", "--warmup", "1", "--out", str(out)],
+                         env=ENV, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    drawn = serve.make_requests(4, (4, 24), (2, 8), seed=0)
+    assert report["api"] == "openai" and report["attention_backend"] == "none"
+    for rates in (report["rates"], report["grpc_rates"]):
+        assert (rates["inf"]["completed"], rates["inf"]["failed"]) == (4, 0)
+        assert rates["inf"]["output_tokens"] == sum(r.max_tokens for r in drawn)
