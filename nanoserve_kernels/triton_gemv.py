@@ -1,7 +1,7 @@
 """The matrix-vector product of batch-1 decode: y [1, N] = x [1, K] @ W [N, K]^T (+ bias).
 
 At batch 1 a decode step is a chain of matrix-vector products whose cost is reading each weight
-once. cuBLAS runs them as GEMM tiles (split-K with a reduction pass on some shapes), at 0.8-1.0
+once. cuBLAS runs them as GEMM tiles (split-K with a reduction pass on some shapes), at 0.7-0.8
 TB/s on the Qwen3-0.6B shape's o and down projections (bench/gemv.py). Here each program owns
 BLOCK_N whole rows of W, loads them BLOCK_K columns at a time, multiplies by x (a few KB, read
 from L2 by every program) and reduces in float32: W is read once, in long contiguous rows, by
@@ -13,9 +13,12 @@ import triton
 import triton.language as tl
 
 MAX_ROWS = 1
-MAX_TILE = 16384  # elements of W a program holds at once (64 registers a thread at 4 warps)
-MAX_BLOCK_K = 4096
-MIN_PROGRAMS = 256  # about two per multiprocessor: fewer leaves the memory system idle
+# Two rows of up to 2,048 columns a program, 4 warps: within 4% of the best tile on each projection
+# of the 0.6B and 8B shapes but the 0.6B down projection (9%) (bench/gemv.py --sweep, weights from
+# memory, H100); larger tiles leave too few programs on the narrow projections, and 8 warps lose
+# on the 0.6B ones.
+BLOCK_N = 2
+MAX_BLOCK_K = 2048
 
 
 @triton.jit
@@ -37,14 +40,8 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.cons
 
 
 def tiles(n: int, k: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K): whole rows up to MAX_BLOCK_K columns, then as many rows per program as
-    the tile bound allows while MIN_PROGRAMS programs remain (measured best or within 5% on the
-    0.6B and 8B shapes, bench/gemv.py --sweep)."""
-    block_k = min(triton.next_power_of_2(k), MAX_BLOCK_K)
-    block_n = 1
-    while block_n * 2 * block_k <= MAX_TILE and triton.cdiv(n, block_n * 2) >= MIN_PROGRAMS and block_n < 8:
-        block_n *= 2
-    return block_n, block_k
+    """(BLOCK_N, BLOCK_K) for W [n, k]."""
+    return BLOCK_N, min(triton.next_power_of_2(k), MAX_BLOCK_K)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
