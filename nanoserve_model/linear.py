@@ -10,6 +10,16 @@ from torch import nn
 from nanoserve_model.parallel import CheckpointTensor, all_reduce, divide, set_weight_loader, tp_rank, tp_world_size
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; on CUDA, a decode batch of a few rows reads the weight through the matrix-vector
+    kernel, where cuBLAS's GEMM tiles fall well short of the memory rate (bench/gemv.py)."""
+    if x.is_cuda and x.dim() == 2:
+        from nanoserve_kernels.triton_gemv import MAX_ROWS, gemv  # Triton is a GPU requirement only
+        if x.shape[0] <= MAX_ROWS and x.stride(1) == 1:
+            return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 @dataclass(frozen=True)
 class PackedPart:
     """One checkpoint matrix packed into a column-parallel weight, as this rank holds it."""
@@ -40,7 +50,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, self.offsets[shard_id], part.rows).copy_(loaded.narrow(0, part.start, part.rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -100,5 +110,5 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, 0, param.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias

@@ -154,3 +154,36 @@ def test_flash_attn_prefill(case: Case) -> None:
 @pytest.mark.parametrize("case", flash_attn_shaped(DECODE_CASES))
 def test_flash_attn_decode(case: Case) -> None:
     check_decode(flash_attn_backend.paged_decode, case, "cuda", seed=4)
+
+
+def test_e4m3_to_bf16_by_bits_is_exact_for_every_code() -> None:
+    """The FP8 attention kernels' integer conversion against torch's cast, for all 254 finite codes
+    (subnormals and both zeros included), bit for bit."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def convert(src, dst, BLOCK: tl.constexpr):
+        offsets = tl.arange(0, BLOCK)
+        tl.store(dst + offsets, triton_prefill.e4m3_to_bf16(tl.load(src + offsets)))
+
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8, device="cuda")
+    codes = torch.cat([codes, codes[:2]])  # 256 values: a power of two for tl.arange
+    values = codes.view(torch.float8_e4m3fn)
+    out = torch.empty(256, dtype=torch.bfloat16, device="cuda")
+    convert[(1,)](values, out, BLOCK=256)
+    expected = values.to(torch.bfloat16)
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+
+
+def test_gemv_matches_a_float64_product() -> None:
+    """The batch-1 matrix-vector kernel at the 0.6B and 8B shapes (and an odd one), with a bias."""
+    from nanoserve_kernels.triton_gemv import gemv
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in ((4096, 1024), (1024, 3072), (4096, 12288), (1000, 777)):
+        x = torch.randn(1, k, device="cuda", generator=generator).bfloat16()
+        w = (torch.randn(n, k, device="cuda", generator=generator) / k ** 0.5).bfloat16()
+        bias = torch.randn(n, device="cuda", generator=generator).bfloat16()
+        expected = torch.nn.functional.linear(x.double(), w.double(), bias.double())
+        got = gemv(x, w, bias).double()
+        assert ((got - expected).norm() / expected.norm()).item() < 5e-3, (n, k)

@@ -268,6 +268,20 @@ def check_rotary(rotate_qk_: Callable, device: str, dtypes: tuple[torch.dtype, .
         assert torch.equal(qkv[:, untouched:], before[:, untouched:])
 
 
+def check_gemv() -> None:
+    """The batch-1 matrix-vector kernel vs a float64 product: odd sizes (masked row and column tails)
+    and several column tiles, with and without a bias, with the chosen tiles and small forced ones."""
+    from nanoserve_kernels.triton_gemv import gemv
+    generator = torch.Generator().manual_seed(0)
+    for n, k, with_bias in ((40, 96, False), (7, 1000, True), (33, 70, True), (64, 5000, False)):
+        x, w = torch.randn(1, k, generator=generator), torch.randn(n, k, generator=generator)
+        bias = torch.randn(n, generator=generator) if with_bias else None
+        expected = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+        for tiles in ({}, dict(block_n=2, block_k=256)):
+            got = gemv(x, w, bias, **tiles)
+            assert got.shape == (1, n) and torch.allclose(got.double(), expected, atol=1e-4), (n, k, tiles)
+
+
 def run_interpreted_cases(kernel: str) -> None:
     """Runs in the child process: TRITON_INTERPRET is already set, so import the kernels now."""
     if kernel == "sampling":
@@ -278,6 +292,9 @@ def run_interpreted_cases(kernel: str) -> None:
     if kernel == "rotary":
         from nanoserve_kernels.triton_rotary import rotate_qk_
         check_rotary(rotate_qk_, "cpu", (torch.float32, torch.float16))
+        return
+    if kernel == "gemv":
+        check_gemv()
         return
     from nanoserve_kernels.triton_decode import paged_decode
     from nanoserve_kernels.triton_kv_store import store_kvcache
@@ -358,7 +375,7 @@ def _fix_interpreter_for_numpy_2_4() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-@pytest.mark.parametrize("kernel", ["store", "prefill", "decode", "sampling", "rotary"])
+@pytest.mark.parametrize("kernel", ["store", "prefill", "decode", "sampling", "rotary", "gemv"])
 def test_triton_kernel_matches_reference_in_interpreter(kernel: str) -> None:
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath}

@@ -1,0 +1,117 @@
+"""Batch-1 linear layers: nanoserve_kernels/triton_gemv.py against torch's F.linear (cuBLAS) on the
+projections of a decode layer (Qwen3-0.6B and 8B shapes). Each timing is one call of a CUDA graph
+holding REPLAYS back-to-back launches, as a decode graph replays them, so launch gaps count; the
+calls cycle through copies of the weight that together exceed the L2 cache four times, so every
+weight comes from memory as in a decode step (the 0.6B matrices alone fit in the H100's 50 MB
+L2). The rate is weight bytes over time. `--sweep` also times every tile shape and warp count (each line:
+the chosen tiles, then the best), to check the heuristic of `tiles`.
+
+    PYTHONPATH=.:proto python bench/gemv.py [--sweep] [--out bench/out/gemv.json]
+"""
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve_kernels.triton_gemv import gemv, tiles
+
+SHAPES = {  # (name, N, K) of one layer's projections: W is [N, K]
+    "0.6b": [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072)],
+    "8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)],
+}
+LM_HEADS = {"0.6b": ("lm_head", 151936, 1024), "8b": ("lm_head", 151936, 4096)}  # once a step, not a layer
+REPLAYS = 64
+L2_BYTES = 50 * 2**20
+
+
+def weight_copies(w: torch.Tensor) -> list[torch.Tensor]:
+    return [w.clone() for _ in range(max(2, 4 * L2_BYTES // w.nbytes + 1))]
+
+
+def time_per_call(fn, weights: list[torch.Tensor], repeats: int = 20) -> float:
+    """Seconds per fn(weight) replayed inside a CUDA graph of REPLAYS calls or more, one weight copy
+    after another (median of `repeats` replays)."""
+    fn(weights[0])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(weights[0])
+    torch.cuda.current_stream().wait_stream(stream)
+    calls = max(REPLAYS, len(weights))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(weights[i % len(weights)])
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def sweep(x: torch.Tensor, weights: list[torch.Tensor]) -> dict[tuple[int, int, int], float]:
+    """Seconds per call of every (block_n, block_k, warps) whose column tile fits the row twice at most."""
+    timings = {}
+    for block_n, block_k, warps in itertools.product((1, 2, 4, 8), (1024, 2048, 4096), (4, 8)):
+        if block_k > 2 * triton_pow2(weights[0].shape[1]):
+            continue
+        timings[block_n, block_k, warps] = time_per_call(
+            lambda w: gemv(x, w, block_n=block_n, block_k=block_k, num_warps=warps), weights, 7)
+    return timings
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", action="store_true", help="time every tile shape and warp count too")
+    parser.add_argument("--out", type=Path, default=Path("bench/out/gemv.json"))
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    rows, report = [], []
+    for model, shapes in SHAPES.items():
+        for name, n, k in shapes + [LM_HEADS[model]]:
+            x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+            w = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k ** 0.5
+            ref = F.linear(x.float(), w.float())
+            error = ((gemv(x, w).float() - ref).norm() / ref.norm()).item()
+            assert error < 1e-2, (model, name, error)
+            weights = weight_copies(w)
+            cublas, ours = time_per_call(lambda w: F.linear(x, w), weights), time_per_call(lambda w: gemv(x, w), weights)
+            entry = dict(model=model, layer=name, n=n, k=k, tiles=tiles(n, k), cublas_us=cublas * 1e6,
+                         gemv_us=ours * 1e6, cublas_tbps=w.nbytes / cublas / 1e12, gemv_tbps=w.nbytes / ours / 1e12)
+            line = (f"{model:<5}{name:<8}{n:>7}{k:>7}  {str(entry['tiles']):<11}{entry['cublas_us']:>9.2f}"
+                    f"{entry['gemv_us']:>9.2f}{entry['cublas_tbps']:>8.2f}{entry['gemv_tbps']:>8.2f}")
+            if args.sweep:
+                timings = sweep(x, weights)
+                best = min(timings, key=timings.get)
+                entry.update(best_us=timings[best] * 1e6, best=best,
+                             sweep_us={str(config): seconds * 1e6 for config, seconds in timings.items()})
+                line += f"{entry['best_us']:>9.2f} {best}"
+            report.append(entry)
+            rows.append(line)
+            del weights
+            print(line, flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print("model layer      N      K  tiles       cuBLAS us  gemv us  cuBLAS TB/s  gemv TB/s"
+          + ("  best us (block_n, block_k, warps)" if args.sweep else ""))
+    print("\n".join(rows))
+    layer = [e for e in report if e["layer"] != "lm_head"]
+    total = {model: (sum(e["cublas_us"] for e in layer if e["model"] == model),
+                     sum(e["gemv_us"] for e in layer if e["model"] == model)) for model in SHAPES}
+    for model, (cublas, ours) in total.items():
+        print(f"{model}: one layer's projections {cublas:.1f} us with cuBLAS, {ours:.1f} us with gemv")
+
+
+def triton_pow2(value: int) -> int:
+    return 1 << (value - 1).bit_length()
+
+
+if __name__ == "__main__":
+    main()
