@@ -94,11 +94,16 @@ class Totals:
 class Waker:
     """Wakes request streams a slice at a time. Woken all at once, a few hundred handlers would
     queue ahead of the engine's own callbacks (the workers' reply) and the GPU would wait for
-    them; a slice at a time, the engine runs between slices. When the handlers fall behind, a
-    stream's tokens gather until its turn and go out in one message."""
+    them; a slice at a time, the engine runs between slices. When the event loop is backed up
+    (a slice's turn took longer than `max_lag`: handlers' writes completing, a garbage collection),
+    the next slice waits as long again, so the engine's callbacks find a short queue: at 256
+    streams the loop is saturated, and without the pause the engine's replies waited 10-30 ms and
+    the GPU idled (bench/service_overhead.py --step-ms). A stream's tokens gather meanwhile and go
+    out in one message, which is what lets the handlers catch up."""
 
-    def __init__(self, slice_size: int = 16):
+    def __init__(self, slice_size: int = 16, max_lag: float = 1e-3):
         self.slice_size = slice_size
+        self.max_lag = max_lag
         self.pending: dict[RequestStream, None] = {}  # an ordered set: first come, first woken
         self.has_pending = asyncio.Event()
 
@@ -109,6 +114,7 @@ class Waker:
             self.has_pending.set()
 
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             await self.has_pending.wait()
             self.has_pending.clear()
@@ -117,7 +123,11 @@ class Waker:
                     stream = next(iter(self.pending))
                     del self.pending[stream]
                     stream.wakeup.set()
+                started = loop.time()
                 await asyncio.sleep(0)  # the woken handlers run, then whatever became ready meanwhile
+                lag = loop.time() - started
+                if lag > self.max_lag:  # backed up: let the queue drain before waking more
+                    await asyncio.sleep(lag)
 
 
 class Engine:

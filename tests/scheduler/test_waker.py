@@ -1,6 +1,7 @@
 """The engine's Waker: request streams are woken a slice at a time, and other work queued on the
 event loop (the engine's own callbacks) runs between slices instead of after all of them."""
 import asyncio
+import time
 
 from scheduler_svc.engine import RequestStream, Waker
 from scheduler_svc.sequence import SamplingOptions, Sequence
@@ -44,3 +45,46 @@ def test_reading_one_completion_keeps_the_wakeup_a_sibling_got_meanwhile():
     wakeup.set()
     assert second.take() == []
     assert wakeup.is_set() and first.take() == [5]
+
+
+def test_a_backed_up_loop_makes_the_next_slice_wait_and_the_tokens_gather():
+    """A slice whose turn overran max_lag (a handler that blocked the loop) is followed by a pause
+    as long, before the next slice is woken: the engine's callbacks get the loop first."""
+    async def scenario() -> tuple[float, float]:
+        waker = Waker(slice_size=1, max_lag=0.005)
+        streams = [RequestStream(Sequence(i, [1], SamplingOptions())) for i in range(2)]
+        woken_at: list[float] = []
+        loop = asyncio.get_running_loop()
+
+        async def handler(stream: RequestStream, blocks_for: float) -> None:
+            await stream.wakeup.wait()
+            woken_at.append(loop.time())
+            time.sleep(blocks_for)  # a turn that holds the loop, as 16 handlers' writes do under load
+
+        handlers = [asyncio.create_task(handler(streams[0], 0.05)), asyncio.create_task(handler(streams[1], 0))]
+        await asyncio.sleep(0)
+        task = asyncio.create_task(waker.run())
+        waker.wake_soon(streams)
+        await asyncio.gather(*handlers)
+        task.cancel()
+        return woken_at[0], woken_at[1]
+
+    first, second = asyncio.run(scenario())
+    assert second - first >= 2 * 0.05 * 0.9  # the blocked turn, then a pause as long
+
+
+def test_a_quick_turn_wakes_the_next_slice_without_a_pause():
+    async def scenario() -> float:
+        waker = Waker(slice_size=1, max_lag=0.5)
+        streams = [RequestStream(Sequence(i, [1], SamplingOptions())) for i in range(20)]
+        loop = asyncio.get_running_loop()
+        handlers = [asyncio.create_task(s.wakeup.wait()) for s in streams]
+        await asyncio.sleep(0)
+        task = asyncio.create_task(waker.run())
+        started = loop.time()
+        waker.wake_soon(streams)
+        await asyncio.gather(*handlers)
+        task.cancel()
+        return loop.time() - started
+
+    assert asyncio.run(scenario()) < 0.5  # 20 slices, none followed by a pause
