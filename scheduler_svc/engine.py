@@ -174,7 +174,7 @@ class Engine:
         if task.cancelled():
             return
         error = task.exception()
-        log.critical("the engine stopped: %s", error, exc_info=not isinstance(error, CannotServe))
+        log.critical("the engine stopped: %s", error, exc_info=None if isinstance(error, CannotServe) else error)
         self._end_all(f"the engine stopped: {error}")
 
     def enter_recovery(self, reason: str) -> None:

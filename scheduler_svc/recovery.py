@@ -10,9 +10,11 @@ sequences recompute prompt plus generated tokens; seeded sampling is keyed by (s
 so they continue with the tokens they would have produced undisturbed.
 
 If no whole group is back within --worker-restart-timeout, the requests end UNAVAILABLE and new
-ones are refused until a group returns. A group that answers but can never serve this scheduler
-(another model, a refused token) ends the engine: the scheduler exits non-zero so that its own
-supervisor restarts it against what its workers now are.
+ones are refused until a group returns. So do they when MAX_FAILURES_IN_A_ROW groups in a row fail
+before completing a step: workers that fail every step (a bug, a request that crashes them) come
+back at once, and recomputing on them would loop forever while the client waits. A group that
+answers but can never serve this scheduler (another model, a refused token) ends the engine: the
+scheduler exits non-zero so that its own supervisor restarts it against what its workers now are.
 """
 import asyncio
 import logging
@@ -26,6 +28,10 @@ if TYPE_CHECKING:  # type hints only: the engine imports this module
 
 log = logging.getLogger("nanoserve.scheduler")
 
+# Groups failing with no step completed in between before the requests they hold end: a restart
+# or two can race a dying peer (tensor parallelism), every step failing is a crash loop.
+MAX_FAILURES_IN_A_ROW = 3
+
 
 class CannotServe(Exception):
     """The workers answer but can never serve this scheduler; waiting will not change it."""
@@ -38,6 +44,8 @@ class GroupRecovery:
         self.engine = engine
         self.restart_timeout = restart_timeout
         self.first = engine.group.infos[0]  # what every later group must serve: the same model
+        self.failures_in_a_row = 0
+        self.steps_at_last_failure = -1
 
     async def recover(self, reason: str) -> None:
         """Returns once a whole group serves again; raises CannotServe when none ever can."""
@@ -52,9 +60,14 @@ class GroupRecovery:
             # Scoring rows of dropped steps never arrived: the recompute asks for them again.
             stream.seq.num_scored_prompt_tokens = len(stream.prompt_logprobs)
         requeued = engine.scheduler.num_waiting
-        log.error("worker group failed: %s; dropped the KV of %d token(s), holding %d request(s) until a group is "
-                  "back (within %.0fs, --worker-restart-timeout)", reason, recompute, requeued, self.restart_timeout)
-        if not await self._reconnect(reason, started + self.restart_timeout):
+        crash_loop = self._count_failure() >= MAX_FAILURES_IN_A_ROW
+        if crash_loop:
+            self._end_crash_loop(reason)
+        else:
+            log.error("worker group failed: %s; dropped the KV of %d token(s), holding %d request(s) until a group "
+                      "is back (within %.0fs, --worker-restart-timeout)", reason, recompute, requeued,
+                      self.restart_timeout)
+        if not await self._reconnect(reason, None if crash_loop else started + self.restart_timeout):
             recompute = 0  # the held requests were ended
         lost = engine.scheduler.drop_kv(engine.group.num_blocks)
         engine.end_requests(lost, f"its sequence no longer fits the restarted workers' KV pool "
@@ -65,13 +78,33 @@ class GroupRecovery:
                  "recomputing %d token(s)", time.monotonic() - started, engine.group.session_id[:8],
                  engine.group.num_blocks, engine.scheduler.num_waiting, recompute)
 
-    async def _reconnect(self, reason: str, deadline: float) -> bool:
+    def _count_failure(self) -> int:
+        """Failures in a row of groups that completed no step for the requests they held; a
+        failure holding none starts the count over."""
+        totals = self.engine.totals
+        steps = totals.prefill_steps + totals.decode_steps
+        held = bool(self.engine.streams)
+        in_a_row = held and steps == self.steps_at_last_failure
+        self.failures_in_a_row = self.failures_in_a_row + 1 if in_a_row else int(held)
+        self.steps_at_last_failure = steps
+        return self.failures_in_a_row
+
+    def _end_crash_loop(self, reason: str) -> None:
+        """Ends the held requests of groups that keep failing before any step completes; the next
+        requests get as many tries (a fixed worker may be back by then)."""
+        self.failures_in_a_row = 0
+        message = (f"the worker group failed {MAX_FAILURES_IN_A_ROW} times in a row without completing a step: "
+                   f"its workers fail every step (see their logs); the last failure: {reason}")
+        log.error("%s; ending %d request(s)", message, len(self.engine.streams))
+        self.engine.give_up(message)
+
+    async def _reconnect(self, reason: str, deadline: float | None) -> bool:
         """Connects a fresh group, applying aborts meanwhile (a client's deadline still ends its
         request); past the deadline the held requests end UNAVAILABLE and it goes on waiting.
-        False when it came to that."""
+        False when it came to that, or without a deadline (the requests were ended already)."""
         engine = self.engine
         connecting = asyncio.ensure_future(self._connect())
-        gave_up = False
+        gave_up = deadline is None
         try:
             while not connecting.done():
                 engine.work.clear()

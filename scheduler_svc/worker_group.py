@@ -147,32 +147,35 @@ class WorkerGroup:
     async def send(self, plan: StepPlan) -> None:
         """Sends one step to every rank; `receive` collects the replies."""
         request = encode_step(plan)
-        try:
-            await asyncio.gather(*(s.write(request) for s in self.streams))
-        except grpc.aio.AioRpcError as err:
-            raise WorkerUnavailable(self._which_failed(err)) from err
+        # Each write its own outcome: a failed rank is named, and its peers' errors are not left unretrieved.
+        writes = await asyncio.gather(*(s.write(request) for s in self.streams), return_exceptions=True)
+        for rank, outcome in enumerate(writes):
+            if isinstance(outcome, BaseException):
+                raise await self._stream_failed(rank, outcome)
 
     async def receive(self, step_id: int) -> worker_pb2.StepResponse:
         """Every rank's reply to the step sent last; returns rank 0's (its tokens and timings)."""
         reads = [asyncio.ensure_future(s.read()) for s in self.streams]
         try:
             await asyncio.wait(reads, timeout=self.step_timeout, return_when=asyncio.FIRST_EXCEPTION)
+            # A failed rank first: the ranks still waiting may only be waiting for it.
+            for rank, read in enumerate(reads):
+                if read.done() and (read.cancelled() or read.exception() is not None):
+                    raise await self._stream_failed(rank, _outcome(read))
             hung = [rank for rank, read in enumerate(reads) if not read.done()]
-            if hung and not any(read.done() and read.exception() for read in reads):
+            if hung:
                 raise WorkerUnavailable(", ".join(map(self.name, hung)) + f" did not answer step {step_id} within "
                                         f"{self.step_timeout:g}s (--step-timeout): treated as hung")
-            replies = [read.result() for read in reads if read.done()]
-        except grpc.aio.AioRpcError as err:
-            raise WorkerUnavailable(self._which_failed(err)) from err
         finally:
             for read in reads:
                 read.cancel()
-        for rank, reply in enumerate(replies):
+        for rank, read in enumerate(reads):
+            reply = read.result()
             if reply is grpc.aio.EOF:
                 raise WorkerUnavailable(f"{self.name(rank)} closed its step stream")
             if reply.error:
                 raise WorkerUnavailable(f"{self.name(rank)} failed step {step_id}: {reply.error}")
-        return replies[0]
+        return reads[0].result()
 
     async def ping(self) -> None:
         """Raises WorkerUnavailable when a rank no longer answers (checked while idle)."""
@@ -182,14 +185,29 @@ class WorkerGroup:
             except grpc.aio.AioRpcError as err:
                 raise WorkerUnavailable(f"{self.name(rank)} is unavailable: {err.code().name}") from err
 
-    def _which_failed(self, err: grpc.aio.AioRpcError) -> str:
-        for rank, stream in enumerate(self.streams):
-            if stream.done():
-                return f"{self.name(rank)} is unavailable: {err.details() or err.code().name}"
-        return f"a worker is unavailable: {err.details() or err.code().name}"
+    async def _stream_failed(self, rank: int, error: BaseException) -> WorkerUnavailable:
+        """The rank's step stream failed. Every way a call can end is a failure of the rank, not of
+        the engine: besides AioRpcError, a write on an ended call raises InvalidStateError ("RPC
+        already finished") and a read of a cancelled one CancelledError; both name the call's own
+        status, the reason it ended. Anything else is a bug of this process and is raised as is."""
+        stream = self.streams[rank]
+        if isinstance(error, grpc.aio.AioRpcError):
+            why = error.details() or error.code().name
+        elif isinstance(error, (asyncio.InvalidStateError, asyncio.CancelledError)) and stream.done():
+            why = await stream.details() or (await stream.code()).name  # at once: the call is done
+        else:
+            raise error
+        unavailable = WorkerUnavailable(f"{self.name(rank)} is unavailable: {why}")
+        unavailable.__cause__ = error
+        return unavailable
 
     async def close(self) -> None:
         for stream in self.streams:
             stream.cancel()
         for channel in self.channels:
             await channel.close()
+
+
+def _outcome(task: asyncio.Future) -> BaseException:
+    """The exception a failed task ended with; a cancelled one's as the CancelledError it raised."""
+    return asyncio.CancelledError() if task.cancelled() else task.exception()
