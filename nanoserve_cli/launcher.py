@@ -28,7 +28,7 @@ import grpc
 from nanoserve import flags
 from nanoserve.checkpoint import CONFIG_FILE, TOKENIZER_FILE, CheckpointError, check_files
 from nanoserve.healthcheck import SERVING, serving_status
-from nanoserve.listen import ListenError, check_port_free
+from nanoserve.listen import ListenError, PortReservation, check_port_free
 from nanoserve_cli.cache import demo_model_dir
 from nanoserve_cli.children import Child
 from nanoserve_cli.supervision import GaveUp, WorkerGroupSupervisor
@@ -69,6 +69,8 @@ def check_before_start(args: argparse.Namespace, model: Path) -> None:
 
 
 def free_port() -> int:
+    """A port free now, for a server bound at once (the benches); one bound later is held with a
+    PortReservation until then, as the tests' free_port does."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -168,8 +170,14 @@ def run_local(args: argparse.Namespace) -> int:
     # Only this launcher's scheduler can drive its workers.
     env = {**os.environ, "NANOSERVE_WORKER_TOKEN": os.environ.get("NANOSERVE_WORKER_TOKEN") or secrets.token_hex(16)}
 
+    # Held until the group it was picked for is replaced: rank 0 binds it only once torch is imported.
+    meeting: list[PortReservation] = []
+
     def start_workers() -> list[subprocess.Popen]:
-        dist_init_addr = f"127.0.0.1:{free_port()}"  # a fresh meeting point: the last group's may linger
+        for held in meeting:
+            held.release()
+        meeting[:] = [PortReservation()]  # a fresh meeting point: the last group's may linger
+        dist_init_addr = f"127.0.0.1:{meeting[0].port}"
         return [Child(worker_command(args, model, rank, dist_init_addr), env) for rank in range(size)]
 
     workers = WorkerGroupSupervisor(start_workers, [f"127.0.0.1:{args.worker_base_port + r}" for r in range(size)],
@@ -205,3 +213,5 @@ def run_local(args: argparse.Namespace) -> int:
     finally:
         stop_all(workers.procs + others)
         workers.liveness.stop()
+        for held in meeting:
+            held.release()

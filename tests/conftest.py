@@ -7,6 +7,7 @@ import pytest
 
 from nanoserve_cli.cache import demo_model_dir
 from nanoserve_cli.demo_model import build_tiny_model
+from tests.services.processes import release_ports
 
 
 def _tiny_model(tied: bool) -> Path:
@@ -24,3 +25,10 @@ def tiny_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_tied_model_dir() -> Path:
     return _tiny_model(tied=True)
+
+
+@pytest.fixture(autouse=True)
+def _release_ports():
+    """Each test's reserved ports (processes.free_port) go when it ends, bound by its servers or not."""
+    yield
+    release_ports()

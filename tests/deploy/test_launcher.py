@@ -6,13 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve_cli.launcher import free_port
-from tests.services.processes import CLI, ENV, health_status, wait_serving
+from tests.services.processes import CLI, ENV, free_port, free_ports, health_status, wait_serving
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_up_serves_generate_streams_and_sigterm_stops_everything(tiny_model_dir, tmp_path: Path, ranks: int):
-    port, worker_port = free_port(), free_port()  # ranks listen on worker_port + rank
+    port, worker_port = free_port(), free_ports(ranks)[0]  # ranks listen on worker_port + rank
     log = tmp_path / "up.log"
     up = subprocess.Popen(CLI + ["up", "--model", str(tiny_model_dir), "--port", str(port), "--worker-base-port",
                                  str(worker_port), "--tensor-parallel-size", str(ranks), "--device", "cpu",

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from nanoserve_cli.demo_model import fetch_qwen3_tokenizer
-from nanoserve_cli.launcher import free_port
-from tests.services.processes import CLI, ENV
+from tests.services.processes import CLI, ENV, free_port
 
 
 def run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from nanoserve.client import Client
-from nanoserve_cli.launcher import free_port
-from tests.services.processes import CLI, ENV, wait_serving
+from tests.services.processes import CLI, ENV, free_port, wait_serving
 
 PROMPT = [(i * 7919) % 150000 for i in range(1, 20)]
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanoserve_cli.demo_model import QWEN3_8B, build_bench_model
-from nanoserve_cli.launcher import free_port
+from tests.services.processes import free_port
 from tests.worker.worker_steps import StepWriter, generate
 from worker_svc.config import WorkerConfig
 from worker_svc.runner import ModelRunner

@@ -10,7 +10,8 @@ from typing import Iterator
 import grpc
 
 from nanoserve.healthcheck import serving_status
-from nanoserve_cli.launcher import free_port, stop_all as stop  # noqa: F401 (re-exported for the tests)
+from nanoserve.listen import PortReservation
+from nanoserve_cli.launcher import stop_all as stop  # noqa: F401 (re-exported for the tests)
 from nanoserve_cli.launcher import wait_serving as launcher_wait_serving
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,6 +20,36 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(
                                                                  os.environ.get("PYTHONPATH")])),
        "PYTHONUNBUFFERED": "1"}
 CLI = [sys.executable, "-m", "nanoserve_cli"]
+
+
+_reserved: list[PortReservation] = []  # released after each test (tests/conftest.py)
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` consecutive loopback ports (a --worker-base-port and its ranks' after it), held until
+    the test ends: a test picks its ports first and its processes bind them seconds later (a rank
+    may start a minute later), and a port picked then closed was meanwhile anyone's (PortReservation)."""
+    while True:
+        run = [PortReservation()]
+        try:
+            run += [PortReservation(port=run[0].port + i) for i in range(1, count)]
+        except (OSError, OverflowError):  # one after it is taken (or past 65535): another run
+            for held in run:
+                held.release()
+            continue
+        _reserved.extend(run)
+        return [held.port for held in run]
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
+
+
+def release_ports() -> None:
+    """Lets the test's ports go; its servers, bound by now, keep theirs."""
+    for held in _reserved:
+        held.release()
+    _reserved.clear()
 
 
 def start_worker(model_dir: Path, port: int, *flags: str, log: Path) -> subprocess.Popen:
@@ -62,7 +93,7 @@ def running_service(model_dir: Path, log: Path, tensor_parallel_size: int = 1,
                     worker_flags: tuple[str, ...] = (), scheduler_flags: tuple[str, ...] = ()) -> Iterator[dict]:
     """Worker rank(s) and a scheduler; yields {'address', 'procs', 'workers'}."""
     dist = f"127.0.0.1:{free_port()}"
-    ports = [free_port() for _ in range(tensor_parallel_size)]
+    ports = free_ports(tensor_parallel_size)
     workers = [start_worker(model_dir, port, "--rank", str(rank), "--tensor-parallel-size",
                             str(tensor_parallel_size), "--dist-init-addr", dist, *worker_flags, log=log)
                for rank, port in enumerate(ports)]

@@ -15,8 +15,7 @@ import pytest
 import grpc
 
 from nanoserve.client import Client
-from nanoserve_cli.launcher import free_port
-from tests.services.processes import CLI, ENV, wait_serving
+from tests.services.processes import CLI, ENV, free_port, free_ports, wait_serving
 
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds up's workers in /proc")
 
@@ -41,7 +40,9 @@ class Up:
         self.port, self.metrics_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log = log
-        argv = CLI + ["up", "--model", str(model), "--port", str(self.port), "--worker-base-port", str(free_port()),
+        ranks = int(flags[flags.index("--tensor-parallel-size") + 1]) if "--tensor-parallel-size" in flags else 1
+        argv = CLI + ["up", "--model", str(model), "--port", str(self.port), "--worker-base-port",
+                      str(free_ports(ranks)[0]),  # ranks listen on it + rank
                       "--metrics-port", str(self.metrics_port), *UP_FLAGS, *flags]
         self.launcher = subprocess.Popen(argv, env=ENV, stdout=log.open("ab"), stderr=subprocess.STDOUT)
         wait_serving(self.address, [self.launcher], log)
