@@ -34,9 +34,10 @@ MAX_BLOCK_K = 2048
 
 @triton.jit
 def _inverse_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps, BLOCK_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """1 / RMS of s = x (+ residual) from the float32 sum, as the compiled norm takes it. Program 0
-    also stores s, in the model dtype, as the next residual stream: one 2-8 KB row, which would cost
-    every other program a masked store of its own share for nothing."""
+    """1 / RMS of s = x (+ residual), from the unrounded float32 s as the compiled norm takes it.
+    Program 0 also stores s, in the model dtype, as the next residual stream: it holds the whole row
+    here anyway, and 2-8 KB more for one program is noise beside its 8-32 KB of weights, where shares
+    would split K columns over thousands of programs (most with none, on the 0.6B shape)."""
     cols = tl.arange(0, BLOCK_K)
     squares = tl.zeros([BLOCK_K], tl.float32)
     for start in range(0, K, BLOCK_K):
