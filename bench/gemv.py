@@ -4,9 +4,12 @@ holding REPLAYS back-to-back launches, as a decode graph replays them, so launch
 calls cycle through copies of the weight that together exceed the L2 cache four times, so every
 weight comes from memory as in a decode step (the 0.6B matrices alone fit in the H100's 50 MB
 L2). The rate is weight bytes over time. `--sweep` also times every tile shape and warp count (each line:
-the chosen tiles, then the best), to check the heuristic of `tiles`.
+the chosen tiles, then the best), to check the heuristic of `tiles`. `--fused` instead times, at
+the same shapes, the norm (with the residual add) then the q/k/v or gate/up gemv, and the SiLU-and-mul
+then the down gemv, as separate kernels (the compiled functions, as the model runs them without
+nanoserve_model/row_fusion.py) against the gemv with them made in its loads of x.
 
-    PYTHONPATH=.:proto python bench/gemv.py [--sweep] [--out bench/out/gemv.json]
+    PYTHONPATH=.:proto python bench/gemv.py [--sweep | --fused] [--out bench/out/gemv.json]
 """
 import argparse
 import itertools
@@ -16,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from nanoserve_kernels.triton_gemv import gemv, tiles
+from nanoserve_kernels.triton_gemv import gemv, rms_norm_gemv, silu_mul_gemv, tiles
 
 SHAPES = {  # (name, N, K) of one layer's projections: W is [N, K]
     "0.6b": [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072)],
@@ -70,8 +73,15 @@ def sweep(x: torch.Tensor, weights: list[torch.Tensor]) -> dict[tuple[int, int, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true", help="time every tile shape and warp count too")
-    parser.add_argument("--out", type=Path, default=Path("bench/out/gemv.json"))
+    parser.add_argument("--fused", action="store_true", help="time the norm and SiLU-and-mul fusions instead")
+    parser.add_argument("--out", type=Path, help="default bench/out/gemv.json, or gemv_fused.json with --fused")
     args = parser.parse_args()
+    if args.fused:
+        report = compare_fused()
+        out = args.out or Path("bench/out/gemv_fused.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        return
     device = torch.device("cuda")
     rows, report = [], []
     for model, shapes in SHAPES.items():
@@ -97,8 +107,9 @@ def main() -> None:
             rows.append(line)
             del weights
             print(line, flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    out = args.out or Path("bench/out/gemv.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
     print("model layer      N      K  tiles       cuBLAS us  gemv us  cuBLAS TB/s  gemv TB/s"
           + ("  best us (block_n, block_k, warps)" if args.sweep else ""))
     print("\n".join(rows))
@@ -107,6 +118,38 @@ def main() -> None:
                      sum(e["gemv_us"] for e in layer if e["model"] == model)) for model in SHAPES}
     for model, (cublas, ours) in total.items():
         print(f"{model}: one layer's projections {cublas:.1f} us with cuBLAS, {ours:.1f} us with gemv")
+
+
+def compare_fused() -> list[dict]:
+    """Seconds per separate and fused call of each projection with a prologue, per model and layer."""
+    from nanoserve_model.activation import silu_and_mul
+    from nanoserve_model.norm import add_rms_norm
+    report = []
+    print("model layer      N      K  prologue   separate us  fused us  saved us")
+    for model, shapes in SHAPES.items():
+        for name, n, k in (shape for shape in shapes if shape[0] != "o"):
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+            if name == "down":
+                prologue, gate_up = "silu_mul", torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16)
+                separate, fused = (lambda w: gemv(silu_and_mul(gate_up), w)), (lambda w: silu_mul_gemv(gate_up, w))
+            else:
+                prologue = "rms_norm"
+                x, residual = torch.randn(2, 1, k, device="cuda", dtype=torch.bfloat16).unbind(0)
+                norm = (1 + 0.3 * torch.randn(k, device="cuda")).bfloat16()
+                separate, fused = ((lambda w: gemv(add_rms_norm(x, residual, norm, 1e-6)[0], w)),
+                                   (lambda w: rms_norm_gemv(x, residual, norm, 1e-6, w)[0]))
+            weights = weight_copies(w)
+            entry = dict(model=model, layer=name, n=n, k=k, prologue=prologue,
+                         separate_us=time_per_call(separate, weights) * 1e6,
+                         fused_us=time_per_call(fused, weights) * 1e6)
+            report.append(entry)
+            del weights
+            print(f"{model:<5}{name:<8}{n:>7}{k:>7}  {prologue:<9}{entry['separate_us']:>12.2f}"
+                  f"{entry['fused_us']:>10.2f}{entry['separate_us'] - entry['fused_us']:>10.2f}", flush=True)
+    for model in SHAPES:
+        saved = sum(e["separate_us"] - e["fused_us"] for e in report if e["model"] == model)
+        print(f"{model}: {saved:.1f} us saved a layer")
+    return report
 
 
 def triton_pow2(value: int) -> int:

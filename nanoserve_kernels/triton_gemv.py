@@ -1,4 +1,5 @@
-"""The matrix-vector product of batch-1 decode: y [1, N] = x [1, K] @ W [N, K]^T (+ bias).
+"""The matrix-vector product of batch-1 decode: y [1, N] = x [1, K] @ W [N, K]^T (+ bias), optionally
+with the elementwise op before the projection made in its loads of x.
 
 At batch 1 a decode step is a chain of matrix-vector products whose cost is reading each weight
 once. cuBLAS runs them as GEMM tiles (split-K with a reduction pass on some shapes), at 0.7-0.8
@@ -7,10 +8,20 @@ BLOCK_N whole rows of W, loads them BLOCK_K columns at a time, multiplies by x (
 from L2 by every program) and reduces in float32: W is read once, in long contiguous rows, by
 enough programs to keep every multiprocessor streaming, with no second pass. From two rows on,
 cuBLAS's tiles reuse each weight load across the rows and win (bench/gemv.py), so only one takes this path.
+
+A row's RMSNorm (with the residual add) before the q/k/v and gate/up projections, and the SiLU-and-mul
+before the down projection, are otherwise kernels of their own, each a few microseconds at batch 1. Here
+x is made from their inputs in registers ("prologues"), with the float32 math and the rounding to the
+model dtype of the kernels torch.compile makes of nanoserve_model/norm.py and activation.py (their
+libdevice rsqrt and exp; no rounding between fused elementwise ops, Inductor's default), so only x's
+source changes, not the products or their order. The norm's statistics are a float32 sum over the
+row, which every program recomputes (K values from L2); its order is ours, not Inductor's (whose
+block is autotuned), so the inverse RMS may differ from the unfused one in its last bit.
 """
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 MAX_ROWS = 1
 # Two rows of up to 2,048 columns a program, 4 warps: within 4% of the best tile on each projection
@@ -22,21 +33,54 @@ MAX_BLOCK_K = 2048
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr):
+def _inverse_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps, BLOCK_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """1 / RMS of s = x (+ residual), from the unrounded float32 s as the compiled norm takes it.
+    Program 0 also stores s, in the model dtype, as the next residual stream: it holds the whole row
+    here anyway, and 2-8 KB more for one program is noise beside its 8-32 KB of weights, where shares
+    would split K columns over thousands of programs (most with none, on the 0.6B shape)."""
+    cols = tl.arange(0, BLOCK_K)
+    squares = tl.zeros([BLOCK_K], tl.float32)
+    for start in range(0, K, BLOCK_K):
+        ok = start + cols < K
+        s = tl.load(x_ptr + start + cols, mask=ok, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            s += tl.load(residual_ptr + start + cols, mask=ok, other=0.0).to(tl.float32)
+            tl.store(residual_out_ptr + start + cols, s.to(residual_out_ptr.dtype.element_ty),
+                     mask=ok & (tl.program_id(0) == 0))
+        squares += s * s
+    return libdevice.rsqrt(tl.sum(squares, axis=0) / K + eps)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, bias_ptr, y_ptr, N, K, stride_w, eps,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, PROLOGUE: tl.constexpr,
+                 HAS_RESIDUAL: tl.constexpr):
+    """PROLOGUE "none": x as given; "rms_norm": x = norm(x (+ residual)); "silu_mul": x [1, 2K] holds
+    (gate, up) and x = silu(gate) * up."""
+    dtype = y_ptr.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     row_ok = rows < N
+    if PROLOGUE == "rms_norm":
+        inverse_rms = _inverse_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps, BLOCK_K, HAS_RESIDUAL)
     acc = tl.zeros([BLOCK_N], tl.float32)
     for start in range(0, K, BLOCK_K):
         col_ok = start + cols < K
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + start + cols[None, :],
                     mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + start + cols, mask=col_ok, other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        x = tl.load(x_ptr + start + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if PROLOGUE == "rms_norm":
+            if HAS_RESIDUAL:  # normalized from the residual as stored, in the model dtype
+                x = (x + tl.load(residual_ptr + start + cols, mask=col_ok, other=0.0).to(tl.float32)).to(dtype)
+            weight = tl.load(norm_ptr + start + cols, mask=col_ok, other=0.0).to(tl.float32)
+            x = (weight * (x.to(tl.float32) * inverse_rms)).to(dtype).to(tl.float32)
+        if PROLOGUE == "silu_mul":
+            up = tl.load(x_ptr + K + start + cols, mask=col_ok, other=0.0).to(tl.float32)
+            x = (x / (libdevice.exp(-x) + 1.0) * up).to(dtype).to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=row_ok)
+    tl.store(y_ptr + rows, acc.to(dtype), mask=row_ok)
 
 
 def tiles(n: int, k: int) -> tuple[int, int]:
@@ -44,14 +88,41 @@ def tiles(n: int, k: int) -> tuple[int, int]:
     return BLOCK_N, min(triton.next_power_of_2(k), MAX_BLOCK_K)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
-         block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
-    """F.linear(x, weight, bias) for one row x [1, K] (tiles chosen by `tiles` unless given)."""
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int | None = None,
+            block_k: int | None = None, num_warps: int = 4, residual: torch.Tensor | None = None,
+            residual_out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+            prologue: str = "none") -> torch.Tensor:
     n, k = weight.shape
-    assert x.shape == (1, k) and x.stride(1) == 1 and weight.stride(1) == 1
+    assert x.shape == (1, 2 * k if prologue == "silu_mul" else k) and x.stride(1) == 1 and weight.stride(1) == 1
     if block_n is None or block_k is None:
         block_n, block_k = tiles(n, k)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, bias, y, n, k, weight.stride(0), BLOCK_N=block_n,
-                                             BLOCK_K=block_k, HAS_BIAS=bias is not None, num_warps=num_warps)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, residual, residual_out, norm_weight, weight, bias, y, n, k, weight.stride(0), eps, BLOCK_N=block_n,
+        BLOCK_K=block_k, HAS_BIAS=bias is not None, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
+        num_warps=num_warps)
     return y
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
+         block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """F.linear(x, weight, bias) for one row x [1, K] (tiles chosen by `tiles` unless given)."""
+    return _launch(x, weight, bias, block_n, block_k, num_warps)
+
+
+def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                  weight: torch.Tensor, bias: torch.Tensor | None = None, **tile_args
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(F.linear(rms_norm(s), weight, bias), s) for one row, s = x + residual, or x without one."""
+    if residual is None:
+        return _launch(x, weight, bias, norm_weight=norm_weight, eps=eps, prologue="rms_norm", **tile_args), x
+    assert residual.shape == x.shape and residual.stride(1) == 1
+    residual_out = torch.empty_like(x)  # not in place: every program reads the old residual
+    return _launch(x, weight, bias, residual=residual, residual_out=residual_out, norm_weight=norm_weight,
+                   eps=eps, prologue="rms_norm", **tile_args), residual_out
+
+
+def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **tile_args
+                  ) -> torch.Tensor:
+    """F.linear(silu(gate) * up, weight, bias) for one row gate_up [1, 2K] packed as (gate, up)."""
+    return _launch(gate_up, weight, bias, prologue="silu_mul", **tile_args)

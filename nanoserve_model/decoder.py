@@ -1,7 +1,8 @@
 """The decoder-only transformer that Llama, Qwen2, Qwen3 and Mistral share: token embedding; layers of
-GQA attention with rotary and a SiLU-gated MLP, each behind an RMSNorm with the residual add fused in;
-a final norm and a tied or untied LM head. It runs over a flat batch of tokens (all sequences of a
-step packed together) with its attention in the paged KV cache, built from tensor-parallel layers.
+GQA attention with rotary and a SiLU-gated MLP, each behind an RMSNorm with the residual add fused in
+(at batch 1 on CUDA, into the projection after it: nanoserve_model.row_fusion); a final norm and a tied
+or untied LM head. It runs over a flat batch of tokens (all sequences of a step packed together) with
+its attention in the paged KV cache, built from tensor-parallel layers.
 
 A family (one file each, named in nanoserve_model.registry) subclasses DecoderForCausalLM and says only where it
 differs: which projections carry a bias, Qwen3's q/k norms, how its config.json sets a sliding window.
@@ -11,13 +12,13 @@ from typing import Callable
 import torch
 from torch import nn
 
-from nanoserve_model.activation import SiluAndMul
 from nanoserve_model.attention import Attention
 from nanoserve_model.config import ModelConfig
 from nanoserve_model.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve_model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanoserve_model.norm import RMSNorm
 from nanoserve_model.rotary import RotaryEmbedding, rotary_qk
+from nanoserve_model.row_fusion import norm_project, silu_mul_project
 
 
 class DecoderAttention(nn.Module):
@@ -32,9 +33,10 @@ class DecoderAttention(nn.Module):
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Attention from the packed q/k/v projection, which the layer runs (fused with its norm)."""
         head_dim = self.attn.head_dim
-        q, k, v = self.qkv_proj(hidden).split(
+        q, k, v = qkv.split(
             [self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim], dim=-1)
         q, k = self.position(q.view(-1, self.num_heads, head_dim), k.view(-1, self.num_kv_heads, head_dim),
                              positions)
@@ -52,10 +54,10 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias)
-        self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP from its packed gate/up projection, which the layer runs (fused with its norm)."""
+        return silu_mul_project(self.down_proj, gate_up)
 
 
 class DecoderLayer(nn.Module):
@@ -69,13 +71,10 @@ class DecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the block's output and the residual stream it has not yet been added to."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        qkv, residual = norm_project(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
+        hidden = self.self_attn(positions, qkv)
+        gate_up, residual = norm_project(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual)
+        return self.mlp(gate_up), residual
 
 
 class DecoderModel(nn.Module):

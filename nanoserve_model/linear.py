@@ -10,13 +10,21 @@ from torch import nn
 from nanoserve_model.parallel import CheckpointTensor, all_reduce, divide, set_weight_loader, tp_rank, tp_world_size
 
 
+def on_matvec_path(x: torch.Tensor) -> bool:
+    """Whether x [rows, K] is a decode batch of so few rows, on CUDA, that it reads the weight
+    through the matrix-vector kernel, where cuBLAS's GEMM tiles fall well short of the memory rate
+    (bench/gemv.py)."""
+    if not (x.is_cuda and x.dim() == 2 and x.stride(1) == 1):
+        return False
+    from nanoserve_kernels.triton_gemv import MAX_ROWS  # Triton is a GPU requirement only
+    return x.shape[0] <= MAX_ROWS
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; on CUDA, a decode batch of a few rows reads the weight through the matrix-vector
-    kernel, where cuBLAS's GEMM tiles fall well short of the memory rate (bench/gemv.py)."""
-    if x.is_cuda and x.dim() == 2:
-        from nanoserve_kernels.triton_gemv import MAX_ROWS, gemv  # Triton is a GPU requirement only
-        if x.shape[0] <= MAX_ROWS and x.stride(1) == 1:
-            return gemv(x, weight, bias)
+    """F.linear, through the matrix-vector kernel where on_matvec_path(x)."""
+    if on_matvec_path(x):
+        from nanoserve_kernels.triton_gemv import gemv
+        return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -110,5 +118,9 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, 0, param.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(linear(x, self.weight))
+        return self.reduce(linear(x, self.weight))
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """y from this rank's partial product x_rank @ W_rank^T (however it was computed)."""
+        y = all_reduce(partial)
         return y if self.bias is None else y + self.bias

@@ -14,7 +14,7 @@ from nanoserve_kernels import flash_attn_backend, race_sampling, triton_decode  
 from nanoserve_kernels import triton_kv_store, triton_prefill, triton_rotary, triton_sampling  # noqa: E402
 from nanoserve_model import qwen3  # noqa: E402
 from tests.worker.test_triton_kernels import (  # noqa: E402
-    Case, check_decode, check_prefill, check_rotary, check_sampling, check_store, make_paged_batch)
+    Case, check_decode, check_fused_gemv, check_prefill, check_rotary, check_sampling, check_store, make_paged_batch)
 
 BF16 = dict(head_dim=128, dtype=torch.bfloat16)
 STORE_CASES = [Case(new_lens=(700,), context_lens=(1500,), heads=16, kv_heads=8, block_size=256, **BF16),
@@ -187,3 +187,13 @@ def test_gemv_matches_a_float64_product() -> None:
         expected = torch.nn.functional.linear(x.double(), w.double(), bias.double())
         got = gemv(x, w, bias).double()
         assert ((got - expected).norm() / expected.norm()).item() < 5e-3, (n, k)
+
+
+def test_fused_gemv_matches_the_separate_kernels_in_bf16() -> None:
+    """The gemv with the norm or the SiLU-and-mul made in its loads of x against the compiled functions
+    then the gemv, at K of the Qwen3-0.6B and 8B projections behind them (q/k/v and gate/up: 1,024 and
+    4,096; down: 3,072 and 12,288): SiLU-and-mul's x is the compiled one bit for bit, so the product
+    too; the norm's differs in at most 1 in 1,000 elements (by a step, where the inverse RMS's last
+    bit flips a rounding), its product is the gemv of its x bit for bit, its residual the add's."""
+    check_fused_gemv("cuda", torch.bfloat16, ((4096, 1024), (1024, 3072), (6144, 4096), (4096, 12288)),
+                     norm_differ=1e-3, silu_differ=0.0)

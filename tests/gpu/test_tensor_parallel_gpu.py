@@ -36,7 +36,8 @@ def models(tmp_path_factory) -> dict[str, str]:
 
 
 def run_model(model_dir: str, rank: int = 0, world_size: int = 1, kv_cache_dtype: str = "auto") -> dict:
-    """Prefill + decode logits and 16 pipelined greedy tokens, decode steps replayed from graphs."""
+    """Prefill, decode and batch-1 decode (the gemvs with the norm and SiLU-and-mul fused in) logits and
+    16 pipelined greedy tokens, decode steps replayed from graphs."""
     runner = ModelRunner(WorkerConfig(model=model_dir, device="cuda", rank=rank, tensor_parallel_size=world_size,
                                       block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS, max_num_seqs=8,
                                       attention_backend="triton", max_model_len=512, kv_cache_dtype=kv_cache_dtype))
@@ -46,7 +47,8 @@ def run_model(model_dir: str, rank: int = 0, world_size: int = 1, kv_cache_dtype
     prefill = writer.request(*(writer.entry(i, prompt, reset=True) for i, prompt in PROMPTS.items()))
     decode = writer.request(*(writer.entry(i, [NEXT_TOKENS[i]], len(prompt), num_generated=1)
                               for i, prompt in PROMPTS.items()))
-    logits = [runner.step_logits(step) for step in (prefill, decode)]
+    alone = writer.request(writer.entry(1, [NEXT_TOKENS[2]], len(PROMPTS[1]) + 1, num_generated=2))
+    logits = [runner.step_logits(step) for step in (prefill, decode, alone)]
     greedy = generate(runner, StepWriter(BLOCK_SIZE), PROMPTS, 16, {i: {} for i in PROMPTS}, pipelined=True)
     return {"logits": [None if x is None else x.float().cpu() for x in logits], "greedy": greedy}
 
@@ -66,9 +68,9 @@ def test_two_ranks_match_one_rank_with_cuda_graphs(models, tmp_path):
     for dtype, tolerance in (("bfloat16", 3e-2), ("float32", 1e-4), ("fp8", 3e-2)):
         one = run_model(models[VARIANTS[dtype][0]], kv_cache_dtype=VARIANTS[dtype][1])
         two = ranks[0][dtype]
-        for step, ours, reference in zip(("prefill", "decode"), two["logits"], one["logits"]):
+        for step, ours, reference in zip(("prefill", "decode", "batch-1 decode"), two["logits"], one["logits"]):
             error = ((ours - reference).abs().max() / reference.abs().max()).item()
             assert error < tolerance, f"{dtype} {step}: relative error {error:.2e}"
-        assert ranks[1][dtype]["logits"] == [None, None]  # only rank 0 gathers logits
+        assert ranks[1][dtype]["logits"] == [None] * 3  # only rank 0 gathers logits
         if dtype == "float32":
             assert two["greedy"] == one["greedy"]

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from nanoserve.v1 import worker_pb2
 from nanoserve_kernels import flash_attn_backend
+from nanoserve_model import row_fusion
 from nanoserve_cli.demo_model import SHAPE, config_json, random_weights, write_checkpoint
 from tests.worker.worker_steps import StepWriter, generate
 from worker_svc.config import WorkerConfig
@@ -89,10 +90,11 @@ def test_teacher_forced_bf16_logits_close_to_transformers(bf16_model_dir, backen
 
 
 @pytest.mark.parametrize("backend, kv_cache_dtype", GRAPH_CASES)
-@pytest.mark.parametrize("batch_size", [3, 16])
+@pytest.mark.parametrize("batch_size", [1, 3, 16])
 def test_cuda_graph_decode_gives_the_eager_tokens(bf16_model_dir, backend, kv_cache_dtype, batch_size):
     """One runner, so weights and compiled kernels are shared: decode by graph replay, then the
-    same steps eagerly (batch 3 pads to the bucket of 4)."""
+    same steps eagerly (batch 1 through the gemvs with the norm and SiLU-and-mul fused in; batch 3
+    pads to the bucket of 4)."""
     runner = gpu_runner(bf16_model_dir, backend, False, "bfloat16", num_blocks=256 if backend == "triton" else 64,
                         kv_cache_dtype=kv_cache_dtype)
     batch = prompts(batch_size, seed=2)
@@ -100,6 +102,37 @@ def test_cuda_graph_decode_gives_the_eager_tokens(bf16_model_dir, backend, kv_ca
     graphs, runner.graphs = runner.graphs, None
     eager = generate(runner, StepWriter(runner.config.block_size), batch, 32)
     assert graphs is not None and replayed == eager
+
+
+@pytest.mark.parametrize("fused, exact", [({"silu_mul"}, True), ({"rms_norm", "silu_mul"}, False)],
+                         ids=["silu_mul", "rms_norm+silu_mul"])
+def test_batch1_decode_row_fusions_keep_the_logits(bf16_model_dir, monkeypatch, fused, exact):
+    """Batch-1 greedy decode (eager, so the switch holds for every step) with the row fusions and
+    without: SiLU-and-mul alone gives the same logits bit for bit; with the norms too the same tokens
+    and logits within 1e-2 (the norm's float32 sum over the row may round its last bit otherwise,
+    which may flip the rounding of an element of x)."""
+    runner = gpu_runner(bf16_model_dir, "triton", True, "bfloat16")
+    prompt = prompts(1, seed=6)[0]
+
+    def decode() -> tuple[list[int], torch.Tensor]:
+        writer = StepWriter(runner.config.block_size)
+        logits, tokens = [runner.step_logits(writer.request(writer.entry(0, prompt, reset=True)))], []
+        for t in range(24):
+            tokens.append(int(logits[-1].argmax()))
+            logits.append(runner.step_logits(writer.request(
+                writer.entry(0, tokens[-1:], len(prompt) + t, num_generated=t + 1))))
+        runner.step(writer.request(forget=(0,)))
+        return tokens, torch.cat(logits[1:]).float()  # the decode steps' (the prefill has many rows)
+
+    monkeypatch.setattr(row_fusion, "FUSED", fused)
+    tokens, logits = decode()
+    monkeypatch.setattr(row_fusion, "FUSED", set())
+    separate_tokens, separate_logits = decode()
+    assert tokens == separate_tokens
+    if exact:
+        assert torch.equal(logits, separate_logits)
+    else:
+        assert ((logits - separate_logits).norm() / separate_logits.norm()).item() < 1e-2
 
 
 @pytest.mark.parametrize("backend, kv_cache_dtype", GRAPH_CASES)

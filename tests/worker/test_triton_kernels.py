@@ -209,6 +209,15 @@ DECODE_CASES = [
 ]
 
 
+# (N, K) of W: masked row and column tails; several column tiles come from the forced small ones (the
+# identity matrix of a larger K takes the interpreter minutes).
+FUSED_GEMV_SHAPES = ((40, 96), (7, 1000), (33, 70))
+# In the interpreter numpy's float32 sum (in another order) and exp stand in for the CPU's torch
+# kernels: any element of x may be a step apart (float32 rounds nothing of it away), so the bit for
+# bit checks there are the product's and the residual's.
+INTERPRETED_DIFFER = 1.0
+
+
 def check_sampling(race_sample: Callable, device: str) -> None:
     """The race kernel picks the reference's tokens: greedy rows their argmax (the first of tied
     maxima), sampled rows the same noisy argmax, seeded or from a worker's stream (counter top bit
@@ -282,6 +291,55 @@ def check_gemv() -> None:
             assert got.shape == (1, n) and torch.allclose(got.double(), expected, atol=1e-4), (n, k, tiles)
 
 
+def check_fused_gemv(device: str, dtype: torch.dtype, shapes: tuple[tuple[int, int], ...],
+                     norm_differ: float = 0.0, silu_differ: float = 0.0) -> None:
+    """The gemv with the RMSNorm (with or without the residual add) or the SiLU-and-mul made in its
+    loads of x, against the separate functions of nanoserve_model (compiled on CUDA, plain on CPU)
+    then the gemv. The x a prologue makes is read by fusing it into an identity matrix (whose product
+    is x exactly): it may differ from the separate function's output by a few steps of the dtype in
+    at most a `*_differ` share of elements (where the inverse RMS's float32 sum or the exp differ in
+    their last bit); the fused product must equal the gemv of that x bit for bit (only x's source
+    changes, not the sum), and the new residual stream the separate add's. Both close to float64."""
+    from nanoserve_kernels.triton_gemv import gemv, rms_norm_gemv, silu_mul_gemv
+    from nanoserve_model.activation import silu_and_mul
+    from nanoserve_model.norm import add_rms_norm, rms_norm
+    gen = torch.Generator(device).manual_seed(0)
+    for (n, k), tiles in ((shape, t) for shape in shapes for t in ({}, dict(block_n=2, block_k=256))):
+        x, residual, gate_up = (torch.randn(1, size, generator=gen, device=device).to(dtype) for size in (k, k, 2 * k))
+        norm_weight = (1 + 0.3 * torch.randn(k, generator=gen, device=device)).to(dtype)
+        w = (torch.randn(n, k, generator=gen, device=device) / k ** 0.5).to(dtype)
+        bias = torch.randn(n, generator=gen, device=device).to(dtype)
+        eye = torch.eye(k, device=device, dtype=dtype)
+        what = (n, k, tiles)
+        for res in (residual, None):
+            separate, new_residual = add_rms_norm(x, res, norm_weight, 1e-6) if res is not None else (
+                rms_norm(x, norm_weight, 1e-6), x)
+            made, made_residual = rms_norm_gemv(x, res, norm_weight, 1e-6, eye, **tiles)
+            got, got_residual = rms_norm_gemv(x, res, norm_weight, 1e-6, w, bias, **tiles)
+            assert same_bits(got_residual, new_residual) and same_bits(made_residual, new_residual), what
+            assert_nearly_same(made, separate, norm_differ, what)
+            assert same_bits(got, gemv(made, w, bias, **tiles)), what
+            s = x.double() + (0 if res is None else res.double())
+            expected = torch.nn.functional.linear(
+                norm_weight.double() * s * torch.rsqrt(s.pow(2).mean() + 1e-6), w.double(), bias.double())
+            assert relative_error(got, expected) < TOLERANCE[dtype], (what, relative_error(got, expected))
+        made, got = silu_mul_gemv(gate_up, eye, **tiles), silu_mul_gemv(gate_up, w, bias, **tiles)
+        assert_nearly_same(made, silu_and_mul(gate_up), silu_differ, what)
+        assert same_bits(got, gemv(made, w, bias, **tiles)), what
+        gate, up = gate_up.double().chunk(2, dim=-1)
+        expected = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w.double(), bias.double())
+        assert relative_error(got, expected) < TOLERANCE[dtype], (what, relative_error(got, expected))
+
+
+def assert_nearly_same(got: torch.Tensor, expected: torch.Tensor, share: float, what: object) -> None:
+    """Equal but for at most `share` of the elements, which are within a few steps of the dtype (a last
+    bit of the inverse RMS goes through two roundings)."""
+    differ = got != expected
+    assert differ.float().mean().item() <= share, (what, f"{differ.float().mean().item():.2e} of x differs")
+    steps = 4 * torch.finfo(got.dtype).eps * expected.abs().double()
+    assert ((got.double() - expected.double()).abs() <= steps)[differ].all(), what
+
+
 def run_interpreted_cases(kernel: str) -> None:
     """Runs in the child process: TRITON_INTERPRET is already set, so import the kernels now."""
     if kernel == "sampling":
@@ -295,6 +353,7 @@ def run_interpreted_cases(kernel: str) -> None:
         return
     if kernel == "gemv":
         check_gemv()
+        check_fused_gemv("cpu", torch.float32, FUSED_GEMV_SHAPES, INTERPRETED_DIFFER, INTERPRETED_DIFFER)
         return
     from nanoserve_kernels.triton_decode import paged_decode
     from nanoserve_kernels.triton_kv_store import store_kvcache
@@ -361,6 +420,23 @@ def test_kv_kernels_compile_for_hopper_with_an_fp8_cache() -> None:
         assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"], kernel
 
 
+@pytest.mark.parametrize("prologue, residual", [("none", False), ("rms_norm", False), ("rms_norm", True),
+                                               ("silu_mul", False)])
+def test_gemv_kernel_compiles_for_hopper(prologue: str, residual: bool) -> None:
+    """The interpreter stands numpy in for libdevice's rsqrt and exp: the compiler must take them."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nanoserve_kernels import triton_gemv
+    kernel = triton_gemv._gemv_kernel
+    types = {name: "*bf16" for name in ("x_ptr", "residual_ptr", "residual_out_ptr", "norm_ptr", "w_ptr", "bias_ptr",
+                                         "y_ptr")}
+    constexprs = dict(BLOCK_N=2, BLOCK_K=1024, HAS_BIAS=True, PROLOGUE=prologue, HAS_RESIDUAL=residual)
+    source = ASTSource(kernel, _hopper_signature(kernel, {**types, "eps": "fp32"}), constexprs=constexprs)
+    assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+
+
 def _fix_interpreter_for_numpy_2_4() -> None:
     """Triton 3.6's interpreter turns a scalar into a Python int with int(array of shape (1,)),
     which numpy >= 2.4 refuses, so `range(start, end)` over loaded values fails
@@ -375,6 +451,15 @@ def _fix_interpreter_for_numpy_2_4() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _stand_in_for_libdevice() -> None:
+    """The interpreter has no libdevice (its functions return None): tl.math's stand in for the rsqrt
+    and exp of the fused gemv's prologues, looked up per call (the interpreter patches them to numpy
+    only while a kernel runs)."""
+    import triton.language as tl
+    from triton.language.extra import libdevice
+    libdevice.rsqrt, libdevice.exp = (lambda x: tl.math.rsqrt(x)), (lambda x: tl.math.exp(x))
+
+
 @pytest.mark.parametrize("kernel", ["store", "prefill", "decode", "sampling", "rotary", "gemv"])
 def test_triton_kernel_matches_reference_in_interpreter(kernel: str) -> None:
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
@@ -387,4 +472,5 @@ def test_triton_kernel_matches_reference_in_interpreter(kernel: str) -> None:
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
     _fix_interpreter_for_numpy_2_4()
+    _stand_in_for_libdevice()
     run_interpreted_cases(sys.argv[1])
