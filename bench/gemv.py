@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from nanoserve_kernels.triton_gemv import gemv, rms_norm_gemv, silu_mul_gemv, tiles
+from nanoserve_kernels.triton_gemv import gemv, rms_norm_gemv, tiles
 
 SHAPES = {  # (name, N, K) of one layer's projections: W is [N, K]
     "0.6b": [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072)],
@@ -122,22 +122,17 @@ def main() -> None:
 
 def compare_fused() -> list[dict]:
     """Seconds per separate and fused call of each projection with a prologue, per model and layer."""
-    from nanoserve_model.activation import silu_and_mul
     from nanoserve_model.norm import add_rms_norm
     report = []
     print("model layer      N      K  prologue   separate us  fused us  saved us")
     for model, shapes in SHAPES.items():
-        for name, n, k in (shape for shape in shapes if shape[0] != "o"):
+        for name, n, k in (shape for shape in shapes if shape[0] in ("qkv", "gate_up")):
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-            if name == "down":
-                prologue, gate_up = "silu_mul", torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16)
-                separate, fused = (lambda w: gemv(silu_and_mul(gate_up), w)), (lambda w: silu_mul_gemv(gate_up, w))
-            else:
-                prologue = "rms_norm"
-                x, residual = torch.randn(2, 1, k, device="cuda", dtype=torch.bfloat16).unbind(0)
-                norm = (1 + 0.3 * torch.randn(k, device="cuda")).bfloat16()
-                separate, fused = ((lambda w: gemv(add_rms_norm(x, residual, norm, 1e-6)[0], w)),
-                                   (lambda w: rms_norm_gemv(x, residual, norm, 1e-6, w)[0]))
+            prologue = "rms_norm"
+            x, residual = torch.randn(2, 1, k, device="cuda", dtype=torch.bfloat16).unbind(0)
+            norm = (1 + 0.3 * torch.randn(k, device="cuda")).bfloat16()
+            separate, fused = ((lambda w: gemv(add_rms_norm(x, residual, norm, 1e-6)[0], w)),
+                               (lambda w: rms_norm_gemv(x, residual, norm, 1e-6, w)[0]))
             weights = weight_copies(w)
             entry = dict(model=model, layer=name, n=n, k=k, prologue=prologue,
                          separate_us=time_per_call(separate, weights) * 1e6,

@@ -1,5 +1,5 @@
 """The matrix-vector product of batch-1 decode: y [1, N] = x [1, K] @ W [N, K]^T (+ bias), optionally
-with the elementwise op before the projection made in its loads of x.
+with the RMSNorm before the projection made in its loads of x.
 
 At batch 1 a decode step is a chain of matrix-vector products whose cost is reading each weight
 once. cuBLAS runs them as GEMM tiles (split-K with a reduction pass on some shapes), at 0.7-0.8
@@ -9,14 +9,15 @@ from L2 by every program) and reduces in float32: W is read once, in long contig
 enough programs to keep every multiprocessor streaming, with no second pass. From two rows on,
 cuBLAS's tiles reuse each weight load across the rows and win (bench/gemv.py), so only one takes this path.
 
-A row's RMSNorm (with the residual add) before the q/k/v and gate/up projections, and the SiLU-and-mul
-before the down projection, are otherwise kernels of their own, each a few microseconds at batch 1. Here
-x is made from their inputs in registers ("prologues"), with the float32 math and the rounding to the
-model dtype of the kernels torch.compile makes of nanoserve_model/norm.py and activation.py (their
-libdevice rsqrt and exp; no rounding between fused elementwise ops, Inductor's default), so only x's
-source changes, not the products or their order. The norm's statistics are a float32 sum over the
-row, which every program recomputes (K values from L2); its order is ours, not Inductor's (whose
-block is autotuned), so the inverse RMS may differ from the unfused one in its last bit.
+A row's RMSNorm (with the residual add) before the q/k/v and gate/up projections is otherwise a
+kernel of its own, a few microseconds at batch 1. Here x is made from its inputs in registers (the
+"prologue"), with the float32 math and the rounding to the model dtype of the kernel torch.compile
+makes of nanoserve_model/norm.py (libdevice rsqrt; no rounding between fused elementwise ops,
+Inductor's default), so only x's source changes, not the products or their order. The statistics are
+a float32 sum over the row, which every program recomputes (K values from L2); its order is ours, not
+Inductor's (whose block is autotuned), so the inverse RMS may differ from the unfused one in its last
+bit. The same made SiLU-and-mul before the down projection a loss (bench/gemv.py --fused, H100: 8B
+down 47.9 vs 38.7 us separate): every program recomputes an exp per element of a 12,288-wide row.
 """
 import torch
 import triton
@@ -55,8 +56,7 @@ def _inverse_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps, BLOCK_K: tl.cons
 def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, bias_ptr, y_ptr, N, K, stride_w, eps,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, PROLOGUE: tl.constexpr,
                  HAS_RESIDUAL: tl.constexpr):
-    """PROLOGUE "none": x as given; "rms_norm": x = norm(x (+ residual)); "silu_mul": x [1, 2K] holds
-    (gate, up) and x = silu(gate) * up."""
+    """PROLOGUE "none": x as given; "rms_norm": x = norm(x (+ residual))."""
     dtype = y_ptr.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
@@ -74,9 +74,6 @@ def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, bias_pt
                 x = (x + tl.load(residual_ptr + start + cols, mask=col_ok, other=0.0).to(tl.float32)).to(dtype)
             weight = tl.load(norm_ptr + start + cols, mask=col_ok, other=0.0).to(tl.float32)
             x = (weight * (x.to(tl.float32) * inverse_rms)).to(dtype).to(tl.float32)
-        if PROLOGUE == "silu_mul":
-            up = tl.load(x_ptr + K + start + cols, mask=col_ok, other=0.0).to(tl.float32)
-            x = (x / (libdevice.exp(-x) + 1.0) * up).to(dtype).to(tl.float32)
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -93,7 +90,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bl
             residual_out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
             prologue: str = "none") -> torch.Tensor:
     n, k = weight.shape
-    assert x.shape == (1, 2 * k if prologue == "silu_mul" else k) and x.stride(1) == 1 and weight.stride(1) == 1
+    assert x.shape == (1, k) and x.stride(1) == 1 and weight.stride(1) == 1
     if block_n is None or block_k is None:
         block_n, block_k = tiles(n, k)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
@@ -120,9 +117,3 @@ def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     residual_out = torch.empty_like(x)  # not in place: every program reads the old residual
     return _launch(x, weight, bias, residual=residual, residual_out=residual_out, norm_weight=norm_weight,
                    eps=eps, prologue="rms_norm", **tile_args), residual_out
-
-
-def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **tile_args
-                  ) -> torch.Tensor:
-    """F.linear(silu(gate) * up, weight, bias) for one row gate_up [1, 2K] packed as (gate, up)."""
-    return _launch(gate_up, weight, bias, prologue="silu_mul", **tile_args)

@@ -12,13 +12,14 @@ from typing import Callable
 import torch
 from torch import nn
 
+from nanoserve_model.activation import silu_and_mul
 from nanoserve_model.attention import Attention
 from nanoserve_model.config import ModelConfig
 from nanoserve_model.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve_model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanoserve_model.norm import RMSNorm
 from nanoserve_model.rotary import RotaryEmbedding, rotary_qk
-from nanoserve_model.row_fusion import norm_project, silu_mul_project
+from nanoserve_model.row_fusion import norm_project
 
 
 class DecoderAttention(nn.Module):
@@ -57,7 +58,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The MLP from its packed gate/up projection, which the layer runs (fused with its norm)."""
-        return silu_mul_project(self.down_proj, gate_up)
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):

@@ -118,9 +118,5 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, 0, param.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.reduce(linear(x, self.weight))
-
-    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        """y from this rank's partial product x_rank @ W_rank^T (however it was computed)."""
-        y = all_reduce(partial)
+        y = all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
