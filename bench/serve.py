@@ -27,6 +27,7 @@ vLLM's `return_token_ids`), and beside the same requests over gRPC with --compar
     python3 bench/serve.py --model DIR --openai --compare-grpc --request-rates 1 --max-concurrency 1 \
         --num-prompts 50 --input-len 512 512 --output-len 1 1   # batch-1 TTFT: what the gateway adds
     python3 bench/serve.py --openai http://HOST:8000 [--address HOST:PORT]   # a running gateway
+    python3 bench/serve.py --model DIR --openai --api-server-count 4 --compare-grpc ...   # 4 gateway processes
 
 `--openai` alone starts a gateway in front of the scheduler; `--null-worker` serves from a scheduler over
 a worker that computes nothing, so what is measured is the services' own cost (CPU is enough). On the GPU machine, whose image has no HTTP
@@ -286,7 +287,8 @@ async def run_rates(args: argparse.Namespace, target: GrpcTarget | OpenAITarget,
 
 async def benchmark(args: argparse.Namespace, address: str) -> dict:
     apis = ["openai", "grpc"] if args.openai and args.compare_grpc else ["openai" if args.openai else "grpc"]
-    report = {"address": address, "openai": args.openai or None, "num_prompts": args.num_prompts,
+    report = {"address": address, "openai": args.openai or None, "api_server_count": args.api_server_count,
+              "num_prompts": args.num_prompts,
               "workload": dict(input_len=args.input_len, output_len=args.output_len,
                                shared_prefix_len=args.shared_prefix_len),
               "temperature": args.temperature, "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}}
@@ -349,6 +351,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="drive the OpenAI API of a gateway at this URL; alone: start one in front of the scheduler")
     p.add_argument("--null-worker", action="store_true",
                    help="serve with a scheduler over a worker that computes nothing (CPU): the services' own costs")
+    p.add_argument("--api-server-count", type=int, default=1, help="processes of the gateway --openai starts")
     p.add_argument("--compare-grpc", action="store_true",
                    help="with --openai, also run every rate over gRPC on the same server, and compare")
     p.add_argument("--out", default=str(REPO / "bench" / "out" / "serve.json"))
@@ -385,13 +388,13 @@ def started_server(args: argparse.Namespace) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def started_gateway(address: str) -> Iterator[str]:
+def started_gateway(address: str, processes: int = 1) -> Iterator[str]:
     """The OpenAI gateway in front of the scheduler at `address`, as `nanoserve gateway` runs it: its URL."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(REPO / "proto"),
                                                                     os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([sys.executable, "-m", "gateway_svc", "--scheduler", address, "--host", "127.0.0.1",
-                             "--port", str(port), "--log-level", "warning"], env=env)
+                             "--port", str(port), "--log-level", "warning", "--api-server-count", str(processes)], env=env)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_http_ok(url + "/health", [proc], timeout=120)
@@ -405,7 +408,7 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.ExitStack() as running:
         address = args.address or running.enter_context(started_server(args))
         if args.openai == "start":
-            args.openai = running.enter_context(started_gateway(address))
+            args.openai = running.enter_context(started_gateway(address, args.api_server_count))
         elif args.openai:
             wait_http_ok(args.openai + "/health", [], timeout=120)
         print_header()

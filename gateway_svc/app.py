@@ -10,11 +10,11 @@ from typing import TypeVar
 import grpc
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from gateway_svc import generation
 from gateway_svc.errors import OpenAIError, bad_request, install_handlers
-from gateway_svc.http_metrics import HTTPMetrics
+from gateway_svc.http_metrics import HTTPMetrics, exposition
 from gateway_svc.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from gateway_svc.responses import Echo, Reply
 from gateway_svc.scheduler_client import SchedulerClient, check_model, model_names
@@ -132,7 +132,7 @@ def create_app(config: GatewayConfig) -> HTTPMetrics:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(exposition(registry), media_type=CONTENT_TYPE_LATEST)
 
     paths = {route.path for route in app.routes}
     return HTTPMetrics(app, registry, paths)

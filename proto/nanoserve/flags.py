@@ -191,6 +191,11 @@ FLAGS = (
          "name", ("gateway", "up")),
     Flag("--log-level", "info", "the gateway's log level (uvicorn's included)", ("gateway",),
          ("critical", "error", "warning", "info", "debug")),
+    # One Python event loop turns every streamed message into an event: past ~15k streamed tokens/s it is
+    # the ceiling. vLLM's default: a process costs ~100 MB and a core under load, and `up` shares the host.
+    Flag("--api-server-count", 1, "gateway processes serving the HTTP port, each with its own event loop and "
+         "scheduler connection (the port is bound once and shared; /metrics adds up theirs)", ("gateway", "up"),
+         limits=(1, 64)),
     # the local launcher
     Flag("--host", "127.0.0.1", "address the scheduler listens on", ("up",)),
     Flag("--worker-base-port", WORKER_PORT, "rank r listens on this port + r", ("up",), limits=PORTS),

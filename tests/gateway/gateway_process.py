@@ -11,9 +11,9 @@ import httpx
 from tests.services.processes import ENV, free_port, stop
 
 
-def start_gateway(scheduler: str, port: int, *flags: str, log: Path) -> subprocess.Popen:
+def start_gateway(scheduler: str, port: int, *flags: str, log: Path, env: dict[str, str] = ENV) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "gateway_svc", "--scheduler", scheduler, "--host", "127.0.0.1",
-                             "--port", str(port), *flags], env=ENV, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+                             "--port", str(port), *flags], env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
 
 
 def wait_listening(url: str, proc: subprocess.Popen, log: Path, timeout: float = 60) -> None:

@@ -30,11 +30,12 @@ def wait_for_line(log: Path, text: str, proc: subprocess.Popen, timeout: float =
 
 
 def test_up_with_openai_port_serves_the_openai_client_and_stops_it_with_the_rest(tiny_model_dir, tmp_path):
+    """With two gateway processes: up stops them both."""
     port, worker_port, http_port = free_port(), free_port(), free_port()
     log = tmp_path / "up.log"
     up = subprocess.Popen(CLI + ["up", "--model", str(tiny_model_dir), "--port", str(port), "--worker-base-port",
                                  str(worker_port), "--device", "cpu", "--block-size", "16",
-                                 "--openai-port", str(http_port)],
+                                 "--openai-port", str(http_port), "--api-server-count", "2"],
                           env=ENV, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     address, url = f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}"
     try:
@@ -100,10 +101,11 @@ def test_up_hands_the_gateway_its_flags_and_the_scheduler_it_starts(monkeypatch,
     for f in flags.FLAGS:
         monkeypatch.delenv(f.env, raising=False)
     up = build_parser().parse_args(["up", "--host", "127.0.0.2", "--port", "6000", "--openai-port", "6001",
-                                    "--tokenizer", str(tmp_path), "--served-model-name", "tiny"])
+                                    "--tokenizer", str(tmp_path), "--served-model-name", "tiny",
+                                    "--api-server-count", "3"])
     command = launcher.gateway_command(up)
     assert command[:3] == [sys.executable, "-m", "gateway_svc"]
     args = flags.parse("gateway", command[3:])
     assert (args.scheduler, args.host, args.port) == ("127.0.0.2:6000", "127.0.0.2", 6001)
-    assert args.served_model_name == "tiny"  # the tokenizer is the scheduler's alone (Chat, Tokenize, Detokenize)
-    assert {f.dest for f in flags.shared("up", "gateway")} == {"served_model_name"}
+    assert (args.served_model_name, args.api_server_count) == ("tiny", 3)  # the tokenizer is the scheduler's alone (Chat, Tokenize, Detokenize)
+    assert {f.dest for f in flags.shared("up", "gateway")} == {"served_model_name", "api_server_count"}
