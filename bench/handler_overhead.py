@@ -18,7 +18,7 @@ class FakeScheduler:
     num_waiting = 0
 
 class FakeEngine:
-    healthy = True
+    healthy = accepts_requests = True
     def __init__(self):
         self.scheduler, self.metrics, self.streams, self.next = FakeScheduler(), SchedulerMetrics(), [], 0
     def new_seq_id(self):
