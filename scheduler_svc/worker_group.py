@@ -177,11 +177,14 @@ class WorkerGroup:
                 raise WorkerUnavailable(f"{self.name(rank)} failed step {step_id}: {reply.error}")
         return reads[0].result()
 
-    async def ping(self) -> None:
-        """Raises WorkerUnavailable when a rank no longer answers (checked while idle)."""
+    async def ping(self, timeout: float = 10.0) -> None:
+        """Raises WorkerUnavailable when a rank no longer answers (checked while idle). A dead rank
+        fails at once (its connection is refused); the timeout only bounds a rank that is connected
+        but silent, and is generous: on a loaded machine an idle worker can take seconds to be
+        scheduled, and a 2 s bound sent healthy groups through recovery."""
         for rank, stub in enumerate(self.stubs):
             try:
-                await stub.Describe(worker_pb2.DescribeRequest(), timeout=2, metadata=self.metadata)
+                await stub.Describe(worker_pb2.DescribeRequest(), timeout=timeout, metadata=self.metadata)
             except grpc.aio.AioRpcError as err:
                 raise WorkerUnavailable(f"{self.name(rank)} is unavailable: {err.code().name}") from err
 

@@ -4,6 +4,7 @@ groups fail in a row without completing a step (a crash loop), and serves on whe
 fixed. The scheduler is a real process on loopback; the worker a servicer in this process."""
 import contextlib
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 from typing import Iterator
@@ -29,8 +30,10 @@ class FlakyWorker(worker_pb2_grpc.WorkerServicer):
         self.failures = failures
         self.failed = 0
         self.lock = threading.Lock()
+        self.describe_delay = 0.0  # seconds each Describe (the scheduler's idle ping) takes
 
     def Describe(self, request, context):
+        time.sleep(self.describe_delay)
         return self.info
 
     def AllocateKVCache(self, request, context):
@@ -94,3 +97,16 @@ def test_a_worker_failing_a_few_steps_in_a_row_completes_the_request(tiny_model_
     assert list(done.token_ids) == [5] * 8
     text = log.read_text()
     assert text.count("worker group back after") == text.count("worker group failed") == MAX_FAILURES_IN_A_ROW - 1
+
+
+def test_a_slow_idle_ping_is_not_a_failure(tiny_model_dir, tmp_path: Path):
+    """A worker that takes 3 s to answer the idle scheduler's ping (a loaded machine) is slow, not
+    failed: no recovery, and the next request is served."""
+    log = tmp_path / "scheduler.log"
+    with flaky_service(Path(tiny_model_dir), log, failures=0) as (worker, address), Client(address) as client:
+        worker.describe_delay = 3.0
+        time.sleep(5.5)  # idle: pinged every 2 s, each ping answered after 3 s
+        worker.describe_delay = 0.0
+        done = client.generate([1, 2, 3], max_tokens=4, temperature=0, ignore_eos=True, timeout=60)
+    assert list(done.token_ids) == [5] * 4
+    assert "worker group failed" not in log.read_text()
