@@ -36,8 +36,8 @@ def models(tmp_path_factory) -> dict[str, str]:
 
 
 def run_model(model_dir: str, rank: int = 0, world_size: int = 1, kv_cache_dtype: str = "auto") -> dict:
-    """Prefill, decode and batch-1 decode (the gemvs with the norm and SiLU-and-mul fused in) logits and
-    16 pipelined greedy tokens, decode steps replayed from graphs."""
+    """Prefill, decode and batch-1 decode (the gemvs with the norm fused in) logits and 16 pipelined
+    greedy tokens, decode steps replayed from graphs."""
     runner = ModelRunner(WorkerConfig(model=model_dir, device="cuda", rank=rank, tensor_parallel_size=world_size,
                                       block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS, max_num_seqs=8,
                                       attention_backend="triton", max_model_len=512, kv_cache_dtype=kv_cache_dtype))

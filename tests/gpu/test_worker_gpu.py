@@ -93,8 +93,8 @@ def test_teacher_forced_bf16_logits_close_to_transformers(bf16_model_dir, backen
 @pytest.mark.parametrize("batch_size", [1, 3, 16])
 def test_cuda_graph_decode_gives_the_eager_tokens(bf16_model_dir, backend, kv_cache_dtype, batch_size):
     """One runner, so weights and compiled kernels are shared: decode by graph replay, then the
-    same steps eagerly (batch 1 through the gemvs with the norm and SiLU-and-mul fused in; batch 3
-    pads to the bucket of 4)."""
+    same steps eagerly (batch 1 through the gemvs with the norm fused in; batch 3 pads to the bucket
+    of 4)."""
     runner = gpu_runner(bf16_model_dir, backend, False, "bfloat16", num_blocks=256 if backend == "triton" else 64,
                         kv_cache_dtype=kv_cache_dtype)
     batch = prompts(batch_size, seed=2)
