@@ -121,18 +121,25 @@ def main() -> None:
 
 
 def compare_fused() -> list[dict]:
-    """Seconds per separate and fused call of each projection with a prologue, per model and layer."""
+    """Microseconds per separate and fused call of each projection with a fusion, per model and layer:
+    the norm before q/k/v and gate/up, then the SiLU-and-mul after gate/up (on top of the norm)."""
+    from nanoserve_model.activation import silu_and_mul
     from nanoserve_model.norm import add_rms_norm
     report = []
-    print("model layer      N      K  prologue   separate us  fused us  saved us")
+    print("model layer      N      K  fusion     separate us  fused us  saved us")
+    cases = (("qkv", "rms_norm"), ("gate_up", "rms_norm"), ("gate_up", "silu_mul"))
     for model, shapes in SHAPES.items():
-        for name, n, k in (shape for shape in shapes if shape[0] in ("qkv", "gate_up")):
+        for (name, n, k), prologue in ((shape, fusion) for case, fusion in cases for shape in shapes
+                                       if shape[0] == case):
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-            prologue = "rms_norm"
             x, residual = torch.randn(2, 1, k, device="cuda", dtype=torch.bfloat16).unbind(0)
             norm = (1 + 0.3 * torch.randn(k, device="cuda")).bfloat16()
-            separate, fused = ((lambda w: gemv(add_rms_norm(x, residual, norm, 1e-6)[0], w)),
-                               (lambda w: rms_norm_gemv(x, residual, norm, 1e-6, w)[0]))
+            if prologue == "rms_norm":
+                separate, fused = ((lambda w: gemv(add_rms_norm(x, residual, norm, 1e-6)[0], w)),
+                                   (lambda w: rms_norm_gemv(x, residual, norm, 1e-6, w)[0]))
+            else:
+                separate, fused = ((lambda w: silu_and_mul(rms_norm_gemv(x, residual, norm, 1e-6, w)[0])),
+                                   (lambda w: rms_norm_gemv(x, residual, norm, 1e-6, w, silu_mul=True)[0]))
             weights = weight_copies(w)
             entry = dict(model=model, layer=name, n=n, k=k, prologue=prologue,
                          separate_us=time_per_call(separate, weights) * 1e6,

@@ -16,8 +16,10 @@ makes of nanoserve_model/norm.py (libdevice rsqrt; no rounding between fused ele
 Inductor's default), so only x's source changes, not the products or their order. The statistics are
 a float32 sum over the row, which every program recomputes (K values from L2); its order is ours, not
 Inductor's (whose block is autotuned), so the inverse RMS may differ from the unfused one in its last
-bit. The same made SiLU-and-mul before the down projection a loss (bench/gemv.py --fused, H100: 8B
-down 47.9 vs 38.7 us separate): every program recomputes an exp per element of a 12,288-wide row.
+bit. The SiLU-and-mul between gate/up and down is made in the gate/up gemv's output instead (each
+program takes gate rows and the matching up rows, "SILU_MUL"): made in the down gemv's loads it was a
+loss (bench/gemv.py --fused, H100: 8B down 47.9 vs 38.7 us separate), every program recomputing an
+exp per element of a 12,288-wide row.
 """
 import torch
 import triton
@@ -55,8 +57,10 @@ def _inverse_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps, BLOCK_K: tl.cons
 @triton.jit
 def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, bias_ptr, y_ptr, N, K, stride_w, eps,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, PROLOGUE: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr):
-    """PROLOGUE "none": x as given; "rms_norm": x = norm(x (+ residual))."""
+                 HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr):
+    """PROLOGUE "none": x as given; "rms_norm": x = norm(x (+ residual)). SILU_MUL: W holds N gate
+    rows then N up rows, and y = silu(gate) * up of the products, each rounded to the model dtype
+    first as the unfused projection's output is."""
     dtype = y_ptr.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
@@ -64,6 +68,7 @@ def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, bias_pt
     if PROLOGUE == "rms_norm":
         inverse_rms = _inverse_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps, BLOCK_K, HAS_RESIDUAL)
     acc = tl.zeros([BLOCK_N], tl.float32)
+    up_acc = tl.zeros([BLOCK_N], tl.float32)
     for start in range(0, K, BLOCK_K):
         col_ok = start + cols < K
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + start + cols[None, :],
@@ -75,8 +80,17 @@ def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, bias_pt
             weight = tl.load(norm_ptr + start + cols, mask=col_ok, other=0.0).to(tl.float32)
             x = (weight * (x.to(tl.float32) * inverse_rms)).to(dtype).to(tl.float32)
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if SILU_MUL:
+            w_up = tl.load(w_ptr + (rows + N)[:, None].to(tl.int64) * stride_w + start + cols[None, :],
+                           mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+            up_acc += tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        if SILU_MUL:
+            up_acc += tl.load(bias_ptr + N + rows, mask=row_ok, other=0.0).to(tl.float32)
+    if SILU_MUL:  # as the compiled silu_and_mul: float32 from the rounded products, one rounding
+        gate = acc.to(dtype).to(tl.float32)
+        acc = gate / (libdevice.exp(-gate) + 1.0) * up_acc.to(dtype).to(tl.float32)
     tl.store(y_ptr + rows, acc.to(dtype), mask=row_ok)
 
 
@@ -88,16 +102,19 @@ def tiles(n: int, k: int) -> tuple[int, int]:
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int | None = None,
             block_k: int | None = None, num_warps: int = 4, residual: torch.Tensor | None = None,
             residual_out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-            prologue: str = "none") -> torch.Tensor:
+            prologue: str = "none", silu_mul: bool = False) -> torch.Tensor:
     n, k = weight.shape
     assert x.shape == (1, k) and x.stride(1) == 1 and weight.stride(1) == 1
     if block_n is None or block_k is None:
         block_n, block_k = tiles(n, k)
+    if silu_mul:  # gate rows, then as many up rows
+        assert n % 2 == 0
+        n //= 2
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual, residual_out, norm_weight, weight, bias, y, n, k, weight.stride(0), eps, BLOCK_N=block_n,
         BLOCK_K=block_k, HAS_BIAS=bias is not None, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
-        num_warps=num_warps)
+        SILU_MUL=silu_mul, num_warps=num_warps)
     return y
 
 
@@ -108,12 +125,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                  weight: torch.Tensor, bias: torch.Tensor | None = None, **tile_args
+                  weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False, **tile_args
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(F.linear(rms_norm(s), weight, bias), s) for one row, s = x + residual, or x without one."""
+    """(F.linear(rms_norm(s), weight, bias), s) for one row, s = x + residual, or x without one; with
+    `silu_mul`, silu(gate) * up of that product packed as (gate, up) instead."""
     if residual is None:
-        return _launch(x, weight, bias, norm_weight=norm_weight, eps=eps, prologue="rms_norm", **tile_args), x
+        return _launch(x, weight, bias, norm_weight=norm_weight, eps=eps, prologue="rms_norm", silu_mul=silu_mul,
+                       **tile_args), x
     assert residual.shape == x.shape and residual.stride(1) == 1
     residual_out = torch.empty_like(x)  # not in place: every program reads the old residual
     return _launch(x, weight, bias, residual=residual, residual_out=residual_out, norm_weight=norm_weight,
-                   eps=eps, prologue="rms_norm", **tile_args), residual_out
+                   eps=eps, prologue="rms_norm", silu_mul=silu_mul, **tile_args), residual_out

@@ -12,14 +12,13 @@ from typing import Callable
 import torch
 from torch import nn
 
-from nanoserve_model.activation import silu_and_mul
 from nanoserve_model.attention import Attention
 from nanoserve_model.config import ModelConfig
 from nanoserve_model.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve_model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanoserve_model.norm import RMSNorm
 from nanoserve_model.rotary import RotaryEmbedding, rotary_qk
-from nanoserve_model.row_fusion import norm_project
+from nanoserve_model.row_fusion import norm_project, norm_project_silu_mul
 
 
 class DecoderAttention(nn.Module):
@@ -56,9 +55,9 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias)
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The MLP from its packed gate/up projection, which the layer runs (fused with its norm)."""
-        return self.down_proj(silu_and_mul(gate_up))
+    def forward(self, activation: torch.Tensor) -> torch.Tensor:
+        """The MLP from silu(gate) * up, which the layer makes (fused with its norm and projection)."""
+        return self.down_proj(activation)
 
 
 class DecoderLayer(nn.Module):
@@ -74,8 +73,9 @@ class DecoderLayer(nn.Module):
         """Returns the block's output and the residual stream it has not yet been added to."""
         qkv, residual = norm_project(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
         hidden = self.self_attn(positions, qkv)
-        gate_up, residual = norm_project(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual)
-        return self.mlp(gate_up), residual
+        activation, residual = norm_project_silu_mul(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden,
+                                                     residual)
+        return self.mlp(activation), residual
 
 
 class DecoderModel(nn.Module):

@@ -1,14 +1,16 @@
 """Batch-1 decode: the RMSNorm before the q/k/v and gate/up projections is made in the matrix-vector
-kernel's loads of x (nanoserve_kernels/triton_gemv.py) instead of in a kernel of its own: two fewer
-launches per layer where a step is ~10 small kernels per layer. Larger batches and the CPU run the
-separate modules, as does any step where FUSED lacks the prologue."""
+kernel's loads of x (nanoserve_kernels/triton_gemv.py), and the SiLU-and-mul after gate/up in its
+output, instead of in kernels of their own: three fewer launches per layer where a step is ~10 small
+kernels per layer. Larger batches and the CPU run the separate modules, as does any step where
+FUSED lacks the fusion."""
 import torch
 
+from nanoserve_model.activation import silu_and_mul
 from nanoserve_model.linear import ColumnParallelLinear, on_matvec_path
 from nanoserve_model.norm import RMSNorm
 
-# The prologues in use; tests take them out to compare with the separate kernels.
-FUSED = {"rms_norm"}
+# The fusions in use; tests take them out to compare with the separate kernels.
+FUSED = {"rms_norm", "silu_mul"}
 
 
 def norm_project(norm: RMSNorm, proj: ColumnParallelLinear, hidden: torch.Tensor, residual: torch.Tensor | None
@@ -22,3 +24,13 @@ def norm_project(norm: RMSNorm, proj: ColumnParallelLinear, hidden: torch.Tensor
         return proj(norm(hidden)), hidden
     hidden, residual = norm(hidden, residual)
     return proj(hidden), residual
+
+
+def norm_project_silu_mul(norm: RMSNorm, proj: ColumnParallelLinear, hidden: torch.Tensor,
+                          residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(gate) * up of proj(norm(hidden + residual)) packed as (gate, up), hidden + residual)."""
+    if {"rms_norm", "silu_mul"} <= FUSED and on_matvec_path(hidden):
+        from nanoserve_kernels.triton_gemv import rms_norm_gemv
+        return rms_norm_gemv(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias, silu_mul=True)
+    gate_up, residual = norm_project(norm, proj, hidden, residual)
+    return silu_and_mul(gate_up), residual

@@ -105,9 +105,10 @@ def test_cuda_graph_decode_gives_the_eager_tokens(bf16_model_dir, backend, kv_ca
 
 
 def test_batch1_decode_row_fusions_keep_the_logits(bf16_model_dir, monkeypatch):
-    """Batch-1 greedy decode (eager, so the switch holds for every step) with the norms fused into
-    the projections and without: the same tokens and logits within 1e-2 (the norm's float32 sum over
-    the row may round its last bit otherwise, which may flip the rounding of an element of x)."""
+    """Batch-1 greedy decode (eager, so the switch holds for every step) with the norms and the
+    SiLU-and-mul fused into the projections and without: the same tokens and logits within 1e-2 (the
+    norm's float32 sum over the row may round its last bit otherwise, which may flip the rounding of
+    an element of x)."""
     runner = gpu_runner(bf16_model_dir, "triton", True, "bfloat16")
     prompt = prompts(1, seed=6)[0]
 
@@ -121,7 +122,7 @@ def test_batch1_decode_row_fusions_keep_the_logits(bf16_model_dir, monkeypatch):
         runner.step(writer.request(forget=(0,)))
         return tokens, torch.cat(logits[1:]).float()  # the decode steps' (the prefill has many rows)
 
-    monkeypatch.setattr(row_fusion, "FUSED", {"rms_norm"})
+    monkeypatch.setattr(row_fusion, "FUSED", {"rms_norm", "silu_mul"})
     tokens, logits = decode()
     monkeypatch.setattr(row_fusion, "FUSED", set())
     separate_tokens, separate_logits = decode()

@@ -292,15 +292,18 @@ def check_gemv() -> None:
 
 
 def check_fused_gemv(device: str, dtype: torch.dtype, shapes: tuple[tuple[int, int], ...],
-                     norm_differ: float = 0.0) -> None:
+                     norm_differ: float = 0.0, silu_differ: float = 0.0) -> None:
     """The gemv with the RMSNorm (with or without the residual add) made in its loads of x, against
     the separate functions of nanoserve_model (compiled on CUDA, plain on CPU) then the gemv. The x
     the prologue makes is read by fusing it into an identity matrix (whose product is x exactly): it
     may differ from the separate norm's output by a few steps of the dtype in at most a
     `norm_differ` share of elements (where the inverse RMS's float32 sum differs in its last bit);
     the fused product must equal the gemv of that x bit for bit (only x's source changes, not the
-    sum), and the new residual stream the separate add's. Both close to float64."""
+    sum), and the new residual stream the separate add's. Both close to float64. With the SiLU-and-mul
+    epilogue (W of gate rows then up rows), the output against the separate silu_and_mul of the fused
+    projection: equal but in at most a `silu_differ` share of elements (the exp's last bit)."""
     from nanoserve_kernels.triton_gemv import gemv, rms_norm_gemv
+    from nanoserve_model.activation import silu_and_mul
     from nanoserve_model.norm import add_rms_norm, rms_norm
     gen = torch.Generator(device).manual_seed(0)
     for (n, k), tiles in ((shape, t) for shape in shapes for t in ({}, dict(block_n=2, block_k=256))):
@@ -322,6 +325,12 @@ def check_fused_gemv(device: str, dtype: torch.dtype, shapes: tuple[tuple[int, i
             expected = torch.nn.functional.linear(
                 norm_weight.double() * s * torch.rsqrt(s.pow(2).mean() + 1e-6), w.double(), bias.double())
             assert relative_error(got, expected) < TOLERANCE[dtype], (what, relative_error(got, expected))
+            w2 = torch.cat([w, w.flip(0)])  # (gate, up)
+            bias2 = torch.cat([bias, bias.flip(0)])
+            activation, act_residual = rms_norm_gemv(x, res, norm_weight, 1e-6, w2, bias2, silu_mul=True, **tiles)
+            gate_up = rms_norm_gemv(x, res, norm_weight, 1e-6, w2, bias2, **tiles)[0]
+            assert same_bits(act_residual, new_residual), what
+            assert_nearly_same(activation, silu_and_mul(gate_up), silu_differ, what)
 
 
 def assert_nearly_same(got: torch.Tensor, expected: torch.Tensor, share: float, what: object) -> None:
@@ -346,7 +355,7 @@ def run_interpreted_cases(kernel: str) -> None:
         return
     if kernel == "gemv":
         check_gemv()
-        check_fused_gemv("cpu", torch.float32, FUSED_GEMV_SHAPES, INTERPRETED_DIFFER)
+        check_fused_gemv("cpu", torch.float32, FUSED_GEMV_SHAPES, INTERPRETED_DIFFER, INTERPRETED_DIFFER)
         return
     from nanoserve_kernels.triton_decode import paged_decode
     from nanoserve_kernels.triton_kv_store import store_kvcache
@@ -413,9 +422,10 @@ def test_kv_kernels_compile_for_hopper_with_an_fp8_cache() -> None:
         assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"], kernel
 
 
-@pytest.mark.parametrize("prologue, residual", [("none", False), ("rms_norm", False), ("rms_norm", True)])
-def test_gemv_kernel_compiles_for_hopper(prologue: str, residual: bool) -> None:
-    """The interpreter stands numpy in for libdevice's rsqrt: the compiler must take it."""
+@pytest.mark.parametrize("prologue, residual, silu_mul", [("none", False, False), ("rms_norm", False, False),
+                                                         ("rms_norm", True, False), ("rms_norm", True, True)])
+def test_gemv_kernel_compiles_for_hopper(prologue: str, residual: bool, silu_mul: bool) -> None:
+    """The interpreter stands numpy in for libdevice's rsqrt and exp: the compiler must take them."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -424,7 +434,8 @@ def test_gemv_kernel_compiles_for_hopper(prologue: str, residual: bool) -> None:
     kernel = triton_gemv._gemv_kernel
     types = {name: "*bf16" for name in ("x_ptr", "residual_ptr", "residual_out_ptr", "norm_ptr", "w_ptr", "bias_ptr",
                                          "y_ptr")}
-    constexprs = dict(BLOCK_N=2, BLOCK_K=1024, HAS_BIAS=True, PROLOGUE=prologue, HAS_RESIDUAL=residual)
+    constexprs = dict(BLOCK_N=2, BLOCK_K=1024, HAS_BIAS=True, PROLOGUE=prologue, HAS_RESIDUAL=residual,
+                      SILU_MUL=silu_mul)
     source = ASTSource(kernel, _hopper_signature(kernel, {**types, "eps": "fp32"}), constexprs=constexprs)
     assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 
@@ -444,12 +455,12 @@ def _fix_interpreter_for_numpy_2_4() -> None:
 
 
 def _stand_in_for_libdevice() -> None:
-    """The interpreter has no libdevice (its functions return None): tl.math's stands in for the rsqrt
-    of the fused gemv's prologue, looked up per call (the interpreter patches it to numpy only while a
-    kernel runs)."""
+    """The interpreter has no libdevice (its functions return None): tl.math's stand in for the rsqrt
+    of the fused gemv's prologue and the exp of its epilogue, looked up per call (the interpreter
+    patches them to numpy only while a kernel runs)."""
     import triton.language as tl
     from triton.language.extra import libdevice
-    libdevice.rsqrt = lambda x: tl.math.rsqrt(x)
+    libdevice.rsqrt, libdevice.exp = (lambda x: tl.math.rsqrt(x)), (lambda x: tl.math.exp(x))
 
 
 @pytest.mark.parametrize("kernel", ["store", "prefill", "decode", "sampling", "rotary", "gemv"])
