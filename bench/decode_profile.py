@@ -4,10 +4,12 @@ the step time when each step is launched before the previous one is read back, a
 pipelined worker runs them, and the host time a launch takes (StepResponse.host_seconds).
 
     python3 bench/decode_profile.py [--batch 256] [--context 1024] [--attention-backend triton]
-        [--model DIR --load-format dummy]
+        [--model DIR --load-format dummy] [--host-profile]
 """
 import argparse
+import cProfile
 import json
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -62,6 +64,8 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--temperature", type=float, default=0.6, help="0: greedy")
     p.add_argument("--load-format", default="auto", help="dummy: random weights for a config-only directory")
+    p.add_argument("--host-profile", action="store_true",
+                   help="also print the host functions that take the most time in pipelined launches (cProfile)")
     args = p.parse_args()
     if not (Path(args.model) / "config.json").exists():
         build_bench_model(Path(args.model))
@@ -103,6 +107,10 @@ def main() -> None:
         runner.step(step)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+    if args.host_profile:
+        host = cProfile.Profile()
+        host.runcall(pipelined, runner, step, 200)
+        pstats.Stats(host).sort_stats("tottime").print_stats(25)
     result.update(batch=args.batch, context=args.context, backend=runner.backend.name)
     print(json.dumps(result, indent=2))
 

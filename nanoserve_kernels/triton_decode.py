@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve_kernels.pdl import pdl_launch, wait_for_previous_kernel
 from nanoserve_kernels.triton_prefill import LOG2_E, attend_block, dot_precision, scale_block_stride
 
 # Key tile and pipelining (bench/NOTES-kernels.md); an FP8 cache's rows are half the bytes, so its
@@ -39,7 +40,8 @@ def _decode_kernel(q_ptr, k_cache, v_cache, k_scale, v_scale, context_lens, bloc
                    stride_o_head, stride_slot, stride_scale_block, stride_table, GROUP: tl.constexpr,
                    GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-                   QUANTIZED: tl.constexpr):
+                   QUANTIZED: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)  # before the early return: a kernel must not end before its predecessor
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -80,7 +82,8 @@ def _decode_kernel(q_ptr, k_cache, v_cache, k_scale, v_scale, context_lens, bloc
 
 @triton.jit(do_not_specialize_on_alignment=["context_lens"])
 def _merge_kernel(context_lens, part_out, part_max, part_sum, out_ptr, stride_o_seq, stride_o_head,
-                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     length = tl.load(context_lens + seq)
@@ -133,9 +136,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         scale * LOG2_E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(1), scale_block_stride(k_scale, v_scale), block_tables.stride(0), GROUP=group,
         GROUP_PAD=group_pad, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, SPLITS=splits,
-        PRECISION=dot_precision(q.dtype), QUANTIZED=k_scale is not None, **launch)
+        PRECISION=dot_precision(q.dtype), QUANTIZED=k_scale is not None, **launch,
+        **pdl_launch(q.device))
     if splits > 1:
         _merge_kernel[(num_seqs, heads)](
             context_lens, part_out, part_max, part_sum, out, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_N=launch["BLOCK_N"], SPLITS=splits)
+            HEAD_DIM=head_dim, BLOCK_N=launch["BLOCK_N"], SPLITS=splits, **pdl_launch(q.device))
     return out

@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from nanoserve_kernels.pdl import pdl_launch, wait_for_previous_kernel
+
 MAX_ROWS = 1
 # Two rows of up to 2,048 columns a program, 4 warps: within 4% of the best tile on each projection
 # of the 0.6B and 8B shapes but the 0.6B down projection (9%) (bench/gemv.py --sweep, weights from
@@ -55,24 +57,37 @@ def _inverse_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps, BLOCK_K: tl.cons
 
 
 @triton.jit
+def _weight_tile(w_ptr, rows, row_ok, start, cols, K, stride_w):
+    """W[rows, start:start + BLOCK_K]; zeros past its edges (a tile past K loads nothing)."""
+    return tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + start + cols[None, :],
+                   mask=row_ok[:, None] & (start + cols < K)[None, :], other=0.0)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, bias_ptr, y_ptr, N, K, stride_w, eps,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, PROLOGUE: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr):
+                 HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
     """PROLOGUE "none": x as given; "rms_norm": x = norm(x (+ residual)). SILU_MUL: W holds N gate
     rows then N up rows, and y = silu(gate) * up of the products, each rounded to the model dtype
-    first as the unfused projection's output is."""
+    first as the unfused projection's output is. Each weight tile is loaded one iteration ahead,
+    the first before the wait for the previous kernel (nanoserve_kernels/pdl.py): weights are
+    never written while serving."""
     dtype = y_ptr.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     row_ok = rows < N
+    w = _weight_tile(w_ptr, rows, row_ok, 0, cols, K, stride_w)
+    if SILU_MUL:
+        w_up = _weight_tile(w_ptr, rows + N, row_ok, 0, cols, K, stride_w)
+    else:
+        w_up = w
+    wait_for_previous_kernel(PDL)
     if PROLOGUE == "rms_norm":
         inverse_rms = _inverse_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps, BLOCK_K, HAS_RESIDUAL)
     acc = tl.zeros([BLOCK_N], tl.float32)
     up_acc = tl.zeros([BLOCK_N], tl.float32)
     for start in range(0, K, BLOCK_K):
         col_ok = start + cols < K
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + start + cols[None, :],
-                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         x = tl.load(x_ptr + start + cols, mask=col_ok, other=0.0).to(tl.float32)
         if PROLOGUE == "rms_norm":
             if HAS_RESIDUAL:  # normalized from the residual as stored, in the model dtype
@@ -80,10 +95,10 @@ def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, bias_pt
             weight = tl.load(norm_ptr + start + cols, mask=col_ok, other=0.0).to(tl.float32)
             x = (weight * (x.to(tl.float32) * inverse_rms)).to(dtype).to(tl.float32)
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        w = _weight_tile(w_ptr, rows, row_ok, start + BLOCK_K, cols, K, stride_w)
         if SILU_MUL:
-            w_up = tl.load(w_ptr + (rows + N)[:, None].to(tl.int64) * stride_w + start + cols[None, :],
-                           mask=row_ok[:, None] & col_ok[None, :], other=0.0)
             up_acc += tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
+            w_up = _weight_tile(w_ptr, rows + N, row_ok, start + BLOCK_K, cols, K, stride_w)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         if SILU_MUL:
@@ -114,7 +129,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bl
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual, residual_out, norm_weight, weight, bias, y, n, k, weight.stride(0), eps, BLOCK_N=block_n,
         BLOCK_K=block_k, HAS_BIAS=bias is not None, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
-        SILU_MUL=silu_mul, num_warps=num_warps)
+        SILU_MUL=silu_mul, num_warps=num_warps, **pdl_launch(x.device))
     return y
 
 

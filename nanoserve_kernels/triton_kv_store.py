@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from nanoserve_kernels.kv_quant import AMAX_FLOOR, FP8_MAX
+from nanoserve_kernels.pdl import pdl_launch, wait_for_previous_kernel
 
 
 @triton.jit
@@ -71,7 +72,8 @@ def _store_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scale, v_scale, slot_mapping
                   stride_k_token, stride_k_head, stride_v_token, stride_v_head, stride_slot,
                   stride_scale_block, KV_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8_MAX: tl.constexpr,
-                  AMAX_FLOOR: tl.constexpr, QUANTIZED: tl.constexpr):
+                  AMAX_FLOOR: tl.constexpr, QUANTIZED: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)  # before the early return: a kernel must not end before its predecessor
     token = tl.program_id(0)
     slot = tl.load(slot_mapping + token).to(tl.int64)
     if slot < 0:
@@ -101,4 +103,5 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(1),
         k_scale.stride(0) if quantized else 0,
         KV_HEADS=kv_heads, HEADS_POW2=triton.next_power_of_2(kv_heads), HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1], FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, QUANTIZED=quantized)
+        BLOCK_SIZE=k_cache.shape[1], FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, QUANTIZED=quantized,
+        **pdl_launch(k.device))

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve_kernels.pdl import pdl_launch, wait_for_previous_kernel
+
 
 @triton.jit
 def _rotate_heads(base, stride_head, weight, cos, sin, eps, HEADS: tl.constexpr, HEADS_POW2: tl.constexpr,
@@ -38,7 +40,8 @@ def _qk_rotary_kernel(q_ptr, k_ptr, q_weight, k_weight, cos_table, sin_table, po
                       stride_q_token, stride_q_head, stride_k_token, stride_k_head,
                       Q_HEADS: tl.constexpr, Q_HEADS_POW2: tl.constexpr, K_HEADS: tl.constexpr,
                       K_HEADS_POW2: tl.constexpr, HALF: tl.constexpr, HALF_POW2: tl.constexpr,
-                      NORM: tl.constexpr):
+                      NORM: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions + token).to(tl.int64)
     dims = tl.arange(0, HALF_POW2)[None, :]
@@ -65,5 +68,5 @@ def rotate_qk_(q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor, sin_ta
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             Q_HEADS=q.shape[1], Q_HEADS_POW2=triton.next_power_of_2(q.shape[1]), K_HEADS=k.shape[1],
             K_HEADS_POW2=triton.next_power_of_2(k.shape[1]), HALF=half, HALF_POW2=triton.next_power_of_2(half),
-            NORM=norm)
+            NORM=norm, **pdl_launch(q.device))
     return q, k

@@ -4,6 +4,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve_model.linear import linear
 from nanoserve_model.parallel import CheckpointTensor, all_reduce, divide, set_weight_loader, tp_rank, tp_world_size
 
 
@@ -31,7 +32,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits [N, vocab] on rank 0 (each rank's vocab slice gathered there); None elsewhere."""
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)  # one row: the matrix-vector kernel
         if self.world_size == 1:
             return logits
         slices = [torch.empty_like(logits) for _ in range(self.world_size)] if self.rank == 0 else None

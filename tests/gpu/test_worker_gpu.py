@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from nanoserve.v1 import worker_pb2
 from nanoserve_kernels import flash_attn_backend
+from nanoserve_kernels.pdl import pdl_on
 from nanoserve_model import row_fusion
 from nanoserve_cli.demo_model import SHAPE, config_json, random_weights, write_checkpoint
 from tests.worker.worker_steps import StepWriter, generate
@@ -128,6 +129,36 @@ def test_batch1_decode_row_fusions_keep_the_logits(bf16_model_dir, monkeypatch):
     separate_tokens, separate_logits = decode()
     assert tokens == separate_tokens
     assert ((logits - separate_logits).norm() / separate_logits.norm()).item() < 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs Hopper or later")
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_dependent_launches_give_the_logits_of_plain_ones(bf16_model_dir, monkeypatch, kv_cache_dtype):
+    """Decode through CUDA graphs whose kernels launch with PDL (each may start while the one before
+    it runs) and with plain launches: bit-identical logits at batch 1 (the gemv chain) and the
+    same tokens at batch 5. A kernel that touched shared memory before its wait would race."""
+    def decode(pdl: bool) -> tuple[torch.Tensor, dict]:
+        monkeypatch.setenv("NANOSERVE_PDL", "1" if pdl else "0")
+        pdl_on.cache_clear()
+        runner = gpu_runner(bf16_model_dir, "triton", False, "bfloat16", num_blocks=256,
+                            kv_cache_dtype=kv_cache_dtype)
+        assert pdl_on(runner.device) == pdl and runner.graphs is not None
+        writer, prompt = StepWriter(runner.config.block_size), prompts(1, seed=7)[0]
+        logits = [runner.step_logits(writer.request(writer.entry(0, prompt, reset=True)))]
+        for t in range(32):
+            token = int(logits[-1][-1].argmax())
+            logits.append(runner.step_logits(writer.request(
+                writer.entry(0, [token], len(prompt) + t, num_generated=t + 1))))
+        runner.step(writer.request(forget=(0,)))
+        tokens = generate(runner, StepWriter(runner.config.block_size), prompts(5, seed=8), 24, pipelined=True)
+        return torch.cat(logits[1:]), tokens
+
+    plain_logits, plain_tokens = decode(False)
+    dependent_logits, dependent_tokens = decode(True)
+    pdl_on.cache_clear()
+    assert torch.equal(plain_logits, dependent_logits)
+    assert plain_tokens == dependent_tokens
 
 
 @pytest.mark.parametrize("backend, kv_cache_dtype", GRAPH_CASES)
