@@ -3,13 +3,14 @@ projections of a decode layer (Qwen3-0.6B and 8B shapes). Each timing is one cal
 holding REPLAYS back-to-back launches, as a decode graph replays them, so launch gaps count; the
 calls cycle through copies of the weight that together exceed the L2 cache four times, so every
 weight comes from memory as in a decode step (the 0.6B matrices alone fit in the H100's 50 MB
-L2). The rate is weight bytes over time. `--sweep` also times every tile shape and warp count (each line:
-the chosen tiles, then the best), to check the heuristic of `tiles`. `--fused` instead times, at
-the same shapes, the norm (with the residual add) then the q/k/v or gate/up gemv, and the SiLU-and-mul
-then the down gemv, as separate kernels (the compiled functions, as the model runs them without
-nanoserve_model/row_fusion.py) against the gemv with them made in its loads of x.
+L2). The rate is weight bytes over time. `--sweep` also times every tile shape and warp count of
+the call the model makes (fusions included; each line: that call with the chosen tiles, then the
+best), to check the heuristic of `tiles`. `--fused` instead times, at the same shapes, the norm
+(with the residual add) then the q/k/v or gate/up gemv, and the gate/up gemv then SiLU-and-mul, as
+separate kernels (the compiled functions, as the model runs them without
+nanoserve_model/row_fusion.py) against the gemv with them fused in.
 
-    PYTHONPATH=.:proto python bench/gemv.py [--sweep | --fused] [--out bench/out/gemv.json]
+    PYTHONPATH=.:proto python bench/gemv.py [--sweep | --fused] [--models 0.6b 8b] [--out bench/out/gemv.json]
 """
 import argparse
 import itertools
@@ -59,14 +60,25 @@ def time_per_call(fn, weights: list[torch.Tensor], repeats: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def sweep(x: torch.Tensor, weights: list[torch.Tensor]) -> dict[tuple[int, int, int], float]:
+def model_call(name: str, x: torch.Tensor):
+    """The call the model makes for projection `name` at batch 1, taking (w, **tile_args): q/k/v and
+    gate/up with the norm (and residual add) in their loads, gate/up with SiLU-and-mul in its output."""
+    if name not in ("qkv", "gate_up"):
+        return lambda w, **tile_args: gemv(x, w, **tile_args)
+    residual = torch.randn_like(x)
+    norm = (1 + 0.3 * torch.randn(x.shape[1], device=x.device)).to(x.dtype)
+    return lambda w, **tile_args: rms_norm_gemv(x, residual, norm, 1e-6, w, silu_mul=name == "gate_up",
+                                                **tile_args)[0]
+
+
+def sweep(call, weights: list[torch.Tensor]) -> dict[tuple[int, int, int], float]:
     """Seconds per call of every (block_n, block_k, warps) whose column tile fits the row twice at most."""
     timings = {}
     for block_n, block_k, warps in itertools.product((1, 2, 4, 8), (1024, 2048, 4096), (4, 8)):
         if block_k > 2 * triton_pow2(weights[0].shape[1]):
             continue
         timings[block_n, block_k, warps] = time_per_call(
-            lambda w: gemv(x, w, block_n=block_n, block_k=block_k, num_warps=warps), weights, 7)
+            lambda w: call(w, block_n=block_n, block_k=block_k, num_warps=warps), weights, 7)
     return timings
 
 
@@ -74,6 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true", help="time every tile shape and warp count too")
     parser.add_argument("--fused", action="store_true", help="time the norm and SiLU-and-mul fusions instead")
+    parser.add_argument("--models", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--out", type=Path, help="default bench/out/gemv.json, or gemv_fused.json with --fused")
     args = parser.parse_args()
     if args.fused:
@@ -84,8 +97,8 @@ def main() -> None:
         return
     device = torch.device("cuda")
     rows, report = [], []
-    for model, shapes in SHAPES.items():
-        for name, n, k in shapes + [LM_HEADS[model]]:
+    for model in args.models:
+        for name, n, k in SHAPES[model] + [LM_HEADS[model]]:
             x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
             w = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k ** 0.5
             ref = F.linear(x.float(), w.float())
@@ -98,11 +111,12 @@ def main() -> None:
             line = (f"{model:<5}{name:<8}{n:>7}{k:>7}  {str(entry['tiles']):<11}{entry['cublas_us']:>9.2f}"
                     f"{entry['gemv_us']:>9.2f}{entry['cublas_tbps']:>8.2f}{entry['gemv_tbps']:>8.2f}")
             if args.sweep:
-                timings = sweep(x, weights)
+                call = model_call(name, x)
+                timings = sweep(call, weights)
                 best = min(timings, key=timings.get)
-                entry.update(best_us=timings[best] * 1e6, best=best,
-                             sweep_us={str(config): seconds * 1e6 for config, seconds in timings.items()})
-                line += f"{entry['best_us']:>9.2f} {best}"
+                entry.update(model_call_us=time_per_call(call, weights) * 1e6, best_us=timings[best] * 1e6,
+                             best=best, sweep_us={str(config): seconds * 1e6 for config, seconds in timings.items()})
+                line += f"{entry['model_call_us']:>9.2f}{entry['best_us']:>9.2f} {best}"
             report.append(entry)
             rows.append(line)
             del weights
@@ -111,11 +125,11 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print("model layer      N      K  tiles       cuBLAS us  gemv us  cuBLAS TB/s  gemv TB/s"
-          + ("  best us (block_n, block_k, warps)" if args.sweep else ""))
+          + ("  model call us (fusions in), its best us (block_n, block_k, warps)" if args.sweep else ""))
     print("\n".join(rows))
     layer = [e for e in report if e["layer"] != "lm_head"]
     total = {model: (sum(e["cublas_us"] for e in layer if e["model"] == model),
-                     sum(e["gemv_us"] for e in layer if e["model"] == model)) for model in SHAPES}
+                     sum(e["gemv_us"] for e in layer if e["model"] == model)) for model in args.models}
     for model, (cublas, ours) in total.items():
         print(f"{model}: one layer's projections {cublas:.1f} us with cuBLAS, {ours:.1f} us with gemv")
 
