@@ -29,12 +29,14 @@ from triton.language.extra import libdevice
 from nanoserve_kernels.pdl import pdl_launch, wait_for_previous_kernel
 
 MAX_ROWS = 1
-# Two rows of up to 2,048 columns a program, 4 warps: within 4% of the best tile on each projection
-# of the 0.6B and 8B shapes but the 0.6B down projection (9%) (bench/gemv.py --sweep, weights from
-# memory, H100); larger tiles leave too few programs on the narrow projections, and 8 warps lose
-# on the 0.6B ones.
-BLOCK_N = 2
-MAX_BLOCK_K = 2048
+# Tiles (bench/gemv.py --sweep, weights from memory, H100). Two rows of up to 2,048 columns a
+# program, 4 warps: within 4% of the best on each projection of the 0.6B shape but its down
+# projection (9%); larger tiles leave too few programs on its narrow projections. From 4,096
+# columns on (8B), four rows a program (with SiLU-and-mul: two gate and two up rows) gain 1.2 us on
+# q/k/v, and on a row of 12,288 (8B down) tiles of 4,096 columns take 35.0 us where 2,048 took 40.6.
+ROWS_PER_PROGRAM, WIDE_ROWS_PER_PROGRAM, WIDE_K = 2, 4, 4096
+MAX_BLOCK_K, LONG_ROW_BLOCK_K, LONG_K = 2048, 4096, 8192
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -109,19 +111,21 @@ def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, bias_pt
     tl.store(y_ptr + rows, acc.to(dtype), mask=row_ok)
 
 
-def tiles(n: int, k: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K) for W [n, k]."""
-    return BLOCK_N, min(triton.next_power_of_2(k), MAX_BLOCK_K)
+def tiles(k: int, silu_mul: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps) for W [n, k]; with silu_mul, BLOCK_N gate rows and as many up rows."""
+    rows = WIDE_ROWS_PER_PROGRAM if k >= WIDE_K else ROWS_PER_PROGRAM
+    block_k = LONG_ROW_BLOCK_K if k >= LONG_K else min(triton.next_power_of_2(k), MAX_BLOCK_K)
+    return rows // 2 if silu_mul else rows, block_k, NUM_WARPS
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int | None = None,
-            block_k: int | None = None, num_warps: int = 4, residual: torch.Tensor | None = None,
+            block_k: int | None = None, num_warps: int | None = None, residual: torch.Tensor | None = None,
             residual_out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
             prologue: str = "none", silu_mul: bool = False) -> torch.Tensor:
     n, k = weight.shape
     assert x.shape == (1, k) and x.stride(1) == 1 and weight.stride(1) == 1
-    if block_n is None or block_k is None:
-        block_n, block_k = tiles(n, k)
+    chosen = tiles(k, silu_mul)
+    block_n, block_k, num_warps = block_n or chosen[0], block_k or chosen[1], num_warps or chosen[2]
     if silu_mul:  # gate rows, then as many up rows
         assert n % 2 == 0
         n //= 2
@@ -134,7 +138,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bl
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
-         block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
+         block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for one row x [1, K] (tiles chosen by `tiles` unless given)."""
     return _launch(x, weight, bias, block_n, block_k, num_warps)
 
