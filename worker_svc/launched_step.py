@@ -43,16 +43,13 @@ class LaunchedStep:
         """`host_started`: time.perf_counter() when the host began the step."""
         self.clock, self.start, self.previous_end = clock, start, clock.last_end
         self.tokens, self.logprobs = tokens, logprobs
-        if tokens is not None and clock.cuda:  # start the copy home now; ready() tells when it landed
+        if tokens is not None and clock.cuda:  # start the copy home now; reply() waits for it
             self.tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self.tokens.copy_(tokens, non_blocking=True)
         if logprobs is not None:
             logprobs.copy_home()
         self.end = clock.last_end = clock.mark()
         self.host_seconds = time.perf_counter() - host_started
-
-    def ready(self) -> bool:
-        return not self.clock.cuda or self.end.query()
 
     def reply(self, step_id: int) -> worker_pb2.StepResponse:
         """Waits for the step's work, then its sampled tokens (rank 0) and timings."""
@@ -68,14 +65,11 @@ class LaunchedStep:
 
 
 class RefusedStep:
-    """A step the runner refused before queuing any work (a bad request): ready at once, and its
-    reply carries the reason. The step loop handles it like a LaunchedStep."""
+    """A step the runner refused before queuing any work (a bad request): its reply, at once,
+    carries the reason. The step loop handles it like a LaunchedStep."""
 
     def __init__(self, reason: str):
         self.reason = reason
-
-    def ready(self) -> bool:
-        return True
 
     def reply(self, step_id: int) -> worker_pb2.StepResponse:
         return worker_pb2.StepResponse(step_id=step_id, error=self.reason)

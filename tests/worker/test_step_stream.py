@@ -3,6 +3,7 @@ order, a bad step is refused alone with its reason while the steps around it run
 launched step reports the host time it took."""
 import threading
 
+from nanoserve.v1 import worker_pb2
 from tests.worker.worker_steps import StepWriter, cpu_runner
 from worker_svc.server import WorkerService
 
@@ -40,3 +41,45 @@ def test_a_refused_step_is_answered_in_order_between_launched_ones(tiny_model_di
     assert not replies[0].error and not replies[2].error
     assert "token id 151936 is outside the vocabulary" in replies[1].error
     assert replies[0].host_seconds > 0 and replies[2].host_seconds > 0 and replies[1].host_seconds == 0
+
+
+class _DoneStep:
+    """A step whose device work is already done."""
+
+    def reply(self, step_id: int) -> worker_pb2.StepResponse:
+        return worker_pb2.StepResponse(step_id=step_id, token_ids=[step_id])
+
+
+class _SlowLaunchRunner:
+    """Launches step 2 only once `release` is set, as a long host launch holds the launcher."""
+
+    def __init__(self):
+        self.release, self.launching_second, self.launched_second = (threading.Event() for _ in range(3))
+
+    def launch(self, request: worker_pb2.StepRequest) -> _DoneStep:
+        if request.step_id == 2:
+            self.launching_second.set()
+            self.release.wait(timeout=10)
+            self.launched_second.set()
+        return _DoneStep()
+
+
+def test_a_finished_step_is_answered_while_the_next_one_is_still_being_launched():
+    """The scheduler sends step N+3 when step N's reply comes: a reply held back behind the next
+    launch's host time put that time into every step's round trip (batch-1 decode ran at host time
+    plus round trip a token, not at the device's pace)."""
+    runner, done = _SlowLaunchRunner(), threading.Event()
+
+    def requests():
+        yield from (worker_pb2.StepRequest(step_id=1), worker_pb2.StepRequest(step_id=2))
+        done.wait(timeout=30)
+
+    stream = WorkerService(runner).Step(requests(), _StreamContext())
+    first = next(stream)
+    assert first.step_id == 1 and list(first.token_ids) == [1]
+    assert runner.launching_second.wait(timeout=30)
+    assert not runner.launched_second.is_set()  # answered while step 2's launch was held
+    runner.release.set()
+    assert next(stream).step_id == 2
+    done.set()
+    assert list(stream) == []
