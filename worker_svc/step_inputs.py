@@ -24,7 +24,7 @@ class StepInputs:
     input_ids: torch.Tensor        # [N] every sequence's new tokens, packed
     positions: torch.Tensor        # [N]
     context: StepContext
-    sample_indices: torch.Tensor   # [S] rows of the packed tokens whose next token is sampled
+    sample_indices: torch.Tensor | slice  # [S] rows of the packed tokens whose next token is sampled
     sampled_slots: torch.Tensor    # [S] their sequences' slots (where the sampled tokens are kept)
     sampling: SamplingBatch        # [S] their sampling parameters
 
@@ -84,7 +84,10 @@ def build_step_inputs(work: StepWork, seqs: SequenceTable, backend: AttentionBac
     else:
         context = buffers.context(backend, True, num_tokens, num_seqs, int(work.num_blocks.max()),
                                   int(num_new[num_decodes:].max()), int(context_lens[num_decodes:].max()), num_decodes)
-    return StepInputs(input_ids, device.positions[:num_tokens], context, device.sample_indices[:num_sampled],
+    # A decode that samples every sequence takes rows 0..S-1 in order: a slice of the hidden states, no gather.
+    sample_indices = (slice(0, num_sampled) if work.is_decode and num_sampled == num_seqs
+                      else device.sample_indices[:num_sampled])
+    return StepInputs(input_ids, device.positions[:num_tokens], context, sample_indices,
                       device.sampled_slots[:num_sampled], device.sampling(num_sampled, not temperatures.any()))
 
 
