@@ -89,6 +89,18 @@ def wait_answering(address: str, timeout: float = 20) -> str | None:
 
 
 @contextlib.contextmanager
+def shown_on_failure(*logs: Path) -> Iterator[None]:
+    """Prints the processes' logs when the block fails: pytest shows a failed test's output, so a CI
+    failure carries what the processes said (a test's temporary folder is gone by then)."""
+    try:
+        yield
+    except BaseException:
+        for log in logs:
+            print(f"--- {log.name} ---\n{log.read_text(errors='replace') if log.exists() else '(no log)'}")
+        raise
+
+
+@contextlib.contextmanager
 def running_service(model_dir: Path, log: Path, tensor_parallel_size: int = 1,
                     worker_flags: tuple[str, ...] = (), scheduler_flags: tuple[str, ...] = ()) -> Iterator[dict]:
     """Worker rank(s) and a scheduler; yields {'address', 'procs', 'workers'}."""
