@@ -77,7 +77,9 @@ def build_step_inputs(work: StepWork, seqs: SequenceTable, backend: AttentionBac
 
     device = buffers.on_device
     input_ids = device.input_ids[:num_tokens]
-    if num_fed:
+    if num_fed == num_tokens:  # every row takes its sequence's last sampled token (a pipelined decode): one gather
+        torch.index_select(last_tokens, 0, device.fed_slots[:num_fed], out=input_ids)
+    elif num_fed:
         input_ids[device.fed_rows[:num_fed]] = last_tokens[device.fed_slots[:num_fed]]
     if work.is_decode:
         context = buffers.decode_context(backend, num_seqs)
