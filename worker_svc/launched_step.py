@@ -22,13 +22,16 @@ MAX_STEPS_IN_FLIGHT = 3
 class StepClock:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        # Steps queue on the device's default stream, whichever thread launches them; looked up once,
+        # since Event.record() without one looks up the current stream in Python on every mark.
+        self.stream = torch.cuda.default_stream(device) if self.cuda else None
         self.last_end = None  # the previous step's end mark
 
     def mark(self):
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(self.stream)
         return event
 
     def seconds(self, start, end) -> float:

@@ -82,15 +82,17 @@ def _through_last_used(rows: torch.Tensor, used: list[int]) -> int:
 
 class StagingSet:
     """One set of host staging buffers (pinned on CUDA), with numpy views of the same memory under
-    the same names for build_step_inputs to fill, and the event after the copies out of it."""
+    the same names for build_step_inputs to fill, and the event after the copies out of it (recorded
+    on `stream`, the one steps queue on; None on CPU)."""
 
-    def __init__(self, tensors: StepTensors, cuda: bool):
+    def __init__(self, tensors: StepTensors, stream: "torch.cuda.Stream | None"):
         self.tensors = tensors
         self.arrays = SimpleNamespace(**{name: t.numpy() for name, t in vars(tensors).items()
                                          if isinstance(t, torch.Tensor)})
         self.sampling = SamplingColumns(self.arrays.sample_temperatures, self.arrays.sample_keys,
                                         self.arrays.sample_counters)
-        self.copied = torch.cuda.Event() if cuda else None
+        self.stream = stream
+        self.copied = torch.cuda.Event() if stream is not None else None
         self.pending = False
 
     def wait_copied(self) -> None:
@@ -100,7 +102,7 @@ class StagingSet:
 
     def record_copied(self) -> None:
         if self.copied is not None:
-            self.copied.record()
+            self.copied.record(self.stream)
             self.pending = True
 
 
@@ -116,10 +118,11 @@ class StepBuffers:
         sizes = (max_num_batched_tokens, max_num_seqs, self.max_blocks_per_seq)
         self.on_device = StepTensors(*sizes, device, pin=False)
         if device.type == "cuda":
-            self._staging = [StagingSet(StepTensors(*sizes, torch.device("cpu"), pin=True), cuda=True)
+            stream = torch.cuda.default_stream(device)
+            self._staging = [StagingSet(StepTensors(*sizes, torch.device("cpu"), pin=True), stream)
                              for _ in range(MAX_STEPS_IN_FLIGHT + 1)]
         else:
-            self._staging = [StagingSet(self.on_device, cuda=False)]
+            self._staging = [StagingSet(self.on_device, None)]
         self._turn = 0
         self._decode_contexts: dict[tuple[AttentionBackend, int], StepContext] = {}
 
