@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="default bench/out/gemv.json, or gemv_fused.json with --fused")
     args = parser.parse_args()
     if args.fused:
-        report = compare_fused()
+        report = compare_fused(args.models)
         out = args.out or Path("bench/out/gemv_fused.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2) + "\n")
@@ -134,7 +134,7 @@ def main() -> None:
         print(f"{model}: one layer's projections {cublas:.1f} us with cuBLAS, {ours:.1f} us with gemv")
 
 
-def compare_fused() -> list[dict]:
+def compare_fused(models: list[str]) -> list[dict]:
     """Microseconds per separate and fused call of each projection with a fusion, per model and layer:
     the norm before q/k/v and gate/up, then the SiLU-and-mul after gate/up (on top of the norm)."""
     from nanoserve_model.activation import silu_and_mul
@@ -142,8 +142,8 @@ def compare_fused() -> list[dict]:
     report = []
     print("model layer      N      K  fusion     separate us  fused us  saved us")
     cases = (("qkv", "rms_norm"), ("gate_up", "rms_norm"), ("gate_up", "silu_mul"))
-    for model, shapes in SHAPES.items():
-        for (name, n, k), prologue in ((shape, fusion) for case, fusion in cases for shape in shapes
+    for model in models:
+        for (name, n, k), prologue in ((shape, fusion) for case, fusion in cases for shape in SHAPES[model]
                                        if shape[0] == case):
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
             x, residual = torch.randn(2, 1, k, device="cuda", dtype=torch.bfloat16).unbind(0)
@@ -162,7 +162,7 @@ def compare_fused() -> list[dict]:
             del weights
             print(f"{model:<5}{name:<8}{n:>7}{k:>7}  {prologue:<9}{entry['separate_us']:>12.2f}"
                   f"{entry['fused_us']:>10.2f}{entry['separate_us'] - entry['fused_us']:>10.2f}", flush=True)
-    for model in SHAPES:
+    for model in models:
         saved = sum(e["separate_us"] - e["fused_us"] for e in report if e["model"] == model)
         print(f"{model}: {saved:.1f} us saved a layer")
     return report

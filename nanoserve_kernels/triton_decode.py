@@ -127,6 +127,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     group_pad = max(16, triton.next_power_of_2(group))  # tl.dot takes 16 rows at least
     splits = num_splits(num_seqs, kv_heads, q.device)
     launch = FP8_LAUNCH if k_scale is not None else LAUNCH
+    pdl = pdl_launch(q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous for o_proj (see triton_prefill)
     part_out = torch.empty(num_seqs, heads, splits, head_dim, dtype=torch.float32, device=q.device)
     part_max = torch.empty(num_seqs, heads, splits, dtype=torch.float32, device=q.device)
@@ -136,10 +137,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         scale * LOG2_E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(1), scale_block_stride(k_scale, v_scale), block_tables.stride(0), GROUP=group,
         GROUP_PAD=group_pad, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, SPLITS=splits,
-        PRECISION=dot_precision(q.dtype), QUANTIZED=k_scale is not None, **launch,
-        **pdl_launch(q.device))
+        PRECISION=dot_precision(q.dtype), QUANTIZED=k_scale is not None, **launch, **pdl)
     if splits > 1:
         _merge_kernel[(num_seqs, heads)](
             context_lens, part_out, part_max, part_sum, out, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_N=launch["BLOCK_N"], SPLITS=splits, **pdl_launch(q.device))
+            HEAD_DIM=head_dim, BLOCK_N=launch["BLOCK_N"], SPLITS=splits, **pdl)
     return out
