@@ -5,13 +5,16 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
+TRITON_STORE = "nanoserve_kernels.triton_kv_store:store_kvcache"
 # name -> "module:function" for store_kvcache, paged_prefill, paged_decode
 BACKENDS: dict[str, tuple[str, str, str]] = {
     "torch": ("nanoserve_kernels.reference:store_kvcache", "nanoserve_kernels.reference:paged_prefill",
               "nanoserve_kernels.reference:paged_decode"),
-    "triton": ("nanoserve_kernels.triton_kv_store:store_kvcache", "nanoserve_kernels.triton_prefill:paged_prefill",
+    "triton": (TRITON_STORE, "nanoserve_kernels.triton_prefill:paged_prefill",
                "nanoserve_kernels.triton_decode:paged_decode"),
-    "flash-attn": ("nanoserve_kernels.triton_kv_store:store_kvcache",
+    "flash-attn": (TRITON_STORE,
                    "nanoserve_kernels.flash_attn_backend:paged_prefill",
                    "nanoserve_kernels.flash_attn_backend:paged_decode"),
 }
@@ -32,6 +35,25 @@ class AttentionBackend:
         """Whether its store and decode can be captured in a CUDA graph: the torch reference reads
         lengths back to the host and indexes by masks, which a capture forbids."""
         return self.name != "torch"
+
+    @property
+    def stores_with_triton(self) -> bool:
+        """Whether its store is the Triton kernel, whose work the rotary kernel can do instead as it
+        makes k (CacheWrite): one launch fewer a layer."""
+        return BACKENDS[self.name][0] == TRITON_STORE
+
+
+@dataclass(frozen=True)
+class CacheWrite:
+    """A store_kvcache call but its k, handed to the kernel that makes k so that it stores k and v
+    itself (nanoserve_kernels.triton_rotary); defined here, apart from the kernels, for the model to
+    name without importing Triton."""
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
 
 def _function(target: str) -> Callable:

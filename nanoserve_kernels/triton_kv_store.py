@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve_kernels.backend import CacheWrite
 from nanoserve_kernels.kv_quant import AMAX_FLOOR, FP8_MAX
 from nanoserve_kernels.pdl import pdl_launch, wait_for_previous_kernel
 
@@ -46,25 +47,48 @@ def _round_to_e4m3_grid(x):
 
 
 @triton.jit
-def _store_rows(new_ptr, cache, scales, token, slot, stride_token, stride_head, stride_slot,
-                stride_scale_block, KV_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr,
-                HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8_MAX: tl.constexpr,
-                AMAX_FLOOR: tl.constexpr, QUANTIZED: tl.constexpr):
-    """One token's K (or V) rows [kv_heads, head_dim] into the cache at `slot`; when QUANTIZED,
-    in e4m3 with a scale per head (kv_quant.quantize, bit for bit: IEEE divisions as torch's)."""
+def _quantize(x, row_scales, FP8_MAX: tl.constexpr):
+    """x [heads, n] (float32) as e4m3 values of its heads' scales, still in float32."""
+    scaled = tl.div_rn(x, row_scales[:, None])
+    return _round_to_e4m3_grid(tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX))
+
+
+@triton.jit
+def store_row_halves(lo, hi, cache, scales, slot, stride_slot, stride_scale_block, KV_HEADS: tl.constexpr,
+                     HEADS_POW2: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, QUANTIZED: tl.constexpr):
+    """One token's K (or V) rows [kv_heads, head_dim] into the cache at `slot`, given as the first and
+    second halves of each row, [HEADS_POW2, HALF] in the model's dtype (rows past KV_HEADS unused):
+    the form in which the rotary kernel holds k. When QUANTIZED, in e4m3 with a scale per head
+    (kv_quant.quantize, bit for bit: IEEE divisions as torch's)."""
     heads = tl.arange(0, HEADS_POW2)
-    dims = tl.arange(0, HEAD_DIM)[None, :]
     mask = (heads < KV_HEADS)[:, None]
-    rows = tl.load(new_ptr + token * stride_token + heads[:, None] * stride_head + dims, mask=mask, other=0.0)
     if QUANTIZED:
-        rows = rows.to(tl.float32)
-        row_scales = tl.div_rn(tl.maximum(tl.max(tl.abs(rows), 1), AMAX_FLOOR), FP8_MAX)
-        scaled = tl.div_rn(rows, row_scales[:, None])
-        rows = _round_to_e4m3_grid(tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX))
+        lo = lo.to(tl.float32)
+        hi = hi.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(lo), 1), tl.max(tl.abs(hi), 1))
+        row_scales = tl.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
+        lo = _quantize(lo, row_scales, FP8_MAX)
+        hi = _quantize(hi, row_scales, FP8_MAX)
         tl.store(scales + heads * BLOCK_SIZE + scale_rows(slot, stride_scale_block, BLOCK_SIZE), row_scales,
                  mask=heads < KV_HEADS)
-    tl.store(cache + slot * stride_slot + heads[:, None] * HEAD_DIM + dims, rows.to(cache.dtype.element_ty),
-             mask=mask)
+    first = cache + slot * stride_slot + heads[:, None] * (2 * HALF) + tl.arange(0, HALF)[None, :]
+    tl.store(first, lo.to(cache.dtype.element_ty), mask=mask)
+    tl.store(first + HALF, hi.to(cache.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def store_rows(new_ptr, cache, scales, token, slot, stride_token, stride_head, stride_slot,
+               stride_scale_block, KV_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr, HALF: tl.constexpr,
+               BLOCK_SIZE: tl.constexpr, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr,
+               QUANTIZED: tl.constexpr):
+    """One token's K (or V) rows [kv_heads, head_dim], read at `new_ptr`, into the cache at `slot`."""
+    heads = tl.arange(0, HEADS_POW2)[:, None]
+    first = new_ptr + token * stride_token + heads * stride_head + tl.arange(0, HALF)[None, :]
+    lo = tl.load(first, mask=heads < KV_HEADS, other=0.0)
+    hi = tl.load(first + HALF, mask=heads < KV_HEADS, other=0.0)
+    store_row_halves(lo, hi, cache, scales, slot, stride_slot, stride_scale_block, KV_HEADS, HEADS_POW2, HALF,
+                     BLOCK_SIZE, FP8_MAX, AMAX_FLOOR, QUANTIZED)
 
 
 @triton.jit
@@ -78,10 +102,25 @@ def _store_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scale, v_scale, slot_mapping
     slot = tl.load(slot_mapping + token).to(tl.int64)
     if slot < 0:
         return
-    _store_rows(k_ptr, k_cache, k_scale, token, slot, stride_k_token, stride_k_head, stride_slot,
-                stride_scale_block, KV_HEADS, HEADS_POW2, HEAD_DIM, BLOCK_SIZE, FP8_MAX, AMAX_FLOOR, QUANTIZED)
-    _store_rows(v_ptr, v_cache, v_scale, token, slot, stride_v_token, stride_v_head, stride_slot,
-                stride_scale_block, KV_HEADS, HEADS_POW2, HEAD_DIM, BLOCK_SIZE, FP8_MAX, AMAX_FLOOR, QUANTIZED)
+    store_rows(k_ptr, k_cache, k_scale, token, slot, stride_k_token, stride_k_head, stride_slot,
+               stride_scale_block, KV_HEADS, HEADS_POW2, HEAD_DIM // 2, BLOCK_SIZE, FP8_MAX, AMAX_FLOOR, QUANTIZED)
+    store_rows(v_ptr, v_cache, v_scale, token, slot, stride_v_token, stride_v_head, stride_slot,
+               stride_scale_block, KV_HEADS, HEADS_POW2, HEAD_DIM // 2, BLOCK_SIZE, FP8_MAX, AMAX_FLOOR, QUANTIZED)
+
+
+def write_args(k: torch.Tensor, write: CacheWrite) -> dict:
+    """The arguments, by name, that a kernel storing new K rows `k` ([N, kv_heads, head_dim]) and
+    write.v takes for the cache: _store_kernel's, which the rotary kernel's repeat."""
+    assert k.stride(2) == 1 and write.v.stride(2) == 1, "head_dim must be contiguous"
+    assert write.k_cache.is_contiguous() and write.v_cache.is_contiguous()
+    assert write.slot_mapping.numel() == k.shape[0]
+    quantized = write.k_scale is not None
+    assert not quantized or (write.k_scale.is_contiguous() and write.v_scale.is_contiguous())
+    return dict(v_ptr=write.v, k_cache=write.k_cache, v_cache=write.v_cache, k_scale=write.k_scale,
+                v_scale=write.v_scale, slot_mapping=write.slot_mapping, stride_v_token=write.v.stride(0),
+                stride_v_head=write.v.stride(1), stride_slot=write.k_cache.stride(1),
+                stride_scale_block=write.k_scale.stride(0) if quantized else 0, BLOCK_SIZE=write.k_cache.shape[1],
+                FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, QUANTIZED=quantized)
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -91,17 +130,9 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     may be those of a packed qkv view) into the paged cache at their slots; slot -1 skips. With
     scales, the cache is FP8 and each row is quantized with its own scale."""
     num_tokens, kv_heads, head_dim = k.shape
-    assert k.stride(2) == 1 and v.stride(2) == 1, "head_dim must be contiguous"
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert slot_mapping.numel() == num_tokens
+    cache = write_args(k, CacheWrite(v, k_cache, v_cache, slot_mapping, k_scale, v_scale))
     if num_tokens == 0:
         return
-    quantized = k_scale is not None
-    assert not quantized or (k_scale.is_contiguous() and v_scale.is_contiguous())
     _store_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(1),
-        k_scale.stride(0) if quantized else 0,
-        KV_HEADS=kv_heads, HEADS_POW2=triton.next_power_of_2(kv_heads), HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1], FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, QUANTIZED=quantized,
-        **pdl_launch(k.device))
+        k, stride_k_token=k.stride(0), stride_k_head=k.stride(1), KV_HEADS=kv_heads,
+        HEADS_POW2=triton.next_power_of_2(kv_heads), HEAD_DIM=head_dim, **cache, **pdl_launch(k.device))

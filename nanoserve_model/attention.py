@@ -1,8 +1,13 @@
 """Paged attention over the KV cache: stores this step's K/V, then attends through the backend
-named in the step context."""
+named in the step context.
+
+Where the backend stores with the Triton store kernel, the rotary kernel before attention stores
+them instead, as it makes k (cache_write): a layer on CUDA is then the QKV projection, rotary with
+the store, attention; elsewhere the store is attention's first kernel."""
 import torch
 from torch import nn
 
+from nanoserve_kernels.backend import CacheWrite
 from nanoserve_model.step_context import StepContext, get_step_context
 
 
@@ -21,11 +26,23 @@ class Attention(nn.Module):
         self.k_cache, self.v_cache = k_cache, v_cache
         self.kv_scales = {} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [N, heads, head_dim], k/v [N, kv_heads, head_dim] -> [N, heads, head_dim]."""
+    def cache_write(self, q: torch.Tensor, v: torch.Tensor) -> CacheWrite | None:
+        """The store of this step's k and v, for the rotary kernel to make as it rotates k (one launch
+        fewer a layer), where the backend's own store is the Triton kernel whose work that is: on CUDA
+        (q's device: rotary runs the kernel there), head_dim a power of 2. None elsewhere, and
+        forward stores them itself."""
+        ctx = get_step_context()
+        if not (q.is_cuda and ctx.backend.stores_with_triton and self.head_dim & (self.head_dim - 1) == 0):
+            return None
+        return CacheWrite(v, self.k_cache, self.v_cache, ctx.slot_mapping, **self.kv_scales)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stored: bool = False) -> torch.Tensor:
+        """q [N, heads, head_dim], k/v [N, kv_heads, head_dim] -> [N, heads, head_dim]; `stored`: k and v
+        are in the cache already (cache_write's store ran)."""
         ctx = get_step_context()
         backend = ctx.backend
-        backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, **self.kv_scales)
+        if not stored:
+            backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, **self.kv_scales)
         if ctx.attention_cut is not None:
             return ctx.attention_cut(self, q)
         if ctx.is_prefill:

@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from nanoserve_kernels.backend import CacheWrite
 from nanoserve_model.attention import Attention
 from nanoserve_model.config import ModelConfig
 from nanoserve_model.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -38,15 +39,17 @@ class DecoderAttention(nn.Module):
         head_dim = self.attn.head_dim
         q, k, v = qkv.split(
             [self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim], dim=-1)
-        q, k = self.position(q.view(-1, self.num_heads, head_dim), k.view(-1, self.num_kv_heads, head_dim),
-                             positions)
-        out = self.attn(q, k, v.view(-1, self.num_kv_heads, head_dim))
+        q, v = q.view(-1, self.num_heads, head_dim), v.view(-1, self.num_kv_heads, head_dim)
+        write = self.attn.cache_write(q, v)
+        q, k = self.position(q, k.view(-1, self.num_kv_heads, head_dim), positions, write)
+        out = self.attn(q, k, v, stored=write is not None)
         return self.o_proj(out.flatten(1))
 
-    def position(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    def position(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, write: CacheWrite | None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [N, heads, head_dim] and k [N, kv_heads, head_dim] made position-aware: rotary."""
-        return rotary_qk(q, k, self.rotary_emb.cos, self.rotary_emb.sin, positions)
+        """q [N, heads, head_dim] and k [N, kv_heads, head_dim] made position-aware: rotary; with
+        `write` (on CUDA only), k and write.v also stored into the cache."""
+        return rotary_qk(q, k, self.rotary_emb.cos, self.rotary_emb.sin, positions, write)
 
 
 class GatedMLP(nn.Module):

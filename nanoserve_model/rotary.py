@@ -1,12 +1,14 @@
 """Rotary position embedding (the rotate-half form of Llama, Qwen and Mistral): the precomputed cos/sin
 tables, with Llama 3.x's frequency scaling, and the rotation of q and k. Qwen3 runs the rotation fused
 with its q/k norms (nanoserve_model.qwen3.qk_norm_rotary); on CUDA both are one Triton kernel
-(nanoserve_kernels.triton_rotary)."""
+(nanoserve_kernels.triton_rotary), which also stores k and v into the KV cache where the attention
+backend's store is Triton's (nanoserve_model.attention.Attention.cache_write)."""
 import math
 
 import torch
 from torch import nn
 
+from nanoserve_kernels.backend import CacheWrite
 from nanoserve_model.config import RopeConfig
 
 
@@ -17,12 +19,12 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
-              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              positions: torch.Tensor, write: CacheWrite | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, heads, head_dim] and k [N, kv_heads, head_dim] rotated by each token's row of the tables;
-    on CUDA in place, in one Triton launch."""
+    on CUDA in place, in one Triton launch, which also makes the cache `write` if given (only there)."""
     if q.is_cuda:  # Triton is a GPU requirement only, so imported here
         from nanoserve_kernels.triton_rotary import rotate_qk_
-        return rotate_qk_(q, k, cos_table, sin_table, positions)
+        return rotate_qk_(q, k, cos_table, sin_table, positions, write=write)
     cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
     return rotate(q, cos, sin), rotate(k, cos, sin)
 

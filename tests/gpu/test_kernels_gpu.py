@@ -14,7 +14,8 @@ from nanoserve_kernels import flash_attn_backend, race_sampling, triton_decode  
 from nanoserve_kernels import triton_kv_store, triton_prefill, triton_rotary, triton_sampling  # noqa: E402
 from nanoserve_model import qwen3  # noqa: E402
 from tests.worker.test_triton_kernels import (  # noqa: E402
-    Case, check_decode, check_fused_gemv, check_prefill, check_rotary, check_sampling, check_store, make_paged_batch)
+    Case, check_decode, check_fused_gemv, check_prefill, check_rotary, check_rotary_store, check_sampling, check_store,
+    make_paged_batch)
 
 BF16 = dict(head_dim=128, dtype=torch.bfloat16)
 STORE_CASES = [Case(new_lens=(700,), context_lens=(1500,), heads=16, kv_heads=8, block_size=256, **BF16),
@@ -108,6 +109,11 @@ def test_triton_decode_replays_in_cuda_graph() -> None:
 
 def test_triton_rotary() -> None:
     check_rotary(triton_rotary.rotate_qk_, "cuda", (torch.float32, torch.bfloat16))
+
+
+@pytest.mark.parametrize("case", STORE_CASES)
+def test_triton_rotary_with_the_cache_write(case: Case) -> None:
+    check_rotary_store(triton_rotary.rotate_qk_, triton_kv_store.store_kvcache, case, "cuda", seed=3)
 
 
 def test_qwen3_qk_norm_rotary_on_cuda_agrees_with_the_cpu_path() -> None:

@@ -1,5 +1,6 @@
 """Triton KV-store, paged prefill, paged decode and sampling kernels vs the plain-torch reference, and
-the rotary kernel vs transformers, on CPU through Triton's interpreter.
+the rotary kernel vs transformers (and, storing K/V as it rotates, vs itself then the KV store), on CPU
+through Triton's interpreter.
 
 Triton decides between interpreter and compiler when a kernel is decorated, i.e. when
 kernels.triton_* is first imported, so TRITON_INTERPRET=1 must be set before that import; any
@@ -277,6 +278,44 @@ def check_rotary(rotate_qk_: Callable, device: str, dtypes: tuple[torch.dtype, .
         assert torch.equal(qkv[:, untouched:], before[:, untouched:])
 
 
+def check_rotary_store(rotate_qk_: Callable, store_kvcache: Callable, case: Case, device: str, seed: int) -> None:
+    """Rotary with the cache write (one launch) against rotary then store_kvcache, with and without
+    Qwen3's norm, bit for bit: the whole QKV buffer, both caches and, FP8, their scales. A third of
+    the tokens have slot -1 (store_kvcache leaves their slots untouched: check_store); the others
+    land on slots in and outside the sequences' contexts (the cache's NaN poison)."""
+    from nanoserve_kernels.backend import CacheWrite
+    batch = make_paged_batch(case, device, seed)
+    gen = torch.Generator(device).manual_seed(seed)
+    tokens, head_dim = sum(case.new_lens), case.head_dim
+    sizes = [case.heads * head_dim, case.kv_heads * head_dim, case.kv_heads * head_dim]
+    qkv = torch.randn(tokens, sum(sizes), generator=gen, device=device).to(case.dtype)
+    if case.fp8:  # magnitudes from 1e-6 to 1e3 per token, one all-zero row (as check_store)
+        qkv *= torch.logspace(-6, 3, tokens, device=device, dtype=case.dtype)[:, None]
+        qkv[0] = 0
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(64, dtype=torch.float32), inv_freq).to(device)
+    positions = torch.randint(0, 64, (tokens,), generator=gen, device=device)
+    slot_mapping = torch.randperm(batch.k_cache.shape[0] * case.block_size, generator=gen, device=device)[:tokens]
+    slot_mapping[1::3] = -1
+    weights = [(1 + 0.2 * torch.randn(head_dim, generator=gen, device=device)).to(case.dtype) for _ in "qk"]
+    for norm in (False, True):
+        results = []
+        for one_launch in (False, True):
+            buffer = qkv.clone()
+            q, k, v = (x.view(tokens, -1, head_dim) for x in buffer.split(sizes, dim=-1))
+            cache = {name: tensor.clone() for name, tensor in
+                     dict(k_cache=batch.k_cache, v_cache=batch.v_cache, **batch.scales).items()}
+            write = CacheWrite(v, slot_mapping=slot_mapping, **cache)
+            rotate_qk_(q, k, angles.cos(), angles.sin(), positions, *(weights if norm else (None, None)), 1e-6,
+                       write if one_launch else None)
+            if not one_launch:
+                store_kvcache(k, v, slot_mapping=slot_mapping, **cache)
+            results.append(dict(qkv=buffer, **cache))
+        separate, fused = results
+        for name, tensor in separate.items():
+            assert same_bits(fused[name], tensor), (case, norm, name)
+
+
 def check_gemv() -> None:
     """The batch-1 matrix-vector kernel vs a float64 product: odd sizes (masked row and column tails)
     and several column tiles, with and without a bias, with the chosen tiles and small forced ones."""
@@ -355,6 +394,12 @@ def run_interpreted_cases(kernel: str) -> None:
         from nanoserve_kernels.triton_rotary import rotate_qk_
         check_rotary(rotate_qk_, "cpu", (torch.float32, torch.float16))
         return
+    if kernel == "rotary_store":
+        from nanoserve_kernels.triton_kv_store import store_kvcache
+        from nanoserve_kernels.triton_rotary import rotate_qk_
+        for seed, case in enumerate(STORE_CASES):
+            check_rotary_store(rotate_qk_, store_kvcache, case, "cpu", seed)
+        return
     if kernel == "gemv":
         check_gemv()
         check_fused_gemv("cpu", torch.float32, FUSED_GEMV_SHAPES, INTERPRETED_DIFFER, INTERPRETED_DIFFER)
@@ -424,6 +469,28 @@ def test_kv_kernels_compile_for_hopper_with_an_fp8_cache() -> None:
         assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"], kernel
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+def test_rotary_kernel_compiles_for_hopper_with_the_cache_write(quantized: bool) -> None:
+    """The rotary kernel with Qwen3's norm, the store of k from registers and of v, and PDL, compiled
+    for sm_90 as the benchmark model runs it; its wait comes before the first global load."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nanoserve_kernels import triton_rotary
+    kernel = triton_rotary._qk_rotary_kernel
+    cache = "*fp8e4nv" if quantized else "*bf16"
+    types = {**{name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "q_weight", "k_weight")},
+             "cos_table": "*fp32", "sin_table": "*fp32", "positions": "*i64", "eps": "fp32", "k_cache": cache,
+             "v_cache": cache, "k_scale": "*fp32", "v_scale": "*fp32", "slot_mapping": "*i64"}
+    constexprs = dict(Q_HEADS=16, Q_HEADS_POW2=16, K_HEADS=8, K_HEADS_POW2=8, HALF=64, HALF_POW2=64, NORM=True,
+                      PDL=True, STORE=True, BLOCK_SIZE=256, FP8_MAX=kv_quant.FP8_MAX, AMAX_FLOOR=kv_quant.AMAX_FLOOR,
+                      QUANTIZED=quantized)
+    source = ASTSource(kernel, _hopper_signature(kernel, types), constexprs=constexprs)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    assert "griddepcontrol.wait" in ptx and ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+
+
 @pytest.mark.parametrize("prologue, residual, silu_mul", [("none", False, False), ("rms_norm", False, False),
                                                          ("rms_norm", True, False), ("rms_norm", True, True)])
 def test_gemv_kernel_compiles_for_hopper(prologue: str, residual: bool, silu_mul: bool) -> None:
@@ -465,7 +532,7 @@ def _stand_in_for_libdevice() -> None:
     libdevice.rsqrt, libdevice.exp = (lambda x: tl.math.rsqrt(x)), (lambda x: tl.math.exp(x))
 
 
-@pytest.mark.parametrize("kernel", ["store", "prefill", "decode", "sampling", "rotary", "gemv"])
+@pytest.mark.parametrize("kernel", ["store", "prefill", "decode", "sampling", "rotary", "rotary_store", "gemv"])
 def test_triton_kernel_matches_reference_in_interpreter(kernel: str) -> None:
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath}
