@@ -32,8 +32,12 @@ from worker_svc.launched_step import MAX_STEPS_IN_FLIGHT
 
 class StepTensors:
     """Every input tensor of a step at the largest step's size, either on the device or as one set
-    of host staging buffers. Small per-sequence columns of one dtype are rows of one buffer, so a
-    single copy of its front moves all of them."""
+    of host staging buffers. Each host-to-device copy costs the GPU ~3 us however small (the copy
+    itself and the turn between engines), a tenth of a millisecond-long batch-1 decode step over six
+    of them. So the tensors lie in three buffers, each read by one copy of its front: the
+    per-sequence rows (sampling indices, lengths, block tables) with the positions, then the slot
+    mapping, then the token ids, which a pipelined decode does not copy at all: its kernels gather
+    every row from the last sampled tokens on the device."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device,
                  pin: bool):
@@ -41,31 +45,34 @@ class StepTensors:
             return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
 
         self.input_ids = zeros(max_tokens, dtype=torch.int64)
-        self.positions = zeros(max_tokens, dtype=torch.int64)
         self.slot_mapping = zeros(max_tokens, dtype=torch.int64)
-        self.block_tables = zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32)
-        # context_lens has one spare entry, so the three rows are equally long.
-        self.lengths = zeros(3, max_seqs + 1, dtype=torch.int32)
-        self.context_lens, self.cu_seqlens_q, self.cu_seqlens_k = self.lengths
-        self.indices = zeros(7, max_seqs, dtype=torch.int64)
+        # int64: seven rows of sampled and fed indices, then the positions; int32: three rows of lengths
+        # (context_lens has one spare entry, so they are equally long), then the block tables. Each
+        # part starts 16-byte aligned, as Triton specializes on it.
+        self._positions_at, self._tables_at = _aligned(7 * max_seqs, 2), _aligned(3 * (max_seqs + 1), 4)
+        self.int64_rows = zeros(self._positions_at + max_tokens, dtype=torch.int64)
+        self.indices = self.int64_rows[:7 * max_seqs].view(7, max_seqs)
         (self.sample_indices, self.sampled_slots, self.fed_rows, self.fed_slots, self.sample_keys,
          self.sample_counters, temperature_bits) = self.indices
         # The sampled rows' temperatures ride in the same copy, as float64 over the last row's bits.
         self.sample_temperatures = temperature_bits.view(torch.float64)
-        # What copy_from moves, as flat views made once (a view per copy per step costs host time).
-        self.copied = tuple(t.view(-1) for t in (self.input_ids, self.positions, self.slot_mapping,
-                                                 self.block_tables, self.lengths, self.indices))
+        self.positions = self.int64_rows[self._positions_at:]
+        self.int32_rows = zeros(self._tables_at + max_seqs * max_blocks_per_seq, dtype=torch.int32)
+        self.lengths = self.int32_rows[:3 * (max_seqs + 1)].view(3, max_seqs + 1)
+        self.context_lens, self.cu_seqlens_q, self.cu_seqlens_k = self.lengths
+        self.block_tables = self.int32_rows[self._tables_at:].view(max_seqs, max_blocks_per_seq)
 
-    def copy_from(self, staged: "StepTensors", num_tokens: int, num_slots: int, num_seqs: int,
-                  num_sampled: int, num_fed: int) -> None:
-        """non_blocking copies of what a step uses: its tokens (the slot mapping over `num_slots`
-        rows, CUDA-graph padding included), its sequences' table rows, lengths and indices."""
-        counts = (num_tokens, num_tokens, num_slots, num_seqs * self.block_tables.shape[1],
-                  # through cu_seqlens_k[num_seqs]: the rows before it (context lengths, padding included) go whole
-                  2 * self.lengths.shape[1] + num_seqs + 1,
-                  _through_last_used(self.indices, [num_sampled, num_sampled, num_fed, num_fed, num_sampled,
-                                                    num_sampled, num_sampled]))
-        for dst, src, count in zip(self.copied, staged.copied, counts):
+    def copy_from(self, staged: "StepTensors", num_tokens: int, num_slots: int, num_seqs: int, num_fed: int
+                  ) -> None:
+        """non_blocking copies of what a step uses: its sequences' rows and positions, the slot mapping
+        over `num_slots` rows (CUDA-graph padding included), and its token ids unless every one is fed
+        from the last sampled tokens (num_fed == num_tokens)."""
+        counts = ((self.int64_rows, self._positions_at + num_tokens),
+                  (self.int32_rows, self._tables_at + num_seqs * self.block_tables.shape[1]),
+                  (self.slot_mapping, num_slots),
+                  (self.input_ids, 0 if num_fed == num_tokens else num_tokens))
+        for (dst, count), src in zip(counts, (staged.int64_rows, staged.int32_rows, staged.slot_mapping,
+                                               staged.input_ids)):
             if count:
                 dst[:count].copy_(src[:count], non_blocking=True)
 
@@ -75,9 +82,8 @@ class StepTensors:
                              self.sample_counters[:num_sampled], all_greedy)
 
 
-def _through_last_used(rows: torch.Tensor, used: list[int]) -> int:
-    """Elements of a buffer of equal rows from its start through the used part of its last used row."""
-    return max((i * rows.shape[1] + count for i, count in enumerate(used) if count), default=0)
+def _aligned(count: int, multiple: int) -> int:
+    return -(-count // multiple) * multiple
 
 
 class StagingSet:
@@ -133,11 +139,10 @@ class StepBuffers:
         staging.wait_copied()
         return staging
 
-    def upload(self, staging: StagingSet, num_tokens: int, num_slots: int, num_seqs: int, num_sampled: int,
-               num_fed: int) -> None:
+    def upload(self, staging: StagingSet, num_tokens: int, num_slots: int, num_seqs: int, num_fed: int) -> None:
         """Queues the copies of a filled staging set to the device buffers (StepTensors.copy_from)."""
         if staging.tensors is not self.on_device:
-            self.on_device.copy_from(staging.tensors, num_tokens, num_slots, num_seqs, num_sampled, num_fed)
+            self.on_device.copy_from(staging.tensors, num_tokens, num_slots, num_seqs, num_fed)
             staging.record_copied()
 
     def context(self, backend: AttentionBackend, is_prefill: bool, num_tokens: int, num_seqs: int,

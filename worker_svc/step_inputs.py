@@ -73,7 +73,7 @@ def build_step_inputs(work: StepWork, seqs: SequenceTable, backend: AttentionBac
     host.sampled_slots[:num_sampled] = sampled_slots
     sampler.stage(temperatures, seqs.seeds[sampled_slots], seqs.seeded[sampled_slots],
                   np.asarray(work.num_generated, np.int64), staging.sampling)
-    buffers.upload(staging, num_tokens, max(num_tokens, num_rows), num_seqs, num_sampled, num_fed)
+    buffers.upload(staging, num_tokens, max(num_tokens, num_rows), num_seqs, num_fed)
 
     device = buffers.on_device
     input_ids = device.input_ids[:num_tokens]

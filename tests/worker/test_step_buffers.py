@@ -106,3 +106,28 @@ def test_on_cpu_the_device_buffers_are_the_staging_set():
     assert staging.tensors is buffers.on_device and buffers.next_staging() is staging
     staging.arrays.input_ids[:3] = [5, 6, 7]
     assert buffers.on_device.input_ids[:3].tolist() == [5, 6, 7]
+
+
+def test_a_steps_copies_carry_its_rows_and_skip_token_ids_that_are_fed_on_the_device():
+    """StepTensors.copy_from between two host sets (on CUDA the pinned set and the device buffers):
+    every row a step uses arrives; the token ids stay behind when every row is fed from the last
+    sampled tokens, since the device gathers them there."""
+    from worker_svc.step_buffers import StepTensors
+    cpu = torch.device("cpu")
+    staged, device = (StepTensors(16, 4, 3, cpu, pin=False) for _ in range(2))
+    for name, tensor in vars(staged).items():
+        if isinstance(tensor, torch.Tensor) and name not in ("indices", "lengths", "sample_temperatures"):
+            tensor.copy_(torch.arange(tensor.numel()).view(tensor.shape) + 100)
+    staged.sample_temperatures[:2] = torch.tensor([0.5, 1.5], dtype=torch.float64)
+
+    device.copy_from(staged, num_tokens=3, num_slots=4, num_seqs=2, num_fed=3)
+    for name, count in (("positions", 3), ("slot_mapping", 4), ("context_lens", 2), ("cu_seqlens_q", 3),
+                        ("cu_seqlens_k", 3), ("block_tables", 2), ("sample_indices", 2), ("sampled_slots", 2),
+                        ("fed_rows", 2), ("fed_slots", 2), ("sample_keys", 2), ("sample_counters", 2),
+                        ("sample_temperatures", 2)):
+        assert torch.equal(getattr(device, name)[:count], getattr(staged, name)[:count]), name
+    assert not device.input_ids.any()
+    assert not device.slot_mapping[4:].any() and not device.positions[3:].any() and not device.block_tables[2:].any()
+
+    device.copy_from(staged, num_tokens=3, num_slots=4, num_seqs=2, num_fed=1)
+    assert torch.equal(device.input_ids[:3], staged.input_ids[:3]) and not device.input_ids[3:].any()
