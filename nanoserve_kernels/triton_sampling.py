@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from nanoserve_kernels import race_sampling
+from nanoserve_kernels.pdl import pdl_launch, wait_for_previous_kernel
 
 # Vocabulary entries per step of a program (four per Philox draw), and programs wanted per SM: at
 # [256, 151,936] 2,048 and 4 take 168 us, 1,024 and 2 took 201 (H100, same tokens; 64 rows 46 vs 51 us).
@@ -34,7 +35,8 @@ def _exponential_noise(words):
 
 @triton.jit(do_not_specialize=["vocab_size", "blocks_per_split"])
 def _race_kernel(logits, stride_row, temperatures, keys, counters, best_scores, best_tokens, vocab_size,
-                 blocks_per_split, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+                 blocks_per_split, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     temperature = tl.load(temperatures + row).to(tl.float32)
@@ -65,7 +67,8 @@ def _race_kernel(logits, stride_row, temperatures, keys, counters, best_scores, 
 
 
 @triton.jit
-def _pick_kernel(best_scores, best_tokens, tokens, SPLITS: tl.constexpr):
+def _pick_kernel(best_scores, best_tokens, tokens, SPLITS: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     splits = tl.arange(0, SPLITS)
     scores = tl.load(best_scores + row * SPLITS + splits)
@@ -98,8 +101,9 @@ def race_sample(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Te
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return tokens
+    pdl = pdl_launch(logits.device)
     _race_kernel[(rows, splits)](logits, logits.stride(0), temperatures, keys, counters, best_scores, best_tokens,
                                  vocab_size, triton.cdiv(triton.cdiv(vocab_size, BLOCK), splits),
-                                 SPLITS=splits, BLOCK=BLOCK)
-    _pick_kernel[(rows,)](best_scores, best_tokens, tokens, SPLITS=splits)
+                                 SPLITS=splits, BLOCK=BLOCK, **pdl)
+    _pick_kernel[(rows,)](best_scores, best_tokens, tokens, SPLITS=splits, **pdl)
     return tokens
