@@ -67,14 +67,17 @@ def _race_kernel(logits, stride_row, temperatures, keys, counters, best_scores, 
 
 
 @triton.jit
-def _pick_kernel(best_scores, best_tokens, tokens, SPLITS: tl.constexpr, PDL: tl.constexpr):
+def _pick_kernel(best_scores, best_tokens, tokens, kept, slots, SPLITS: tl.constexpr, KEEP: tl.constexpr,
+                 PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     splits = tl.arange(0, SPLITS)
     scores = tl.load(best_scores + row * SPLITS + splits)
     winner = tl.argmax(scores, 0, tie_break_left=True)  # lower splits hold lower token ids
-    token = tl.sum(tl.where(splits == winner, tl.load(best_tokens + row * SPLITS + splits), 0))
-    tl.store(tokens + row, token.to(tl.int64))
+    token = tl.sum(tl.where(splits == winner, tl.load(best_tokens + row * SPLITS + splits), 0)).to(tl.int64)
+    tl.store(tokens + row, token)
+    if KEEP:
+        tl.store(kept + tl.load(slots + row), token)
 
 
 @functools.cache
@@ -90,9 +93,10 @@ def num_splits(rows: int, vocab_size: int, device: torch.device) -> int:
     return min(MAX_SPLITS, wanted, triton.next_power_of_2(triton.cdiv(vocab_size, BLOCK)))
 
 
-def race_sample(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor,
-                counters: torch.Tensor) -> torch.Tensor:
-    """nanoserve_kernels.race_sampling.race_sample: one token id (int64) per row of logits [rows, vocab]."""
+def race_sample(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor,
+                kept: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
+    """nanoserve_kernels.race_sampling.race_sample: one token id (int64) per row of logits [rows, vocab];
+    with `kept`, each row's token also lands at kept[slots[row]] (int64 both), in the same launch."""
     rows, vocab_size = logits.shape
     assert logits.stride(1) == 1
     splits = num_splits(rows, vocab_size, logits.device)
@@ -105,5 +109,5 @@ def race_sample(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Te
     _race_kernel[(rows, splits)](logits, logits.stride(0), temperatures, keys, counters, best_scores, best_tokens,
                                  vocab_size, triton.cdiv(triton.cdiv(vocab_size, BLOCK), splits),
                                  SPLITS=splits, BLOCK=BLOCK, **pdl)
-    _pick_kernel[(rows,)](best_scores, best_tokens, tokens, SPLITS=splits, **pdl)
+    _pick_kernel[(rows,)](best_scores, best_tokens, tokens, kept, slots, SPLITS=splits, KEEP=kept is not None, **pdl)
     return tokens

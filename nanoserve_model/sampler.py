@@ -81,15 +81,22 @@ class Sampler:
             self(logits[:rows], SamplingBatch(batch.temperatures[:rows], batch.keys[:rows], batch.counters[:rows],
                                               all_greedy=False))
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, kept: torch.Tensor | None = None,
+                 slots: torch.Tensor | None = None) -> torch.Tensor:
         """One token id per row of logits [S, vocab], on the device (int64, no host sync);
         temperature is applied in float32. A greedy row takes its argmax, the first of tied maxima.
         On CUDA that is the race kernels' rule for it, and they take an all-greedy batch too: at
         batch 1 their two dependent launches cost less than torch's argmax (one program reducing
-        151,936 logits: 8.8 us of a ~1 ms step on an H100). Elsewhere such a batch takes one argmax."""
-        if batch.all_greedy and not self.on_gpu:
-            return logits.argmax(dim=-1)
-        return self._race(logits, batch.temperatures, batch.keys, batch.counters)
+        151,936 logits: 8.8 us of a ~1 ms step on an H100). Elsewhere such a batch takes one argmax.
+        With `kept`, each row's token is also written at kept[slots[row]] (on CUDA by the race's
+        last kernel, not by an indexing kernel of its own)."""
+        if self.on_gpu:
+            return self._race(logits, batch.temperatures, batch.keys, batch.counters, kept, slots)
+        tokens = (logits.argmax(dim=-1) if batch.all_greedy else
+                  self._race(logits, batch.temperatures, batch.keys, batch.counters))
+        if kept is not None:
+            kept[slots] = tokens
+        return tokens
 
 
 class SamplingColumns(NamedTuple):
