@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 
 from nanoserve_kernels import race_sampling
-from nanoserve_kernels.pdl import pdl_launch, wait_for_previous_kernel
 
 # Vocabulary entries per step of a program (four per Philox draw), and programs wanted per SM: at
 # [256, 151,936] 2,048 and 4 take 168 us, 1,024 and 2 took 201 (H100, same tokens; 64 rows 46 vs 51 us).
@@ -35,8 +34,7 @@ def _exponential_noise(words):
 
 @triton.jit(do_not_specialize=["vocab_size", "blocks_per_split"])
 def _race_kernel(logits, stride_row, temperatures, keys, counters, best_scores, best_tokens, vocab_size,
-                 blocks_per_split, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+                 blocks_per_split, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     temperature = tl.load(temperatures + row).to(tl.float32)
@@ -67,17 +65,13 @@ def _race_kernel(logits, stride_row, temperatures, keys, counters, best_scores, 
 
 
 @triton.jit
-def _pick_kernel(best_scores, best_tokens, tokens, kept, slots, SPLITS: tl.constexpr, KEEP: tl.constexpr,
-                 PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+def _pick_kernel(best_scores, best_tokens, tokens, SPLITS: tl.constexpr):
     row = tl.program_id(0)
     splits = tl.arange(0, SPLITS)
     scores = tl.load(best_scores + row * SPLITS + splits)
     winner = tl.argmax(scores, 0, tie_break_left=True)  # lower splits hold lower token ids
-    token = tl.sum(tl.where(splits == winner, tl.load(best_tokens + row * SPLITS + splits), 0)).to(tl.int64)
-    tl.store(tokens + row, token)
-    if KEEP:
-        tl.store(kept + tl.load(slots + row), token)
+    token = tl.sum(tl.where(splits == winner, tl.load(best_tokens + row * SPLITS + splits), 0))
+    tl.store(tokens + row, token.to(tl.int64))
 
 
 @functools.cache
@@ -93,10 +87,9 @@ def num_splits(rows: int, vocab_size: int, device: torch.device) -> int:
     return min(MAX_SPLITS, wanted, triton.next_power_of_2(triton.cdiv(vocab_size, BLOCK)))
 
 
-def race_sample(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor,
-                kept: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
-    """nanoserve_kernels.race_sampling.race_sample: one token id (int64) per row of logits [rows, vocab];
-    with `kept`, each row's token also lands at kept[slots[row]] (int64 both), in the same launch."""
+def race_sample(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor,
+                counters: torch.Tensor) -> torch.Tensor:
+    """nanoserve_kernels.race_sampling.race_sample: one token id (int64) per row of logits [rows, vocab]."""
     rows, vocab_size = logits.shape
     assert logits.stride(1) == 1
     splits = num_splits(rows, vocab_size, logits.device)
@@ -105,9 +98,8 @@ def race_sample(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Te
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return tokens
-    pdl = pdl_launch(logits.device)
     _race_kernel[(rows, splits)](logits, logits.stride(0), temperatures, keys, counters, best_scores, best_tokens,
                                  vocab_size, triton.cdiv(triton.cdiv(vocab_size, BLOCK), splits),
-                                 SPLITS=splits, BLOCK=BLOCK, **pdl)
-    _pick_kernel[(rows,)](best_scores, best_tokens, tokens, kept, slots, SPLITS=splits, KEEP=kept is not None, **pdl)
+                                 SPLITS=splits, BLOCK=BLOCK)
+    _pick_kernel[(rows,)](best_scores, best_tokens, tokens, SPLITS=splits)
     return tokens

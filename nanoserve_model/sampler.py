@@ -47,8 +47,7 @@ class Sampler:
         self.key = seed_key(seed)
         self.draws = 0  # draws taken from the worker's own stream
         self._race = race_sample
-        self.on_gpu = device.type == "cuda"
-        if self.on_gpu:  # Triton is a GPU requirement only, so imported here
+        if device.type == "cuda":  # Triton is a GPU requirement only, so imported here
             from nanoserve_kernels.triton_sampling import race_sample as race_sample_on_gpu
             self._race = race_sample_on_gpu
 
@@ -81,22 +80,13 @@ class Sampler:
             self(logits[:rows], SamplingBatch(batch.temperatures[:rows], batch.keys[:rows], batch.counters[:rows],
                                               all_greedy=False))
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, kept: torch.Tensor | None = None,
-                 slots: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """One token id per row of logits [S, vocab], on the device (int64, no host sync);
-        temperature is applied in float32. A greedy row takes its argmax, the first of tied maxima.
-        On CUDA that is the race kernels' rule for it, and they take an all-greedy batch too: at
-        batch 1 their two dependent launches cost less than torch's argmax (one program reducing
-        151,936 logits: 8.8 us of a ~1 ms step on an H100). Elsewhere such a batch takes one argmax.
-        With `kept`, each row's token is also written at kept[slots[row]] (on CUDA by the race's
-        last kernel, not by an indexing kernel of its own)."""
-        if self.on_gpu:
-            return self._race(logits, batch.temperatures, batch.keys, batch.counters, kept, slots)
-        tokens = (logits.argmax(dim=-1) if batch.all_greedy else
-                  self._race(logits, batch.temperatures, batch.keys, batch.counters))
-        if kept is not None:
-            kept[slots] = tokens
-        return tokens
+        temperature is applied in float32. An all-greedy batch takes one argmax (the race's own
+        greedy rule) and skips the race's launches."""
+        if batch.all_greedy:
+            return logits.argmax(dim=-1)
+        return self._race(logits, batch.temperatures, batch.keys, batch.counters)
 
 
 class SamplingColumns(NamedTuple):

@@ -285,15 +285,11 @@ class ModelRunner:
         logits, inputs = self._compute(work)
         tokens = None
         if inputs is not None and work.sampled:
-            # Each sequence's token is kept in last_tokens: by the sampler as it picks it on a lone rank,
-            # else on every rank once rank 0's tokens are broadcast.
-            keep = (self.last_tokens, inputs.sampled_slots) if self.config.tensor_parallel_size == 1 else ()
-            tokens = (self.sampler(self.extras.process(logits, work, inputs.sampled_slots), inputs.sampling, *keep)
+            tokens = (self.sampler(self.extras.process(logits, work, inputs.sampled_slots), inputs.sampling)
                       if logits is not None else
                       torch.empty(len(work.sampled), dtype=torch.int64, device=self.device))
-            if not keep:
-                broadcast_from_first_rank(tokens)
-                self.last_tokens[inputs.sampled_slots] = tokens
+            broadcast_from_first_rank(tokens)
+            self.last_tokens[inputs.sampled_slots] = tokens
         logprobs = self.extras.finish(logits, tokens, inputs and inputs.sampled_slots) if work else None
         return LaunchedStep(self.clock, start, tokens if logits is not None else None, host_started, logprobs)
 

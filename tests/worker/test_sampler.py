@@ -26,16 +26,6 @@ def test_temperature_zero_is_argmax_even_beside_sampled_rows():
     assert greedy.all_greedy and Sampler(CPU, seed=0)(logits, greedy).tolist() == argmax
 
 
-def test_the_sampler_keeps_each_rows_token_at_its_slot():
-    """The worker keeps every sequence's last token by slot; a lone rank has the sampler write them."""
-    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
-    kept, slots = torch.full((6,), -1), torch.tensor([4, 0, 2])
-    sampler = Sampler(CPU, seed=0)
-    for rows in ([SamplingRow(0.0, None, 0)] * 3, [SamplingRow(1.0, 7, 0)] * 3):
-        tokens = sampler(logits, sampler.batch(rows), kept, slots)
-        assert kept.tolist() == [tokens[1], -1, tokens[2], -1, tokens[0], -1]
-
-
 def test_warm_up_races_every_row_count_so_serving_compiles_nothing():
     sampler, seen = Sampler(CPU, seed=0), []
     race = sampler._race
