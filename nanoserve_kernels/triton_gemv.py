@@ -29,14 +29,15 @@ from triton.language.extra import libdevice
 from nanoserve_kernels.pdl import pdl_launch, wait_for_previous_kernel
 
 MAX_ROWS = 1
-# Tiles (bench/gemv.py --sweep, weights from memory, H100). Two rows of up to 2,048 columns a
-# program, 4 warps: within 4% of the best on each projection of the 0.6B shape but its down
-# projection (9%); larger tiles leave too few programs on its narrow projections. From 4,096
-# columns on (8B), four rows a program (with SiLU-and-mul: two gate and two up rows) gain 1.2 us on
-# q/k/v, and on a row of 12,288 (8B down) tiles of 4,096 columns take 35.0 us where 2,048 took 40.6.
-ROWS_PER_PROGRAM, WIDE_ROWS_PER_PROGRAM, WIDE_K = 2, 4, 4096
-MAX_BLOCK_K, LONG_ROW_BLOCK_K, LONG_K = 2048, 4096, 8192
-NUM_WARPS = 4
+# Tiles (bench/gemv.py --sweep: the model's calls, fusions and PDL in, weights from memory, H100).
+# Rows under 4,096 columns (the 0.6B shape) take one tile for the whole row, eight rows a program up
+# to 1,024 columns and four beyond, and 8 warps with SiLU-and-mul: against two rows of at most 2,048
+# columns, 4 warps, q/k/v 5.99 -> 4.40 us, o 2.85 -> 2.51, gate_up 8.05 -> 6.78, down 3.94 -> 3.28
+# (3.9 us a layer, session 8). From 4,096 columns on (8B), four rows a program (with SiLU-and-mul: two
+# gate and two up rows) gain 1.2 us on q/k/v, and on a row of 12,288 (8B down) tiles of 4,096 columns
+# take 35.0 us where 2,048 took 40.6.
+WIDE_K, LONG_K = 4096, 8192
+NUM_WARPS, SILU_MUL_WARPS = 4, 8
 
 
 @triton.jit
@@ -113,9 +114,12 @@ def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, bias_pt
 
 def tiles(k: int, silu_mul: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, warps) for W [n, k]; with silu_mul, BLOCK_N gate rows and as many up rows."""
-    rows = WIDE_ROWS_PER_PROGRAM if k >= WIDE_K else ROWS_PER_PROGRAM
-    block_k = LONG_ROW_BLOCK_K if k >= LONG_K else min(triton.next_power_of_2(k), MAX_BLOCK_K)
-    return rows // 2 if silu_mul else rows, block_k, NUM_WARPS
+    if k >= WIDE_K:
+        rows, block_k, warps = 4, 4096 if k >= LONG_K else 2048, NUM_WARPS
+    else:
+        rows, block_k = 8 if k <= 1024 else 4, triton.next_power_of_2(k)
+        warps = SILU_MUL_WARPS if silu_mul else NUM_WARPS
+    return rows // 2 if silu_mul else rows, block_k, warps
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int | None = None,
