@@ -12,6 +12,10 @@ each launch also holds the worker's host for that long, as the runner's Python d
 batch-1 step of the 0.6B shape on the H100): `--num-seqs 1 --step-ms 1 --launch-ms 0.9` is batch-1
 decode's service ceiling.
 
+The null worker runs in a process of its own, as a worker does, so that only its own threads
+(launcher, replies, gRPC's) share its GIL; on exit it prints how long the emulated device waited
+before each step (percentiles, and the gaps over 1 ms), which the average alone hides.
+
     python bench/service_overhead.py [--num-seqs 256] [--step-ms 6.5] [--launch-ms 0.9] [--extra "--max-num-seqs 128"]
 """
 import argparse
@@ -19,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -60,7 +65,8 @@ class NullRunner:
             vocab_size=151936, max_model_len=4096, eos_token_ids=[151645], attention_backend="none",
             device="none", max_num_seqs=256, max_num_batched_tokens=16384, model_fingerprint="null")
         self.step_seconds, self.launch_seconds = step_ms / 1e3, launch_ms / 1e3
-        self.device_free = 0.0  # when the emulated device finishes the work queued so far
+        self.device_free = None  # when the emulated device finishes the work queued so far
+        self.idles: list[float] = []  # the device's wait before each step but the first
 
     def info(self) -> worker_pb2.WorkerInfo:
         return self.info_message
@@ -73,34 +79,59 @@ class NullRunner:
         while time.perf_counter() - started < self.launch_seconds:
             pass
         now = time.perf_counter()
-        idle = max(0.0, now - self.device_free)  # the device ran out of queued steps
-        self.device_free = max(now, self.device_free) + self.step_seconds
+        idle = 0.0 if self.device_free is None else max(0.0, now - self.device_free)  # it ran out of steps
+        if self.device_free is not None:
+            self.idles.append(idle)
+        self.device_free = max(now, self.device_free or now) + self.step_seconds
         tokens = [5] * sum(1 for entry in request.seqs if entry.sample)
         return NullStep(self.device_free, tokens, self.step_seconds, idle, now - started)
 
 
-@contextlib.contextmanager
-def null_service(tokenizer: str, extra: str = "", step_ms: float = 0.0, launch_ms: float = 0.0) -> Iterator[str]:
-    """A scheduler process over the worker service in this process around a NullRunner (the
-    tokenizer's directory lends the model's name and tokenizer): the scheduler's address while it runs."""
-    if not (Path(tokenizer) / "tokenizer.json").exists():
-        subprocess.run([sys.executable, "-m", "nanoserve_cli.demo_model"], check=True, cwd=REPO)  # fetches it
+def idle_report(idles: list[float]) -> str:
+    """The emulated device's waits before its steps, in milliseconds."""
+    if not idles:
+        return "no steps"
+    ordered = sorted(idles)
+
+    def at(q: float) -> float:
+        return 1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return (f"device idle before {len(ordered)} steps: p50 {at(0.5):.3f}, p90 {at(0.9):.3f}, p99 {at(0.99):.3f}, "
+            f"max {1e3 * ordered[-1]:.3f} ms; {sum(i > 1e-3 for i in ordered)} gaps over 1 ms, "
+            f"{1e3 * sum(ordered):.1f} ms in all")
+
+
+def serve_null_worker(port: int, tokenizer: str, step_ms: float, launch_ms: float) -> None:
+    """The worker service around a NullRunner on `port` until SIGTERM; then its idle report (stderr)."""
     from worker_svc.server import GIL_SWITCH_SECONDS, WorkerService  # torch: only where a worker is wanted
     sys.setswitchinterval(GIL_SWITCH_SECONDS)  # as serve_worker sets it
+    runner = NullRunner(tokenizer, step_ms, launch_ms)
     worker = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(NullRunner(tokenizer, step_ms, launch_ms)), worker)
-    worker_port = worker.add_insecure_port("127.0.0.1:0")
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(runner), worker)
+    worker.add_insecure_port(f"127.0.0.1:{port}")
     worker.start()
-    port = free_port()
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop(0))
+    worker.wait_for_termination()
+    print(idle_report(runner.idles), file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def null_service(tokenizer: str, extra: str = "", step_ms: float = 0.0, launch_ms: float = 0.0) -> Iterator[str]:
+    """A scheduler process over a null worker process (the tokenizer's directory lends the model's
+    name and tokenizer): the scheduler's address while they run."""
+    if not (Path(tokenizer) / "tokenizer.json").exists():
+        subprocess.run([sys.executable, "-m", "nanoserve_cli.demo_model"], check=True, cwd=REPO)  # fetches it
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "proto")])}
+    worker_port, port = free_port(), free_port()
+    worker = subprocess.Popen([sys.executable, __file__, "--null-worker-port", str(worker_port), "--tokenizer",
+                               tokenizer, "--step-ms", str(step_ms), "--launch-ms", str(launch_ms)], env=env)
     scheduler = subprocess.Popen([sys.executable, "-m", "scheduler_svc", "--port", str(port),
                                   "--workers", f"127.0.0.1:{worker_port}", *extra.split()], env=env)
     try:
-        wait_serving(f"127.0.0.1:{port}", [scheduler], timeout=120)
+        wait_serving(f"127.0.0.1:{port}", [scheduler, worker], timeout=120)
         yield f"127.0.0.1:{port}"
     finally:
-        stop_all([scheduler])
-        worker.stop(0)
+        stop_all([scheduler, worker])
 
 
 def main() -> None:
@@ -111,7 +142,11 @@ def main() -> None:
     p.add_argument("--launch-ms", type=float, default=0.0,
                    help="the runner's host time a step launch, holding the GIL (the H100's 0.6B batch-1 launch: ~0.9)")
     p.add_argument("--extra", default="", help="more `nanoserve scheduler` flags, space separated")
+    p.add_argument("--null-worker-port", type=int, default=0, help=argparse.SUPPRESS)  # null_service's worker
     args = p.parse_args()
+    if args.null_worker_port:
+        serve_null_worker(args.null_worker_port, args.tokenizer, args.step_ms, args.launch_ms)
+        return
     with null_service(args.tokenizer, args.extra, args.step_ms, args.launch_ms) as address:
         result = asyncio.run(drive(address, workload(args.num_seqs, 1024, 1024)))
     steps = result["prefill_steps"] + result["decode_steps"]
