@@ -96,8 +96,9 @@ def idle_report(idles: list[float]) -> str:
     def at(q: float) -> float:
         return 1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
+    long_gaps = [step for step, idle in enumerate(idles, start=1) if idle > 1e-3]
     return (f"device idle before {len(ordered)} steps: p50 {at(0.5):.3f}, p90 {at(0.9):.3f}, p99 {at(0.99):.3f}, "
-            f"max {1e3 * ordered[-1]:.3f} ms; {sum(i > 1e-3 for i in ordered)} gaps over 1 ms, "
+            f"max {1e3 * ordered[-1]:.3f} ms; {len(long_gaps)} gaps over 1 ms (before steps {long_gaps[:12]}), "
             f"{1e3 * sum(ordered):.1f} ms in all")
 
 
