@@ -39,6 +39,7 @@ sys.path[:0] = [str(REPO), str(REPO / "proto"), str(REPO / "bench")]
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 from nanoserve_cli.cache import cache_dir  # noqa: E402
 from nanoserve_cli.launcher import free_port, stop_all, wait_serving  # noqa: E402
+from latency import percentiles  # noqa: E402
 from throughput import drive, workload  # noqa: E402
 
 
@@ -79,10 +80,12 @@ class NullRunner:
         while time.perf_counter() - started < self.launch_seconds:
             pass
         now = time.perf_counter()
-        idle = 0.0 if self.device_free is None else max(0.0, now - self.device_free)  # it ran out of steps
-        if self.device_free is not None:
+        if self.device_free is None:  # the first step: the device had nothing to wait for
+            idle, self.device_free = 0.0, now
+        else:
+            idle = max(0.0, now - self.device_free)  # the device ran out of queued steps
             self.idles.append(idle)
-        self.device_free = max(now, self.device_free or now) + self.step_seconds
+        self.device_free = max(now, self.device_free) + self.step_seconds
         tokens = [5] * sum(1 for entry in request.seqs if entry.sample)
         return NullStep(self.device_free, tokens, self.step_seconds, idle, now - started)
 
@@ -91,15 +94,11 @@ def idle_report(idles: list[float]) -> str:
     """The emulated device's waits before its steps, in milliseconds."""
     if not idles:
         return "no steps"
-    ordered = sorted(idles)
-
-    def at(q: float) -> float:
-        return 1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
+    ms = percentiles([1e3 * idle for idle in idles])
     long_gaps = [step for step, idle in enumerate(idles, start=1) if idle > 1e-3]
-    return (f"device idle before {len(ordered)} steps: p50 {at(0.5):.3f}, p90 {at(0.9):.3f}, p99 {at(0.99):.3f}, "
-            f"max {1e3 * ordered[-1]:.3f} ms; {len(long_gaps)} gaps over 1 ms (before steps {long_gaps[:12]}), "
-            f"{1e3 * sum(ordered):.1f} ms in all")
+    return (f"device idle before {ms['n']} steps: p50 {ms['p50']:.3f}, p90 {ms['p90']:.3f}, p99 {ms['p99']:.3f}, "
+            f"max {1e3 * max(idles):.3f} ms; {len(long_gaps)} gaps over 1 ms (before steps {long_gaps[:12]}), "
+            f"{1e3 * sum(idles):.1f} ms in all")
 
 
 def serve_null_worker(port: int, tokenizer: str, step_ms: float, launch_ms: float) -> None:
