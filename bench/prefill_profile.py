@@ -5,7 +5,7 @@ step is a mixed one: N running sequences (--decode-context tokens each) decode b
 as under load with chunked prefill; --profile prints where the largest step's time goes.
 
     python3 bench/prefill_profile.py [--lengths 16 128 512 2048 8192] [--attention-backend triton]
-        [--decodes 128 --decode-context 512] [--profile]
+        [--decodes 128 --decode-context 512] [--profile] [--model DIR --load-format dummy]
 
 host: StepResponse.host_seconds, the time the worker took to turn the request into queued work.
 gpu: the GPU time of that work alone: a sleep kernel is queued first, so the whole step is queued
@@ -104,6 +104,7 @@ def main() -> None:
     p.add_argument("--model", default=str(bench_model_dir()))
     p.add_argument("--lengths", type=int, nargs="+", default=[16, 128, 512, 2048, 8192])
     p.add_argument("--attention-backend", default="triton")
+    p.add_argument("--load-format", default="auto", help="dummy: random weights for a config-only directory")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--decodes", type=int, default=0, help="running sequences decoding beside each prompt")
     p.add_argument("--decode-context", type=int, default=512, help="their context length at the start")
@@ -118,7 +119,7 @@ def main() -> None:
     runner = ModelRunner(WorkerConfig(
         model=args.model, block_size=BLOCK_SIZE, num_kv_blocks=num_blocks, attention_backend=args.attention_backend,
         max_num_seqs=max(8, args.decodes + 1), max_num_batched_tokens=max(8192, max(args.lengths) + args.decodes),
-        max_model_len=max(max(args.lengths), args.decode_context + steps) + BLOCK_SIZE))
+        max_model_len=max(max(args.lengths), args.decode_context + steps) + BLOCK_SIZE, load_format=args.load_format))
     started = time.perf_counter()
     runner.allocate_kv_cache(num_blocks)
     result = {"backend": runner.backend.name, "capture_seconds": time.perf_counter() - started, "steps": {},

@@ -178,12 +178,21 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, k_scale, v_scale, out_ptr, cu_seqle
              out.to(out_ptr.dtype.element_ty), mask=row_valid)
 
 
-def _launch_config(head_dim: int) -> dict:
+# From this many new tokens of one sequence on, the query tiles are long enough (2,000 keys each on
+# average) for 128 x 128 tiles on 8 warps to beat 64 x 64 on 4: 1 x 4,000 tokens 0.426 -> 0.402 ms a
+# layer, 1 x 8,000 1.496 -> 1.342 (8B shape, H100); at 16 x 1,024 they lose 4%. Only the eager step
+# that sizes memory at start-up can be that long, and it compiles them then.
+LONG_PROMPT = 2048
+
+
+def _launch_config(head_dim: int, max_seqlen_q: int, quantized: bool) -> dict:
     """Tile shapes and pipelining, tuned on an H100 for head_dim 128 (bench/NOTES-kernels.md);
     larger heads take narrower key tiles, or their registers spill."""
-    if head_dim <= 128:
-        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
-    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    if head_dim > 128:
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    if max_seqlen_q >= LONG_PROMPT and not quantized:
+        return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -193,7 +202,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """New tokens (q: [N, heads, head_dim], packed by cu_seqlens_q) attend causally to their
     sequence's whole cache (cached prefix + themselves, already stored), into `out` if given (a
     static buffer between CUDA-graph pieces); an FP8 cache comes with its scales. No host sync; the
-    grid comes from shapes alone, so the maxima go unused."""
+    grid comes from shapes alone, and the longest new run picks the tiles (max_seqlen_k goes unused)."""
     num_tokens, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -201,7 +210,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     assert out.shape == q.shape and out.stride(2) == 1
     num_seqs = cu_seqlens_q.numel() - 1
-    config = _launch_config(head_dim)
+    config = _launch_config(head_dim, max_seqlen_q, k_scale is not None)
     # Enough tile slots for any split of num_tokens into num_seqs sequences (see _find_sequence).
     grid = (num_tokens // config["BLOCK_M"] + num_seqs, heads)
     _prefill_kernel[grid](

@@ -14,8 +14,8 @@ from nanoserve_kernels import flash_attn_backend, race_sampling, triton_decode  
 from nanoserve_kernels import triton_kv_store, triton_prefill, triton_rotary, triton_sampling  # noqa: E402
 from nanoserve_model import qwen3  # noqa: E402
 from tests.worker.test_triton_kernels import (  # noqa: E402
-    Case, check_decode, check_fused_gemv, check_prefill, check_rotary, check_rotary_store, check_sampling, check_store,
-    make_paged_batch)
+    Case, check_decode, check_fused_gemv, check_prefill, check_rotary, check_rotary_store, check_sampling,
+    check_silu_and_mul, check_store, make_paged_batch)
 
 BF16 = dict(head_dim=128, dtype=torch.bfloat16)
 STORE_CASES = [Case(new_lens=(700,), context_lens=(1500,), heads=16, kv_heads=8, block_size=256, **BF16),
@@ -28,6 +28,9 @@ PREFILL_CASES = [
     Case(new_lens=(1024, 100), context_lens=(2048, 612), heads=16, kv_heads=8, block_size=256, **BF16),
     # chunked prefill continuing mid-block, GQA 8
     Case(new_lens=(512, 300), context_lens=(1536, 701), heads=16, kv_heads=2, block_size=16, **BF16),
+    # long prompts (the long-prompt tiles), first and over a cached prefix, GQA 4 as Qwen3-8B's
+    Case(new_lens=(4000, 100), context_lens=(4000, 100), heads=32, kv_heads=8, block_size=256, **BF16),
+    Case(new_lens=(2048,), context_lens=(3000,), heads=32, kv_heads=8, block_size=256, **BF16),
     # GQA 1, other power-of-two head_dims
     Case(new_lens=(200, 77), context_lens=(200, 300), heads=8, kv_heads=8, head_dim=64,
          block_size=32, dtype=torch.bfloat16),
@@ -202,3 +205,9 @@ def test_fused_gemv_matches_the_separate_kernels_in_bf16() -> None:
     the residual the add's."""
     check_fused_gemv("cuda", torch.bfloat16, ((4096, 1024), (6144, 1024), (6144, 4096), (24576, 4096)),
                      norm_differ=1e-3, silu_differ=0.0)
+
+
+def test_silu_and_mul_kernel_matches_the_compiled_function_in_bf16() -> None:
+    """The Triton SiLU-and-mul gives torch.compile's output of the plain function (the kernel it
+    replaced on CUDA), but for the exp's last bit in at most 1 in 1,000 elements."""
+    check_silu_and_mul("cuda", torch.bfloat16, differ=1e-3)

@@ -189,6 +189,8 @@ PREFILL_CASES = [
     Case(new_lens=(64, 20), context_lens=(130, 51), heads=8, kv_heads=1, block_size=128,
          dtype=torch.float16),
     Case(new_lens=(3, 40), context_lens=(3, 99), heads=4, kv_heads=2, head_dim=32),
+    # a long prompt (triton_prefill.LONG_PROMPT: the long-prompt tiles) over a cached prefix, beside a short one
+    Case(new_lens=(2100, 30), context_lens=(2230, 30), heads=2, kv_heads=1, block_size=64),
     # FP8 cache: a prefix hit and a first prefill, GQA 2; chunked, GQA 8, fp16
     Case(new_lens=(10, 70), context_lens=(48, 70), heads=4, kv_heads=2, block_size=32, fp8=True),
     Case(new_lens=(64, 20), context_lens=(130, 51), heads=8, kv_heads=1, block_size=128,
@@ -367,11 +369,35 @@ def check_fused_gemv(device: str, dtype: torch.dtype, shapes: tuple[tuple[int, i
             w2 = torch.cat([w, w.flip(0)])  # (gate, up)
             bias2 = torch.cat([bias, bias.flip(0)])
             activation, act_residual = rms_norm_gemv(x, res, norm_weight, 1e-6, w2, bias2, silu_mul=True, **tiles)
-            # the products in the same programs' order (a tile's sum over columns depends on its rows)
-            same_tiles = tiles or dict(zip(("block_n", "block_k", "num_warps"), gemv_tiles(k, silu_mul=True)))
+            # the products in the same programs' order: a tile's sum over columns depends on its rows and
+            # its warps, and SiLU-and-mul may take other warps than a plain projection of that row length
+            same_tiles = dict(zip(("block_n", "block_k", "num_warps"), gemv_tiles(k, silu_mul=True))) | tiles
             gate_up = rms_norm_gemv(x, res, norm_weight, 1e-6, w2, bias2, **same_tiles)[0]
             assert same_bits(act_residual, new_residual), what
             assert_nearly_same(activation, silu_and_mul(gate_up), silu_differ, what)
+
+
+def check_silu_and_mul(device: str, dtype: torch.dtype, differ: float = 0.0) -> None:
+    """The SiLU-and-mul kernel against float64 from the same stored halves, and against what
+    torch.compile makes of the plain function on CUDA (the kernel it replaced; the plain ops on CPU,
+    which round twice): equal but in at most a `differ` share of elements. Row lengths with a masked
+    tail, several column blocks, one row, no rows."""
+    from nanoserve_kernels.triton_activation import silu_and_mul
+
+    def plain(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+    separate = torch.compile(plain, dynamic=True) if device == "cuda" else plain
+    generator = torch.Generator(device).manual_seed(0)
+    for rows, d, tiles in ((7, 1000, {}), (3, 3000, {}), (1, 5, {}), (0, 8, {}), (5, 700, dict(block=256))):
+        gate_up = (3 * torch.randn(rows, 2 * d, generator=generator, device=device)).to(dtype)
+        got = silu_and_mul(gate_up, **tiles)
+        gate, up = gate_up.double().chunk(2, dim=-1)
+        expected = gate * torch.sigmoid(gate) * up
+        assert got.shape == (rows, d) and got.dtype == dtype, (rows, d)
+        if rows:
+            assert relative_error(got, expected) < TOLERANCE[dtype], (rows, d, relative_error(got, expected))
+            assert_nearly_same(got, separate(gate_up), differ, (rows, d))
 
 
 def assert_nearly_same(got: torch.Tensor, expected: torch.Tensor, share: float, what: object) -> None:
@@ -399,6 +425,9 @@ def run_interpreted_cases(kernel: str) -> None:
         from nanoserve_kernels.triton_rotary import rotate_qk_
         for seed, case in enumerate(STORE_CASES):
             check_rotary_store(rotate_qk_, store_kvcache, case, "cpu", seed)
+        return
+    if kernel == "activation":
+        check_silu_and_mul("cpu", torch.float32, differ=0.5)  # the plain ops round twice: off by a step, at most
         return
     if kernel == "gemv":
         check_gemv()
@@ -509,6 +538,19 @@ def test_gemv_kernel_compiles_for_hopper(prologue: str, residual: bool, silu_mul
     assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 
 
+def test_activation_kernel_compiles_for_hopper() -> None:
+    """The interpreter stands numpy in for libdevice's exp: the compiler must take it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nanoserve_kernels import triton_activation
+    kernel = triton_activation._silu_and_mul_kernel
+    types = {"gate_up_ptr": "*bf16", "out_ptr": "*bf16"}
+    source = ASTSource(kernel, _hopper_signature(kernel, types), constexprs=dict(BLOCK=1024))
+    assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+
+
 def _fix_interpreter_for_numpy_2_4() -> None:
     """Triton 3.6's interpreter turns a scalar into a Python int with int(array of shape (1,)),
     which numpy >= 2.4 refuses, so `range(start, end)` over loaded values fails
@@ -532,7 +574,8 @@ def _stand_in_for_libdevice() -> None:
     libdevice.rsqrt, libdevice.exp = (lambda x: tl.math.rsqrt(x)), (lambda x: tl.math.exp(x))
 
 
-@pytest.mark.parametrize("kernel", ["store", "prefill", "decode", "sampling", "rotary", "rotary_store", "gemv"])
+@pytest.mark.parametrize("kernel", ["store", "prefill", "decode", "sampling", "rotary", "rotary_store", "gemv",
+                                    "activation"])
 def test_triton_kernel_matches_reference_in_interpreter(kernel: str) -> None:
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath}
