@@ -218,23 +218,29 @@ class ModelRunner:
             warn_on_compiles(log)
 
     def _first_steps(self, num_blocks: int) -> None:
-        """A two-token prefill, a mixed step (its decode beside another two-token prefill) and a
-        decode through the serving path before any request comes, so that the kernels outside the
-        graphs (attention between prefill pieces, sampling) compile now; their K/V land in the first
-        blocks, which hold nothing yet."""
-        blocks = cdiv(4, self.config.block_size)
+        """The longest prefill a step can hold, then a two-token prefill, a mixed step (its decode
+        beside another two-token prefill) and a decode, through the serving path before any request
+        comes, so that the kernels outside the graphs (attention between prefill pieces, sampling)
+        compile now, in every variant a step's shape picks (a long prompt's attention tiles among
+        them); their K/V land in the first blocks, which hold nothing yet."""
+        size = self.config.block_size
+        blocks = cdiv(4, size)
         if 2 * blocks > num_blocks:
             return
         sampling = llm_pb2.SamplingParams(temperature=1.0)
 
-        def prefill(seq_id: int) -> worker_pb2.SeqStep:
-            return worker_pb2.SeqStep(seq_id=seq_id, token_ids=[0, 0], reset=True, sample=True, sampling=sampling,
-                                      new_block_ids=range(seq_id * blocks, (seq_id + 1) * blocks))
+        def prefill(seq_id: int, num_tokens: int = 2) -> worker_pb2.SeqStep:
+            first = seq_id * blocks
+            return worker_pb2.SeqStep(seq_id=seq_id, token_ids=[0] * num_tokens, reset=True, sample=True,
+                                      sampling=sampling, new_block_ids=range(first, first + cdiv(num_tokens, size)))
 
         def decode(seq_id: int, num_computed: int) -> worker_pb2.SeqStep:
             return worker_pb2.SeqStep(seq_id=seq_id, num_computed=num_computed, sample=True,
                                       num_generated=num_computed - 1)
 
+        longest = min(self.config.max_num_batched_tokens, self.max_model_len - 1, num_blocks * size)
+        self.step(worker_pb2.StepRequest(seqs=[prefill(0, longest)]))
+        self.step(worker_pb2.StepRequest(forget_seq_ids=[0]))
         self.step(worker_pb2.StepRequest(seqs=[prefill(0)]))
         if self.config.max_num_seqs == 1:  # no step can mix: one decode is all there is
             self.step(worker_pb2.StepRequest(seqs=[decode(0, 2)]))
