@@ -24,10 +24,11 @@ from nanoserve_kernels.triton_kv_store import store_row_halves, store_rows, writ
 
 
 @triton.jit
-def _rotate_heads(base, stride_head, weight, cos, sin, eps, HEADS: tl.constexpr, HEADS_POW2: tl.constexpr,
-                  HALF: tl.constexpr, HALF_POW2: tl.constexpr, NORM: tl.constexpr):
-    """All heads of one token: [heads, head_dim] at `base`, rotate-half form, normalized first if NORM.
-    Returns the rotated halves [HEADS_POW2, HALF_POW2] as stored (in the model's dtype), for the cache."""
+def _rotate_heads(base, stride_head, out, stride_out_head, weight, cos, sin, eps, HEADS: tl.constexpr,
+                  HEADS_POW2: tl.constexpr, HALF: tl.constexpr, HALF_POW2: tl.constexpr, NORM: tl.constexpr):
+    """All heads of one token: [heads, head_dim] at `base`, rotate-half form, normalized first if NORM,
+    stored at `out` (`base` itself: in place). Returns the rotated halves [HEADS_POW2, HALF_POW2] as
+    stored (in the model's dtype), for the cache."""
     heads = tl.arange(0, HEADS_POW2)[:, None]
     dims = tl.arange(0, HALF_POW2)[None, :]
     mask = (heads < HEADS) & (dims < HALF)
@@ -43,14 +44,15 @@ def _rotate_heads(base, stride_head, weight, cos, sin, eps, HEADS: tl.constexpr,
         x2 = ((x2 * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     lo = (x1 * cos - x2 * sin).to(dtype)
     hi = (x2 * cos + x1 * sin).to(dtype)
-    tl.store(first, lo, mask=mask)
-    tl.store(first + HALF, hi, mask=mask)
+    destination = out + heads * stride_out_head + dims
+    tl.store(destination, lo, mask=mask)
+    tl.store(destination + HALF, hi, mask=mask)
     return lo, hi
 
 
 @triton.jit
-def _qk_rotary_kernel(q_ptr, k_ptr, q_weight, k_weight, cos_table, sin_table, positions, eps,
-                      stride_q_token, stride_q_head, stride_k_token, stride_k_head,
+def _qk_rotary_kernel(q_ptr, k_ptr, q_out_ptr, q_weight, k_weight, cos_table, sin_table, positions, eps,
+                      stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_qo_token, stride_qo_head,
                       Q_HEADS: tl.constexpr, Q_HEADS_POW2: tl.constexpr, K_HEADS: tl.constexpr,
                       K_HEADS_POW2: tl.constexpr, HALF: tl.constexpr, HALF_POW2: tl.constexpr,
                       NORM: tl.constexpr, PDL: tl.constexpr, STORE: tl.constexpr = False,
@@ -65,9 +67,10 @@ def _qk_rotary_kernel(q_ptr, k_ptr, q_weight, k_weight, cos_table, sin_table, po
     dims = tl.arange(0, HALF_POW2)[None, :]
     cos = tl.load(cos_table + position * HALF + dims, mask=dims < HALF, other=0.0)
     sin = tl.load(sin_table + position * HALF + dims, mask=dims < HALF, other=0.0)
-    _rotate_heads(q_ptr + token * stride_q_token, stride_q_head, q_weight, cos, sin, eps,
-                  Q_HEADS, Q_HEADS_POW2, HALF, HALF_POW2, NORM)
-    k_lo, k_hi = _rotate_heads(k_ptr + token * stride_k_token, stride_k_head, k_weight, cos, sin, eps,
+    _rotate_heads(q_ptr + token * stride_q_token, stride_q_head, q_out_ptr + token * stride_qo_token, stride_qo_head,
+                  q_weight, cos, sin, eps, Q_HEADS, Q_HEADS_POW2, HALF, HALF_POW2, NORM)
+    k = k_ptr + token * stride_k_token
+    k_lo, k_hi = _rotate_heads(k, stride_k_head, k, stride_k_head, k_weight, cos, sin, eps,
                                K_HEADS, K_HEADS_POW2, HALF, HALF_POW2, NORM)
     if STORE:
         slot = tl.load(slot_mapping + token).to(tl.int64)
@@ -82,13 +85,17 @@ def _qk_rotary_kernel(q_ptr, k_ptr, q_weight, k_weight, cos_table, sin_table, po
 
 def rotate_qk_(q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
                positions: torch.Tensor, q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-               eps: float = 0.0, write: CacheWrite | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               eps: float = 0.0, write: CacheWrite | None = None, q_out: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotates q [N, heads, head_dim] and k [N, kv_heads, head_dim] in place by the float32 cos/sin tables
     [max_position, head_dim / 2] at `positions` [N]; with q_weight/k_weight, each head is RMS-normalized
-    first (Qwen3). head_dim must be contiguous; the token and head strides are free. With `write`, also
-    stores the rotated k and write.v into the paged cache as store_kvcache(k, write.v, ...) would after
-    it; head_dim must then be a power of 2."""
+    first (Qwen3). With `q_out` (q's shape), the rotated q goes there and q is left as it was. head_dim
+    must be contiguous; the token and head strides are free. With `write`, also stores the rotated k and
+    write.v into the paged cache as store_kvcache(k, write.v, ...) would after it; head_dim must then be
+    a power of 2. Returns (rotated q, k)."""
+    q_out = q if q_out is None else q_out
     assert q.stride(2) == 1 and k.stride(2) == 1 and cos_table.is_contiguous() and sin_table.is_contiguous()
+    assert q_out.shape == q.shape and q_out.stride(2) == 1
     half = q.shape[2] // 2
     norm = q_weight is not None
     cache = {}
@@ -97,9 +104,9 @@ def rotate_qk_(q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor, sin_ta
         cache = dict(STORE=True, **write_args(k, write))
     if q.shape[0]:
         _qk_rotary_kernel[(q.shape[0],)](
-            q, k, q_weight if norm else q, k_weight if norm else k, cos_table, sin_table, positions, eps,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            q, k, q_out, q_weight if norm else q, k_weight if norm else k, cos_table, sin_table, positions, eps,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
             Q_HEADS=q.shape[1], Q_HEADS_POW2=triton.next_power_of_2(q.shape[1]), K_HEADS=k.shape[1],
             K_HEADS_POW2=triton.next_power_of_2(k.shape[1]), HALF=half, HALF_POW2=triton.next_power_of_2(half),
             NORM=norm, **pdl_launch(q.device), **cache)
-    return q, k
+    return q_out, k

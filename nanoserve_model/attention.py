@@ -26,6 +26,12 @@ class Attention(nn.Module):
         self.k_cache, self.v_cache = k_cache, v_cache
         self.kv_scales = {} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
 
+    def query_buffer(self, q: torch.Tensor) -> torch.Tensor | None:
+        """Where the positioned queries go: the static buffer a piecewise graph's attention cut reads
+        them from (written there by the rotary kernel instead of copied by the cut), or None: in place."""
+        queries = get_step_context().attention_queries
+        return None if queries is None else queries[:len(q)]
+
     def cache_write(self, q: torch.Tensor, v: torch.Tensor) -> CacheWrite | None:
         """The store of this step's k and v, for the rotary kernel to make as it rotates k (one launch
         fewer a layer), where the backend's own store is the Triton kernel whose work that is: on CUDA

@@ -41,15 +41,15 @@ class DecoderAttention(nn.Module):
             [self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim], dim=-1)
         q, v = q.view(-1, self.num_heads, head_dim), v.view(-1, self.num_kv_heads, head_dim)
         write = self.attn.cache_write(q, v)
-        q, k = self.position(q, k.view(-1, self.num_kv_heads, head_dim), positions, write)
+        q, k = self.position(q, k.view(-1, self.num_kv_heads, head_dim), positions, write, self.attn.query_buffer(q))
         out = self.attn(q, k, v, stored=write is not None)
         return self.o_proj(out.flatten(1))
 
-    def position(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, write: CacheWrite | None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def position(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, write: CacheWrite | None,
+                 q_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q [N, heads, head_dim] and k [N, kv_heads, head_dim] made position-aware: rotary; with
-        `write` (on CUDA only), k and write.v also stored into the cache."""
-        return rotary_qk(q, k, self.rotary_emb.cos, self.rotary_emb.sin, positions, write)
+        `write` (on CUDA only), k and write.v also stored into the cache; with `q_out`, q written there."""
+        return rotary_qk(q, k, self.rotary_emb.cos, self.rotary_emb.sin, positions, write, q_out)
 
 
 class GatedMLP(nn.Module):

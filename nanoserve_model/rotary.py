@@ -19,14 +19,21 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
-              positions: torch.Tensor, write: CacheWrite | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              positions: torch.Tensor, write: CacheWrite | None = None, q_out: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, heads, head_dim] and k [N, kv_heads, head_dim] rotated by each token's row of the tables;
-    on CUDA in place, in one Triton launch, which also makes the cache `write` if given (only there)."""
+    on CUDA in place, in one Triton launch, which also makes the cache `write` if given (only there).
+    With `q_out`, the rotated q is written there."""
     if q.is_cuda:  # Triton is a GPU requirement only, so imported here
         from nanoserve_kernels.triton_rotary import rotate_qk_
-        return rotate_qk_(q, k, cos_table, sin_table, positions, write=write)
+        return rotate_qk_(q, k, cos_table, sin_table, positions, write=write, q_out=q_out)
     cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
-    return rotate(q, cos, sin), rotate(k, cos, sin)
+    return into(rotate(q, cos, sin), q_out), rotate(k, cos, sin)
+
+
+def into(q: torch.Tensor, q_out: torch.Tensor | None) -> torch.Tensor:
+    """q, or q copied into q_out if given (the torch paths' side of rotate_qk_'s q_out)."""
+    return q if q_out is None else q_out.copy_(q)
 
 
 def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:

@@ -38,6 +38,9 @@ class StepContext:
     # instead of attending, and goes on with the [N, heads, head_dim] tensor it returns, which
     # holds the layer's attention output when the graph is replayed.
     attention_cut: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None  # (the Attention layer, q)
+    # With a cut: the static buffer [max tokens, heads, head_dim] the cut reads queries from, where the
+    # layers' rotary writes them (Attention.query_buffer), so the cut has nothing to copy.
+    attention_queries: torch.Tensor | None = None
 
 
 _current: StepContext | None = None

@@ -51,9 +51,12 @@ class AttentionBuffers:
         self.out = torch.zeros(shape, dtype=dtype, device=device)
 
     def stage(self, layer: Attention, q: torch.Tensor) -> torch.Tensor:
-        """The cut of a warm-up pass: copies the queries in and returns the output buffer (whose
-        contents are stale: the pass only compiles and sizes the work)."""
-        self.q[:len(q)].copy_(q)
+        """The cut: the queries into the query buffer, where the layer's rotary has written them
+        already (StepContext.attention_queries; copied here only when a layer made them elsewhere),
+        and the output buffer, which holds the layer's attention output when the graph is replayed
+        (stale in a warm-up pass, which only compiles and sizes the work)."""
+        if q.data_ptr() != self.q.data_ptr():
+            self.q[:len(q)].copy_(q)
         return self.out[:len(q)]
 
     def attend(self, layer: Attention, context: StepContext, num_tokens: int) -> None:
@@ -106,6 +109,7 @@ class PrefillGraphs:
         for i, rows in enumerate(reversed(self.buckets)):  # largest first, so the pool is reused
             input_ids, positions = inputs.input_ids[:rows], inputs.positions[:rows]
             context = buffers.prefill_graph_context(backend, rows)
+            context.attention_queries = self.attention.q
             with step_context(context):  # warm-up: every compiled function meets this shape now
                 context.attention_cut = self.attention.stage
                 self.output[:rows] = run_model(input_ids, positions)

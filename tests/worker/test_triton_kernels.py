@@ -270,9 +270,15 @@ def check_rotary(rotate_qk_: Callable, device: str, dtypes: tuple[torch.dtype, .
         sin = torch.cat([angles.sin()[positions]] * 2, dim=-1)[None]
         expected = [x.transpose(0, 1)[None] for x in expected]  # [batch, heads, tokens, head_dim]
         expected = [x[0].transpose(0, 1) for x in apply_rotary_pos_emb(*expected, cos, sin)]
+        # into another buffer (a piecewise graph's static queries), its rows strided as q's are not
+        q_out = torch.full((tokens, heads + 1, head_dim), 7.0, device=device, dtype=dtype)[:, 1:]
+        moved_q, moved_k = rotate_qk_(q, k.clone(), angles.cos(), angles.sin(), positions,
+                                      *(weights if norm else (None, None)), eps, q_out=q_out)
+        assert moved_q.data_ptr() == q_out.data_ptr() and torch.equal(qkv, before)  # q and k: their copy's
         out_q, out_k = rotate_qk_(q, k, angles.cos(), angles.sin(), positions,
                                   *(weights if norm else (None, None)), eps)
         assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()  # in place
+        assert torch.equal(moved_q, q) and torch.equal(moved_k, k)
         for got, want in zip((q, k), expected):
             error = (got.float() - want.float()).norm() / want.float().norm()
             assert error < TOLERANCE[dtype], (heads, kv_heads, head_dim, dtype, error)
@@ -509,7 +515,7 @@ def test_rotary_kernel_compiles_for_hopper_with_the_cache_write(quantized: bool)
     from nanoserve_kernels import triton_rotary
     kernel = triton_rotary._qk_rotary_kernel
     cache = "*fp8e4nv" if quantized else "*bf16"
-    types = {**{name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "q_weight", "k_weight")},
+    types = {**{name: "*bf16" for name in ("q_ptr", "k_ptr", "q_out_ptr", "v_ptr", "q_weight", "k_weight")},
              "cos_table": "*fp32", "sin_table": "*fp32", "positions": "*i64", "eps": "fp32", "k_cache": cache,
              "v_cache": cache, "k_scale": "*fp32", "v_scale": "*fp32", "slot_mapping": "*i64"}
     constexprs = dict(Q_HEADS=16, Q_HEADS_POW2=16, K_HEADS=8, K_HEADS_POW2=8, HALF=64, HALF_POW2=64, NORM=True,
