@@ -38,8 +38,8 @@ def prompt_ids(request: llm_pb2.GenerateRequest, tokenizer: TextTokenizer, limit
         ids = tokenizer.encode(request.text)
     elif kind == "token_ids":
         ids = list(request.token_ids.ids)
-        bad = next((t for t in ids if t >= limits.vocab_size), None)
-        if bad is not None:
+        if ids and max(ids) >= limits.vocab_size:  # max in C; the search only for the message
+            bad = next(t for t in ids if t >= limits.vocab_size)
             raise _invalid(f"token id {bad} is outside the vocabulary (0..{limits.vocab_size - 1})")
     else:
         raise _invalid("the request has no prompt: set `text` or `token_ids`")
