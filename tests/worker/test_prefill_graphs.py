@@ -1,6 +1,7 @@
 """Prefill steps as the piecewise graphs run them, on CPU: the step padded to its token bucket, each
 attention layer cut out of the forward pass and run over the step's real tokens between the
 pieces, through the static buffers. The capture and replay themselves need CUDA (tests/gpu)."""
+import pytest
 import torch
 
 from nanoserve_model.step_context import step_context
@@ -20,10 +21,13 @@ def test_token_buckets_pad_by_less_than_half_and_end_at_the_limit():
     assert token_buckets(1000)[-3:] == [512, 768, 1000] and token_buckets(10) == [10]
 
 
-def test_a_padded_step_with_attention_between_pieces_gives_the_eager_logits(tiny_model_dir):
+@pytest.mark.parametrize("queries_in_buffer", [True, False])
+def test_a_padded_step_with_attention_between_pieces_gives_the_eager_logits(tiny_model_dir, queries_in_buffer):
     """A step mixing a decode, a first prefill and a chunk (13 tokens) padded to 32 rows whose padding
     carries slot -1, stale token ids and positions, and NaN attention outputs: the live rows' logits
-    are the eager step's, and so are the next step's (which read the K/V this one stored)."""
+    are the eager step's, and so are the next step's (which read the K/V this one stored). As captured,
+    each layer's rotary writes its queries into the cut's buffer (StepContext.attention_queries); a
+    layer that makes them elsewhere has the cut copy them in."""
     def steps(writer: StepWriter, first: list[int]) -> tuple:
         mixed = writer.request(writer.entry(1, first, 8), writer.entry(2, PROMPT[:5], reset=True),
                                writer.entry(3, PROMPT[2:9], 2, sample=False))
@@ -53,12 +57,14 @@ def test_a_padded_step_with_attention_between_pieces_gives_the_eager_logits(tiny
     attention.out.fill_(float("nan"))
 
     def cut(layer, q):  # what a replay does at this point: the piece ends, attention runs, the next begins
+        assert (q.data_ptr() == attention.q.data_ptr()) == queries_in_buffer
         out = attention.stage(layer, q)
         attention.attend(layer, inputs.context, num_tokens)
         return out
 
     context = buffers.prefill_graph_context(runner.backend, rows)
     context.attention_cut = cut
+    context.attention_queries = attention.q if queries_in_buffer else None
     with torch.inference_mode(), step_context(context):
         hidden = runner.model(device.input_ids[:rows], device.positions[:rows])
         logits = runner.model.compute_logits(hidden[:num_tokens][inputs.sample_indices])
