@@ -8,9 +8,9 @@ With --step-ms the null runner stands in for a GPU that takes that long a step: 
 as they do on a real worker (the scheduler keeps several in flight), and `device_idle_ms_per_step`
 is how long it waited for the services between steps, the figure that costs throughput on the
 H100 (the DESIGN workload's decode steps take ~6.5 ms there at 256 sequences). With --launch-ms
-each launch also holds the worker's host for that long, as the runner's Python does (~0.9 ms a
-batch-1 step of the 0.6B shape on the H100): `--num-seqs 1 --step-ms 1 --launch-ms 0.9` is batch-1
-decode's service ceiling.
+each launch also holds the worker's host for that long, as the runner's Python does (~0.45 ms a
+batch-1 step of the 0.6B shape on the H100 since session 8; 0.9 before): `--num-seqs 1 --step-ms 1
+--launch-ms 0.45` is batch-1 decode's service ceiling.
 
 The null worker runs in a process of its own, as a worker does, so that only its own threads
 (launcher, replies, gRPC's) share its GIL; on exit it prints how long the emulated device waited
@@ -19,7 +19,7 @@ alone hides. Steps that start a sequence are left out, as GetStats's decode idle
 device waits before them for a client's new request (the benchmark's own warm-up request ends after
 16 steps, and the measured ones start after it), not for the services.
 
-    python bench/service_overhead.py [--num-seqs 256] [--step-ms 6.5] [--launch-ms 0.9] [--extra "--max-num-seqs 128"]
+    python bench/service_overhead.py [--num-seqs 256] [--step-ms 6.5] [--launch-ms 0.45] [--extra "--max-num-seqs 128"]
 """
 import argparse
 import asyncio
@@ -98,12 +98,12 @@ def idle_report(idles: list[tuple[int, float]]) -> str:
     """The emulated device's waits before its decode steps (step id, seconds), in milliseconds."""
     if not idles:
         return "no decode steps"
-    ms = percentiles([1e3 * idle for _, idle in idles])
+    waits = [1e3 * idle for _, idle in idles]
+    ms = percentiles(waits)
     long_gaps = [step for step, idle in idles if idle > 1e-3]
     return (f"device idle before {ms['n']} decode steps: p50 {ms['p50']:.3f}, p90 {ms['p90']:.3f}, "
-            f"p99 {ms['p99']:.3f}, max {1e3 * max(idle for _, idle in idles):.3f} ms; {len(long_gaps)} gaps over "
-            f"1 ms (before steps {long_gaps[:12]}), "
-            f"{1e3 * sum(idle for _, idle in idles):.1f} ms in all")
+            f"p99 {ms['p99']:.3f}, max {max(waits):.3f} ms; {len(long_gaps)} gaps over 1 ms (before steps "
+            f"{long_gaps[:12]}), {sum(waits):.1f} ms in all")
 
 
 def serve_null_worker(port: int, tokenizer: str, step_ms: float, launch_ms: float) -> None:
@@ -145,7 +145,7 @@ def main() -> None:
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--step-ms", type=float, default=0.0, help="the emulated device's time a step (default: none)")
     p.add_argument("--launch-ms", type=float, default=0.0,
-                   help="the runner's host time a step launch, holding the GIL (the H100's 0.6B batch-1 launch: ~0.9)")
+                   help="the runner's host time a step launch, holding the GIL (the H100's 0.6B batch-1 launch: ~0.45)")
     p.add_argument("--extra", default="", help="more `nanoserve scheduler` flags, space separated")
     p.add_argument("--null-worker-port", type=int, default=0, help=argparse.SUPPRESS)  # null_service's worker
     args = p.parse_args()
