@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve_kernels.triton_kv_store import cache_rows, scale_rows
+from nanoserve_kernels.triton_kv_store import scale_rows, tile_rows
 
 LOG2_E = 1.4426950408889634
 # e4m3 -> bf16 with integer ops (below) on the GPU; the CPU interpreter cannot run inline PTX.
@@ -75,7 +75,8 @@ def attend_block(q, q_pos, m_i, l_i, acc, k_base, v_base, k_scale_base, v_scale_
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                  PRECISION: tl.constexpr, QUANTIZED: tl.constexpr):
     """Folds keys [start, start + BLOCK_N) of one sequence and KV head into the running softmax of
-    queries q [M, HEAD_DIM] (base-2 scores). Keys at or past `length` are never read; with MASKED,
+    queries q [M, HEAD_DIM] (base-2 scores); start is a multiple of BLOCK_N, below `length`. Keys at
+    or past `length` are never read; with MASKED,
     keys after a row's position q_pos are hidden from it (which hides keys >= length from every
     row whose q_pos < length).
 
@@ -86,7 +87,7 @@ def attend_block(q, q_pos, m_i, l_i, acc, k_base, v_base, k_scale_base, v_scale_
     decode, no float32 V tile)."""
     positions = start + tl.arange(0, BLOCK_N)
     valid = positions < length
-    rows = cache_rows(block_table_row, positions, valid, BLOCK_SIZE)
+    rows = tile_rows(block_table_row, start, positions, valid, BLOCK_SIZE, BLOCK_N)
     offsets = rows[:, None] * stride_slot + tl.arange(0, HEAD_DIM)[None, :]
     k = load_kv(k_base + offsets, valid[:, None], q.dtype, QUANTIZED)
     v = load_kv(v_base + offsets, valid[:, None], q.dtype, QUANTIZED)

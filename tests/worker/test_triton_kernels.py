@@ -178,8 +178,9 @@ STORE_CASES = [
     Case(new_lens=(20,), context_lens=(40,), heads=4, kv_heads=2, fp8=True),
     Case(new_lens=(9,), context_lens=(30,), heads=6, kv_heads=3, head_dim=32, dtype=torch.float16, fp8=True),
 ]
-# The kernels tile prefill by 64 queries x 64 keys and decode by 64 keys; block sizes 16 and 32
-# put several cache blocks in one key tile, 128 several key tiles in one block.
+# The kernels tile prefill by 64 queries x 64 keys and decode by 64 keys (128 over an FP8 cache);
+# block sizes 16 and 32 put several cache blocks in one key tile (a table entry per key), 128 and
+# 256 several key tiles in one block (one entry per tile: triton_kv_store.tile_rows).
 PREFILL_CASES = [
     # first prefills, GQA 1, crossing blocks and query/key tiles
     Case(new_lens=(37, 5, 70), context_lens=(37, 5, 70), heads=2, kv_heads=2),
@@ -209,6 +210,8 @@ DECODE_CASES = [
     Case(new_lens=(1,) * 3, context_lens=(37, 0, 150), heads=2, kv_heads=2, fp8=True),
     Case(new_lens=(1,) * 5, context_lens=(17, 0, 64, 65, 1), heads=4, kv_heads=2, dtype=torch.float16,
          fp8=True),
+    # FP8 cache in blocks of 256 (the default): key tiles within a block, one ending mid-tile; split
+    Case(new_lens=(1,) * 3, context_lens=(300, 0, 513), heads=4, kv_heads=2, block_size=256, fp8=True),
 ]
 
 
