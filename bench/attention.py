@@ -2,7 +2,8 @@
 the same paged shapes (Qwen3-0.6B: 16 query heads, 8 KV heads, head_dim 128, bf16, blocks of 256),
 and decode bytes/s against the measured device-to-device copy rate; Triton decode over an FP8 cache
 (--kv-cache-dtype fp8: e4m3 values and their float32 scales are the bytes read) against the same
-decode over the bf16 cache it dequantizes to. Prints a table, writes JSON.
+decode over the bf16 cache it dequantizes to; a ragged decode batch with its sequences started in
+row order and longest first (the worker's order). Prints a table, writes JSON.
 
     PYTHONPATH=.:proto python bench/attention.py [--out bench/out/attention.json]
     PYTHONPATH=.:proto python bench/attention.py --sweep-fp8   # FP8 decode launch configs, % of copy
@@ -34,10 +35,10 @@ DECODE_SHAPES = [(256, 1024), (64, 1024), (16, 1024), (1, 1024), (8, 8192)]  # (
 FP8_DECODE_SHAPES = [(256, 1024), (8, 8192)]
 
 
-def ragged_lengths(count: int) -> list[int]:
+def ragged_lengths(count: int, longest: int = 1024) -> list[int]:
     """Prompt lengths drawn as DESIGN §8's workload draws them (uniform in [100, 1024])."""
     rng = random.Random(0)
-    return [rng.randint(100, 1024) for _ in range(count)]
+    return [rng.randint(100, longest) for _ in range(count)]
 
 
 PREFILL_SHAPES = {  # name: (new tokens per sequence, cached tokens per sequence after the store)
@@ -78,13 +79,15 @@ def kv_bytes(context_lens: list[int], cache_dtype: torch.dtype = DTYPE) -> int:
     return 2 * sum(context_lens) * KV_HEADS * kv_quant.bytes_per_row(cache_dtype, HEAD_DIM)
 
 
-def decode_inputs(batch: int, context: int) -> tuple[torch.Tensor, ...]:
+def decode_inputs(batch: int, context: int, lengths: list[int] | None = None) -> tuple[torch.Tensor, ...]:
     """q [copies, batch, heads, head_dim], k_cache, v_cache, context_lens, tables [copies, ...]:
-    enough copies of the batch's blocks that rotating through them reads the cache from HBM."""
-    copies = triton.cdiv(MIN_ROTATED_BYTES, kv_bytes([context] * batch))
-    k_cache, v_cache, tables = paged_sets([context] * batch, copies)
+    enough copies of the batch's blocks that rotating through them reads the cache from HBM. Every
+    context is `context` tokens long, or `lengths` gives them."""
+    lengths = lengths or [context] * batch
+    copies = triton.cdiv(MIN_ROTATED_BYTES, kv_bytes(lengths))
+    k_cache, v_cache, tables = paged_sets(lengths, copies)
     q = torch.randn(copies, batch, HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-    return q, k_cache, v_cache, torch.full((batch,), context, dtype=torch.int32, device="cuda"), tables
+    return q, k_cache, v_cache, torch.tensor(lengths, dtype=torch.int32, device="cuda"), tables
 
 
 def time_decode(decode: Callable, inputs: tuple[torch.Tensor, ...]) -> tuple[float, torch.Tensor]:
@@ -157,6 +160,27 @@ def fp8_decode_row(batch: int, context: int, copy_rate: float) -> dict:
                 triton_fraction_of_copy=moved / (fp8_ms * 1e-3) / copy_rate)
 
 
+def ragged_decode_rows(copy_rate: float) -> list[dict]:
+    """Triton decode of 256 contexts uniform in [100, 2,000] (bf16, then FP8), the sequences started
+    in row order, then longest first as the worker orders them (`order`)."""
+    lengths = ragged_lengths(256, 2000)
+    inputs = decode_inputs(len(lengths), 0, lengths)
+    q, k_cache, v_cache, context_lens, tables = inputs
+    (k8, k_scale), (v8, v_scale) = fp8_cache(k_cache), fp8_cache(v_cache)
+    order = torch.argsort(context_lens, descending=True, stable=True).to(torch.int32)
+    rows = []
+    for cache_dtype, scales, cache in ((DTYPE, {}, inputs), (kv_quant.FP8_DTYPE, dict(k_scale=k_scale, v_scale=v_scale),
+                                                                (q, k8, v8, context_lens, tables))):
+        moved = kv_bytes(lengths, cache_dtype) + 2 * len(lengths) * HEADS * HEAD_DIM * DTYPE.itemsize
+        for started, extra in (("in row order", {}), ("longest first", dict(order=order))):
+            decode = functools.partial(triton_decode.paged_decode, **scales, **extra)
+            ms, _ = time_decode(decode, cache)
+            kind = " fp8 KV" if scales else ""
+            rows.append(dict(case=f"decode 256 x U[100,2000]{kind}, {started}", triton_ms=ms, bytes=moved,
+                             triton_bytes_per_s=moved / (ms * 1e-3), triton_fraction_of_copy=moved / (ms * 1e-3) / copy_rate))
+    return rows
+
+
 def run() -> dict:
     copy_rate = copy_bandwidth()
     decode_rows, prefill_rows = [], []
@@ -168,6 +192,7 @@ def run() -> dict:
         row["triton_fraction_of_copy"] = row["triton_bytes_per_s"] / copy_rate
         decode_rows.append(row)
     decode_rows += [fp8_decode_row(batch, context, copy_rate) for batch, context in FP8_DECODE_SHAPES]
+    decode_rows += ragged_decode_rows(copy_rate)
     for name, (new_lens, context_lens) in PREFILL_SHAPES.items():
         row = compare(f"prefill {name}", time_prefill, prefill_inputs(new_lens, context_lens),
                       triton_prefill.paged_prefill, flash_attn_backend.paged_prefill)
@@ -184,7 +209,7 @@ def run() -> dict:
 def print_table(result: dict) -> None:
     print(f"{result['device']}, copy {result['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write)")
     print("(fp8 KV rows compare with triton over the bf16 cache of the same values, not flash-attn)")
-    print(f"{'case':38} {'triton ms':>10} {'flash ms':>9} {'ratio':>6} {'diff':>7} {'rate':>12} {'% copy':>7}")
+    print(f"{'case':48} {'triton ms':>10} {'flash ms':>9} {'ratio':>6} {'diff':>7} {'rate':>12} {'% copy':>7}")
     for row in result["decode"] + result["prefill"]:
         flash = f"{'-':>9} {'-':>6} {'-':>7}"
         if "flash_attn_ms" in row:
@@ -197,7 +222,7 @@ def print_table(result: dict) -> None:
             share = f"{100 * row['triton_fraction_of_copy']:6.1f}%"
         else:
             rate, share = f"{row['triton_flops_per_s'] / 1e12:6.0f} TFLOP/s", f"{'-':>7}"
-        print(f"{row['case']:38} {row['triton_ms']:10.4f} {flash} {rate:>12} {share}")
+        print(f"{row['case']:48} {row['triton_ms']:10.4f} {flash} {rate:>12} {share}")
 
 
 def sweep_fp8() -> dict:

@@ -29,8 +29,10 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query per sequence over its cache; no host sync, so it can be captured in a CUDA graph."""
+                 context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                 order: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence over its cache; no host sync, so it can be captured in a CUDA graph.
+    flash-attn schedules its own work: `order` goes unused."""
     out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context_lens,
                                   block_table=block_tables, softmax_scale=scale, causal=True)
     return out.squeeze(1)

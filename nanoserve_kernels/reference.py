@@ -88,9 +88,11 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 order: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence (q: [num_seqs, heads, head_dim]) over its whole cache.
-    A row with context length 0 (padding) gives zeros."""
+    A row with context length 0 (padding) gives zeros. `order`: the rows by context length, longest
+    first, for a kernel that schedules its work (the Triton one); the result does not depend on it."""
     out = torch.zeros_like(q)
     for i, length in enumerate(context_lens.tolist()):
         if length > 0:

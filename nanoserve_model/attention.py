@@ -53,8 +53,8 @@ class Attention(nn.Module):
             return ctx.attention_cut(self, q)
         if ctx.is_prefill:
             return self.prefill(q, ctx)
-        return backend.paged_decode(q, self.k_cache, self.v_cache, ctx.context_lens,
-                                    ctx.block_tables, self.scale, **self.kv_scales)
+        return backend.paged_decode(q, self.k_cache, self.v_cache, ctx.context_lens, ctx.block_tables, self.scale,
+                                    order=ctx.decode_order, **self.kv_scales)
 
     def prefill(self, q: torch.Tensor, ctx: StepContext, out: torch.Tensor | None = None) -> torch.Tensor:
         """Prefill attention of q over the cache, which holds the step's K/V already; into `out`
@@ -69,7 +69,7 @@ class Attention(nn.Module):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
         out[:num_decodes] = backend.paged_decode(q[:num_decodes], self.k_cache, self.v_cache,
                                                  ctx.context_lens[:num_decodes], ctx.block_tables[:num_decodes],
-                                                 self.scale, **self.kv_scales)
+                                                 self.scale, order=ctx.decode_order, **self.kv_scales)
         backend.paged_prefill(q[num_decodes:], self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
                               ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_tables[num_decodes:], self.scale,
                               out=out[num_decodes:], **self.kv_scales)

@@ -33,6 +33,9 @@ class StepContext:
     # A mixed prefill step (decodes beside prompt chunks) starts with this many sequences of one new
     # token each, whose queries attend through paged_decode (context_lens, block_tables: their rows).
     num_decodes: int = 0
+    # The decoding sequences' rows (all of a decode step's, a mixed step's leading ones), longest
+    # context first: the order the decode kernel starts them in (None: row order).
+    decode_order: torch.Tensor | None = None  # [num_seqs or num_decodes] int32
     # Set while a piecewise CUDA graph is captured (worker_svc.prefill_graphs): each attention
     # layer, once it has stored the step's K/V, hands its queries [N, heads, head_dim] to the cut
     # instead of attending, and goes on with the [N, heads, head_dim] tensor it returns, which

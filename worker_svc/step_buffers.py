@@ -47,9 +47,9 @@ class StepTensors:
         self.input_ids = zeros(max_tokens, dtype=torch.int64)
         self.slot_mapping = zeros(max_tokens, dtype=torch.int64)
         # int64: seven rows of sampled and fed indices, then the positions; int32: three rows of lengths
-        # (context_lens has one spare entry, so they are equally long), then the block tables. Each
-        # part starts 16-byte aligned, as Triton specializes on it.
-        self._positions_at, self._tables_at = _aligned(7 * max_seqs, 2), _aligned(3 * (max_seqs + 1), 4)
+        # and the decode order (context_lens and decode_order have one spare entry, so the four are
+        # equally long), then the block tables. Each part starts 16-byte aligned, as Triton specializes on it.
+        self._positions_at, self._tables_at = _aligned(7 * max_seqs, 2), _aligned(4 * (max_seqs + 1), 4)
         self.int64_rows = zeros(self._positions_at + max_tokens, dtype=torch.int64)
         self.indices = self.int64_rows[:7 * max_seqs].view(7, max_seqs)
         (self.sample_indices, self.sampled_slots, self.fed_rows, self.fed_slots, self.sample_keys,
@@ -58,8 +58,8 @@ class StepTensors:
         self.sample_temperatures = temperature_bits.view(torch.float64)
         self.positions = self.int64_rows[self._positions_at:]
         self.int32_rows = zeros(self._tables_at + max_seqs * max_blocks_per_seq, dtype=torch.int32)
-        self.lengths = self.int32_rows[:3 * (max_seqs + 1)].view(3, max_seqs + 1)
-        self.context_lens, self.cu_seqlens_q, self.cu_seqlens_k = self.lengths
+        self.lengths = self.int32_rows[:4 * (max_seqs + 1)].view(4, max_seqs + 1)
+        self.context_lens, self.cu_seqlens_q, self.cu_seqlens_k, self.decode_order = self.lengths
         self.block_tables = self.int32_rows[self._tables_at:].view(max_seqs, max_blocks_per_seq)
 
     def copy_from(self, staged: "StepTensors", num_tokens: int, num_slots: int, num_seqs: int, num_fed: int
@@ -154,7 +154,8 @@ class StepBuffers:
                            context_lens=t.context_lens[:num_seqs], block_tables=t.block_tables[:num_seqs, :table_width],
                            cu_seqlens_q=t.cu_seqlens_q[num_decodes:num_seqs + 1],
                            cu_seqlens_k=t.cu_seqlens_k[num_decodes:num_seqs + 1],
-                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, num_decodes=num_decodes)
+                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, num_decodes=num_decodes,
+                           decode_order=t.decode_order[:num_seqs if not is_prefill else num_decodes])
 
     def prefill_graph_context(self, backend: AttentionBackend, num_rows: int) -> StepContext:
         """The context a piecewise prefill graph of num_rows tokens is captured under: its K/V store

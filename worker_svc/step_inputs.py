@@ -48,8 +48,12 @@ def build_step_inputs(work: StepWork, seqs: SequenceTable, backend: AttentionBac
     host.cu_seqlens_q[num_decodes + 1:num_seqs + 1] = ends[num_decodes:] - num_decodes
     host.cu_seqlens_k[num_decodes + 1:num_seqs + 1] = np.cumsum(context_lens[num_decodes:])
     host.context_lens[:num_seqs] = context_lens
+    # The decode kernel starts the decoding rows' longest contexts first (nanoserve_kernels/triton_decode.py).
+    num_decoding = num_seqs if work.is_decode else num_decodes
+    host.decode_order[:num_decoding] = np.argsort(-context_lens[:num_decoding], kind="stable")
     if work.is_decode:
         host.context_lens[num_seqs:num_rows] = 0
+        host.decode_order[num_seqs:num_rows] = np.arange(num_seqs, num_rows)  # CUDA-graph padding rows, last
     tables = host.block_tables[:num_seqs]
     np.take(seqs.block_tables, work.slots, axis=0, out=tables, mode="clip")  # slots are valid rows
     # Each new token's position, then its slot through its own sequence's block table.

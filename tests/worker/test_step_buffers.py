@@ -31,8 +31,8 @@ def _recording_runner(tiny_model_dir) -> tuple:
         return reference.paged_prefill(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                        max_seqlen_k, block_tables, scale, out=out)
 
-    def recording_decode(q, k_cache, v_cache, context_lens, block_tables, scale):
-        calls.append((context_lens.tolist(), block_tables.tolist()))
+    def recording_decode(q, k_cache, v_cache, context_lens, block_tables, scale, order):
+        calls.append((context_lens.tolist(), block_tables.tolist(), order.tolist()))
         return reference.paged_decode(q, k_cache, v_cache, context_lens, block_tables, scale)
 
     runner.backend = dataclasses.replace(runner.backend, paged_prefill=recording_prefill,
@@ -62,9 +62,21 @@ def test_a_mixed_steps_leading_decodes_attend_through_the_decode_kernel(tiny_mod
     runner.step(writer.request(writer.entry(1, first, 8), writer.entry(2, PROMPT[:5], reset=True),
                                writer.entry(3, PROMPT[2:9], 2, sample=False)))
     # the decode: context 9, a table of 3 blocks; then new tokens 5, 7; contexts 5, 9; tables of 2 and 3 blocks
-    decode = ([9], [padded_table(writer.tables[1], 3)])
+    decode = ([9], [padded_table(writer.tables[1], 3)], [0])
     prefill = ([0, 5, 12], [0, 5, 14], 7, 9, [padded_table(writer.tables[i], 3) for i in (2, 3)])
     assert calls == [decode, prefill] * runner.model_config.num_hidden_layers
+
+
+def test_the_decode_kernel_gets_the_decoding_rows_longest_context_first(tiny_model_dir):
+    """A mixed step's leading decodes, the shorter first, and a prompt: the decode call's order puts
+    the longer one's row first (the Triton kernel starts it first); the prompt takes no part in it."""
+    runner, writer, first, calls = _recording_runner(tiny_model_dir)
+    second = runner.step(writer.request(writer.entry(2, PROMPT[:5], reset=True)))
+    calls.clear()
+    runner.step(writer.request(writer.entry(2, second, 5), writer.entry(1, first, 8),
+                               writer.entry(4, PROMPT[:3], reset=True)))
+    decode = ([6, 9], [padded_table(writer.tables[i], 3) for i in (2, 1)], [1, 0])
+    assert calls[0] == decode
 
 
 def test_decode_rows_past_the_batch_are_padding_that_disturbs_nothing(tiny_model_dir):
@@ -88,6 +100,7 @@ def test_decode_rows_past_the_batch_are_padding_that_disturbs_nothing(tiny_model
     device = buffers.on_device
     assert device.slot_mapping[3:8].tolist() == [-1] * 5 and device.context_lens[3:8].tolist() == [0] * 5
     assert device.context_lens[:3].tolist() == [len(p) + 1 for p in prompts.values()]
+    assert device.decode_order[:8].tolist() == [0, 2, 1, 3, 4, 5, 6, 7]  # contexts 11, 4, 6; then the padding
     assert inputs.context.block_tables.data_ptr() == device.block_tables.data_ptr()  # views, no copies
     assert inputs.context.block_tables.shape == (3, buffers.max_blocks_per_seq)
     with torch.inference_mode(), step_context(buffers.decode_context(runner.backend, 8)):
@@ -121,7 +134,8 @@ def test_a_steps_copies_carry_its_rows_and_skip_token_ids_that_are_fed_on_the_de
     staged.sample_temperatures[:2] = torch.tensor([0.5, 1.5], dtype=torch.float64)
 
     device.copy_from(staged, num_tokens=3, num_slots=4, num_seqs=2, num_fed=3)
-    for name, count in (("positions", 3), ("slot_mapping", 4), ("context_lens", 2), ("cu_seqlens_q", 3),
+    for name, count in (("positions", 3), ("slot_mapping", 4), ("context_lens", 2), ("decode_order", 2),
+                        ("cu_seqlens_q", 3),
                         ("cu_seqlens_k", 3), ("block_tables", 2), ("sample_indices", 2), ("sampled_slots", 2),
                         ("fed_rows", 2), ("fed_slots", 2), ("sample_keys", 2), ("sample_counters", 2),
                         ("sample_temperatures", 2)):

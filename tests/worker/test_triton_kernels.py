@@ -162,7 +162,8 @@ def check_prefill(paged_prefill: Callable, case: Case, device: str, seed: int) -
 
 
 def check_decode(paged_decode: Callable, case: Case, device: str, seed: int) -> None:
-    """Context-length-0 rows (CUDA-graph padding) must give zeros, like the reference."""
+    """Context-length-0 rows (CUDA-graph padding) must give zeros, like the reference; started
+    longest first (the worker's order), the sequences give the same bits."""
     batch = make_paged_batch(case, device, seed)
     scale = case.head_dim ** -0.5
     out = paged_decode(*batch.decode_args(), scale, **batch.scales)
@@ -170,6 +171,8 @@ def check_decode(paged_decode: Callable, case: Case, device: str, seed: int) -> 
     assert torch.isfinite(out).all(), case
     assert relative_error(out, ref) < TOLERANCE[case.dtype], (case, relative_error(out, ref))
     assert not out[batch.context_lens == 0].any(), case
+    order = torch.argsort(batch.context_lens, descending=True, stable=True).to(torch.int32)
+    assert torch.equal(paged_decode(*batch.decode_args(), scale, **batch.scales, order=order), out), case
 
 
 STORE_CASES = [
