@@ -87,22 +87,25 @@ def test_triton_decode(case: Case) -> None:
 
 
 def test_triton_decode_replays_in_cuda_graph() -> None:
-    """Captured once at capacity, then replayed over other lengths and block tables written into
-    the captured buffers: right every time, since the launch depends only on shapes."""
+    """Captured once at capacity with a dispatch order, as the worker's graphs are, then replayed over
+    other lengths, block tables and orders written into the captured buffers: right every time, since
+    the launch depends only on shapes."""
     capacity = Case(new_lens=(1,) * 3, context_lens=(4000,) * 3, heads=16, kv_heads=8,
                     block_size=256, **BF16)
     static = make_paged_batch(capacity, "cuda", seed=5).decode_args()
     block_tables = static[-1]
+    static_order = torch.arange(3, dtype=torch.int32, device="cuda")
     scale = capacity.head_dim ** -0.5
-    triton_decode.paged_decode(*static, scale)  # compile outside the capture
+    triton_decode.paged_decode(*static, scale, order=static_order)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = triton_decode.paged_decode(*static, scale)
+        out = triton_decode.paged_decode(*static, scale, order=static_order)
 
-    def replay(*step: torch.Tensor) -> torch.Tensor:
+    def replay(*step: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
         block_tables.fill_(-1)
         for buffer, new in zip(static, step[:-1]):
             buffer[tuple(slice(0, n) for n in new.shape)].copy_(new)
+        static_order.copy_(torch.arange(3, dtype=torch.int32) if order is None else order)
         graph.replay()
         return out.clone()
 
