@@ -76,9 +76,8 @@ def attend_block(q, q_pos, m_i, l_i, acc, k_base, v_base, k_scale_base, v_scale_
                  PRECISION: tl.constexpr, QUANTIZED: tl.constexpr):
     """Folds keys [start, start + BLOCK_N) of one sequence and KV head into the running softmax of
     queries q [M, HEAD_DIM] (base-2 scores); start is a multiple of BLOCK_N, below `length`. Keys at
-    or past `length` are never read; with MASKED,
-    keys after a row's position q_pos are hidden from it (which hides keys >= length from every
-    row whose q_pos < length).
+    or past `length` are never read; with MASKED, keys after a row's position q_pos are hidden from
+    it (which hides keys >= length from every row whose q_pos < length).
 
     QUANTIZED: K/V are e4m3 with a scale per row (kv_quant.py), read as they are stored: e4m3
     converts exactly to q's dtype, a key's scale joins the score scale of its column, and a value's

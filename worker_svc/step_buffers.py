@@ -155,7 +155,7 @@ class StepBuffers:
                            cu_seqlens_q=t.cu_seqlens_q[num_decodes:num_seqs + 1],
                            cu_seqlens_k=t.cu_seqlens_k[num_decodes:num_seqs + 1],
                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, num_decodes=num_decodes,
-                           decode_order=t.decode_order[:num_seqs if not is_prefill else num_decodes])
+                           decode_order=t.decode_order[:num_decodes if is_prefill else num_seqs])
 
     def prefill_graph_context(self, backend: AttentionBackend, num_rows: int) -> StepContext:
         """The context a piecewise prefill graph of num_rows tokens is captured under: its K/V store
