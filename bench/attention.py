@@ -143,6 +143,14 @@ def fp8_cache(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, scales.transpose(1, 2).contiguous()
 
 
+def decode_rate(ms: float, lengths: list[int], cache_dtype: torch.dtype, copy_rate: float) -> dict:
+    """What a decode over contexts `lengths` moves (K and V once, FP8 scales included, then q and out),
+    at what rate, and as a share of the copy rate."""
+    moved = kv_bytes(lengths, cache_dtype) + 2 * len(lengths) * HEADS * HEAD_DIM * DTYPE.itemsize
+    return dict(bytes=moved, triton_bytes_per_s=moved / (ms * 1e-3),
+                triton_fraction_of_copy=moved / (ms * 1e-3) / copy_rate)
+
+
 def fp8_decode_row(batch: int, context: int, copy_rate: float) -> dict:
     """Triton decode over an FP8 cache, and over the bf16 cache holding the values it dequantizes
     to (their outputs' relative difference checks that both compute the same attention)."""
@@ -153,11 +161,9 @@ def fp8_decode_row(batch: int, context: int, copy_rate: float) -> dict:
     fp8_decode = functools.partial(triton_decode.paged_decode, k_scale=k_scale, v_scale=v_scale)
     fp8_ms, fp8_out = time_decode(fp8_decode, (q, k8, v8, context_lens, tables))
     bf16_ms, bf16_out = time_decode(triton_decode.paged_decode, (q, k_cache, v_cache, context_lens, tables))
-    moved = kv_bytes([context] * batch, kv_quant.FP8_DTYPE) + 2 * batch * HEADS * HEAD_DIM * DTYPE.itemsize
     return dict(case=f"decode {batch} x {context} fp8 KV", triton_ms=fp8_ms, bf16_cache_ms=bf16_ms,
                 fp8_over_bf16=fp8_ms / bf16_ms, relative_difference=relative_difference(fp8_out, bf16_out),
-                bytes=moved, triton_bytes_per_s=moved / (fp8_ms * 1e-3),
-                triton_fraction_of_copy=moved / (fp8_ms * 1e-3) / copy_rate)
+                **decode_rate(fp8_ms, [context] * batch, kv_quant.FP8_DTYPE, copy_rate))
 
 
 def ragged_decode_rows(copy_rate: float) -> list[dict]:
@@ -171,13 +177,12 @@ def ragged_decode_rows(copy_rate: float) -> list[dict]:
     rows = []
     for cache_dtype, scales, cache in ((DTYPE, {}, inputs), (kv_quant.FP8_DTYPE, dict(k_scale=k_scale, v_scale=v_scale),
                                                                 (q, k8, v8, context_lens, tables))):
-        moved = kv_bytes(lengths, cache_dtype) + 2 * len(lengths) * HEADS * HEAD_DIM * DTYPE.itemsize
         for started, extra in (("in row order", {}), ("longest first", dict(order=order))):
             decode = functools.partial(triton_decode.paged_decode, **scales, **extra)
             ms, _ = time_decode(decode, cache)
             kind = " fp8 KV" if scales else ""
-            rows.append(dict(case=f"decode 256 x U[100,2000]{kind}, {started}", triton_ms=ms, bytes=moved,
-                             triton_bytes_per_s=moved / (ms * 1e-3), triton_fraction_of_copy=moved / (ms * 1e-3) / copy_rate))
+            rows.append(dict(case=f"decode 256 x U[100,2000]{kind}, {started}", triton_ms=ms,
+                             **decode_rate(ms, lengths, cache_dtype, copy_rate)))
     return rows
 
 
@@ -187,9 +192,7 @@ def run() -> dict:
     for batch, context in DECODE_SHAPES:
         row = compare(f"decode {batch} x {context}", time_decode, decode_inputs(batch, context),
                       triton_decode.paged_decode, flash_attn_backend.paged_decode)
-        moved = kv_bytes([context] * batch) + 2 * batch * HEADS * HEAD_DIM * DTYPE.itemsize
-        row.update(bytes=moved, triton_bytes_per_s=moved / (row["triton_ms"] * 1e-3))
-        row["triton_fraction_of_copy"] = row["triton_bytes_per_s"] / copy_rate
+        row.update(decode_rate(row["triton_ms"], [context] * batch, DTYPE, copy_rate))
         decode_rows.append(row)
     decode_rows += [fp8_decode_row(batch, context, copy_rate) for batch, context in FP8_DECODE_SHAPES]
     decode_rows += ragged_decode_rows(copy_rate)
