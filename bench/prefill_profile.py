@@ -2,10 +2,11 @@
 sequence per step (the step behind a batch-1 time to first token), replayed from the piecewise
 prefill graphs and, on the same runner, eagerly (the --enforce-eager path). With --decodes N, every
 step is a mixed one: N running sequences (--decode-context tokens each) decode beside the prompt,
-as under load with chunked prefill; --profile prints where the largest step's time goes.
+as under load with chunked prefill; --prompts P starts P prompts of the length in every step (a
+throughput workload's prefill); --profile prints where the largest step's time goes.
 
     python3 bench/prefill_profile.py [--lengths 16 128 512 2048 8192] [--attention-backend triton]
-        [--decodes 128 --decode-context 512] [--profile] [--model DIR --load-format dummy]
+        [--decodes 128 --decode-context 512] [--prompts 8] [--profile] [--model DIR --load-format dummy]
 
 host: StepResponse.host_seconds, the time the worker took to turn the request into queued work.
 gpu: the GPU time of that work alone: a sleep kernel is queued first, so the whole step is queued
@@ -37,36 +38,41 @@ DECODE_IDS = 1_000_000  # the running sequences' ids, apart from the prompts'
 
 
 class Prompts:
-    """Fresh one-sequence prefill requests of a given length over the same blocks, each forgetting
-    the one before it; with decodes, each step first decodes one token of every running sequence
-    (ids from DECODE_IDS on, their blocks after the prompt's)."""
+    """Fresh prefill requests of a given length, `prompts` new sequences a step over the same blocks,
+    each step forgetting the sequences of the one before it; with decodes, each step first decodes one
+    token of every running sequence (ids from DECODE_IDS on, their blocks after the prompts')."""
 
-    def __init__(self, prompt_blocks: int, decodes: int = 0, decode_context: int = 0):
-        self.seq_id = 0
+    def __init__(self, prompt_blocks: int, decodes: int = 0, decode_context: int = 0, prompts: int = 1):
+        self.step_id = 0
         self.prompt_blocks, self.decodes, self.decode_context = prompt_blocks, decodes, decode_context
+        self.prompts = prompts
         self.decoded = 0
 
     def blocks_needed(self, steps: int) -> int:
-        return self.prompt_blocks + self.decodes * cdiv(self.decode_context + steps, BLOCK_SIZE)
+        return self.prompts * self.prompt_blocks + self.decodes * cdiv(self.decode_context + steps, BLOCK_SIZE)
 
     def start_decodes(self, runner: ModelRunner, steps: int) -> None:
         """Prefills the running sequences, with room for `steps` more tokens each."""
         per_seq = cdiv(self.decode_context + steps, BLOCK_SIZE)
         for i in range(self.decodes):
-            first = self.prompt_blocks + i * per_seq
+            first = self.prompts * self.prompt_blocks + i * per_seq
             runner.step(worker_pb2.StepRequest(seqs=[worker_pb2.SeqStep(
                 seq_id=DECODE_IDS + i, token_ids=[(i * 7 + t) % 10_000 for t in range(self.decode_context)],
                 reset=True, sample=True, new_block_ids=range(first, first + per_seq))]))
 
     def next(self, length: int) -> worker_pb2.StepRequest:
-        self.seq_id += 1
+        self.step_id += 1
         computed = self.decode_context + self.decoded
         self.decoded += 1
         decodes = [worker_pb2.SeqStep(seq_id=DECODE_IDS + i, num_computed=computed, sample=True,
                                       num_generated=self.decoded) for i in range(self.decodes)]
-        return worker_pb2.StepRequest(step_id=self.seq_id, forget_seq_ids=[self.seq_id - 1], seqs=[*decodes, worker_pb2.SeqStep(
-            seq_id=self.seq_id, token_ids=[(self.seq_id * 31 + i) % 10_000 for i in range(length)], reset=True,
-            sample=True, new_block_ids=range(cdiv(length, BLOCK_SIZE)))])
+        first_id, blocks = self.step_id * self.prompts, cdiv(length, BLOCK_SIZE)
+        prompts = [worker_pb2.SeqStep(
+            seq_id=first_id + j, token_ids=[((first_id + j) * 31 + i) % 10_000 for i in range(length)], reset=True,
+            sample=True, new_block_ids=range(j * self.prompt_blocks, j * self.prompt_blocks + blocks))
+            for j in range(self.prompts)]
+        return worker_pb2.StepRequest(step_id=self.step_id, seqs=[*decodes, *prompts],
+                                      forget_seq_ids=range(first_id - self.prompts, first_id))
 
 
 def measure(runner: ModelRunner, prompts: Prompts, length: int, repeat: int) -> dict[str, float]:
@@ -108,22 +114,24 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--decodes", type=int, default=0, help="running sequences decoding beside each prompt")
     p.add_argument("--decode-context", type=int, default=512, help="their context length at the start")
+    p.add_argument("--prompts", type=int, default=1, help="prompts of the length started in every step")
     p.add_argument("--profile", action="store_true", help="print the kernels and host ops of the largest step")
     p.add_argument("--out", default=str(REPO / "bench" / "out" / "prefill_profile.json"))
     args = p.parse_args()
     if not (Path(args.model) / "config.json").exists():
         build_bench_model(Path(args.model))
     steps = 2 * len(args.lengths) * (2 * args.repeat + 1) + 2
-    prompts = Prompts(cdiv(max(args.lengths), BLOCK_SIZE), args.decodes, args.decode_context)
+    prompts = Prompts(cdiv(max(args.lengths), BLOCK_SIZE), args.decodes, args.decode_context, args.prompts)
     num_blocks = prompts.blocks_needed(steps) + 1
     runner = ModelRunner(WorkerConfig(
         model=args.model, block_size=BLOCK_SIZE, num_kv_blocks=num_blocks, attention_backend=args.attention_backend,
-        max_num_seqs=max(8, args.decodes + 1), max_num_batched_tokens=max(8192, max(args.lengths) + args.decodes),
+        max_num_seqs=max(8, args.decodes + args.prompts),
+        max_num_batched_tokens=max(8192, args.prompts * max(args.lengths) + args.decodes),
         max_model_len=max(max(args.lengths), args.decode_context + steps) + BLOCK_SIZE, load_format=args.load_format))
     started = time.perf_counter()
     runner.allocate_kv_cache(num_blocks)
     result = {"backend": runner.backend.name, "capture_seconds": time.perf_counter() - started, "steps": {},
-              "decodes": args.decodes, "decode_context": args.decode_context}
+              "decodes": args.decodes, "decode_context": args.decode_context, "prompts": args.prompts}
     prompts.start_decodes(runner, steps)
     graphs = runner.graphs
     for mode in ("graphs", "eager"):
