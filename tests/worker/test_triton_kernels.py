@@ -248,6 +248,15 @@ def check_sampling(race_sample: Callable, device: str) -> None:
         assert torch.equal(tokens[greedy], logits[greedy].argmax(dim=-1))
         if vocab > 1000:  # the noise matters
             assert (tokens[~greedy] != logits[~greedy].argmax(dim=-1)).any()
+    # 16 rows take one program each on the interpreter's 4 SMs, so each program walks 3 blocks of 2,048:
+    # a tie between one lane's entries of two blocks (ids 3 and 2,051) goes to the lower id too.
+    logits = 3 * torch.randn(16, 5000, generator=gen, device=device)
+    logits[:, [3, 2051]] = logits.max() + 1
+    temperatures = torch.tensor([0.0] * 8 + [0.7] * 8, dtype=torch.float64, device=device)
+    keys, counters = torch.arange(16, device=device) * 31, torch.arange(16, device=device) + 5
+    tokens = race_sample(logits, temperatures, keys, counters)
+    assert tokens.tolist() == reference_race(logits, temperatures, keys, counters).tolist()
+    assert tokens[:8].tolist() == [3] * 8
 
 
 def check_rotary(rotate_qk_: Callable, device: str, dtypes: tuple[torch.dtype, ...]) -> None:
