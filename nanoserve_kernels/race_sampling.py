@@ -1,5 +1,6 @@
 """Next-token sampling by the exponential race, in plain torch: the CPU path, and the oracle for the
-Triton kernel (nanoserve_kernels/triton_sampling.py), which draws the same noise and so picks the same tokens.
+Triton kernel (nanoserve_kernels/triton_sampling.py), which draws the same noise (on a GPU through an
+approximate logarithm, within 2e-5 of a score) and so picks the same tokens but at such near-ties.
 
 A row at temperature T > 0 takes argmax(logits / T - log E) with E ~ Exp(1) drawn per vocabulary
 entry, which draws exactly from softmax(logits / T); a row at T = 0 takes argmax(logits) (greedy).
