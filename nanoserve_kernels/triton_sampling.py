@@ -14,6 +14,7 @@ to read the logits). The approximation moves a score by under 2e-5 (most by ~1e-
 are the reference's except at a near-tie that close; the interpreter keeps the exact log.
 """
 import functools
+import os
 
 import torch
 import triton
@@ -33,10 +34,12 @@ _BELOW_ONE = tl.constexpr(race_sampling.BELOW_ONE)
 _SERIES_BELOW = tl.constexpr(race_sampling.SERIES_BELOW)
 _THIRD = tl.constexpr(race_sampling.THIRD)
 _LN2 = tl.constexpr(0.6931471805599453)
+# The GPU's approximate log2 (below); the CPU interpreter has no libdevice, so it takes the exact log.
+FAST_LOG: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
 @triton.jit
-def _log(x, FAST_LOG: tl.constexpr):
+def _log(x):
     if FAST_LOG:
         return libdevice.fast_log2f(x) * _LN2
     else:
@@ -44,15 +47,15 @@ def _log(x, FAST_LOG: tl.constexpr):
 
 
 @triton.jit
-def _exponential_noise(words, FAST_LOG: tl.constexpr):
+def _exponential_noise(words):
     v = tl.minimum((words.to(tl.float32) + 0.5) * _TWO_TO_MINUS_32, _BELOW_ONE)
     series = v + v * v * (0.5 + v * (_THIRD + v * 0.25))
-    return tl.where(v < _SERIES_BELOW, series, -_log(1.0 - v, FAST_LOG))
+    return tl.where(v < _SERIES_BELOW, series, -_log(1.0 - v))
 
 
 @triton.jit(do_not_specialize=["vocab_size", "blocks_per_split"])
 def _race_kernel(logits, stride_row, temperatures, keys, counters, best_scores, best_tokens, vocab_size,
-                 blocks_per_split, SPLITS: tl.constexpr, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
+                 blocks_per_split, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     temperature = tl.load(temperatures + row).to(tl.float32)
@@ -73,7 +76,7 @@ def _race_kernel(logits, stride_row, temperatures, keys, counters, best_scores, 
             w0, w1, w2, w3 = tl.philox(key, draws, counter_lo, counter_hi, zero)
             # join stacks on a new last axis: this order lays the words out as entries 4j .. 4j + 3
             words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [BLOCK])
-            scores = scores / temperature - _log(_exponential_noise(words, FAST_LOG), FAST_LOG)
+            scores = scores / temperature - _log(_exponential_noise(words))
         better = scores > best  # strictly: earlier blocks win ties
         best_token = tl.where(better, entries, best_token)
         best = tl.where(better, scores, best)
@@ -119,6 +122,6 @@ def race_sample(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Te
         return tokens
     _race_kernel[(rows, splits)](logits, logits.stride(0), temperatures, keys, counters, best_scores, best_tokens,
                                  vocab_size, triton.cdiv(triton.cdiv(vocab_size, BLOCK), splits),
-                                 SPLITS=splits, BLOCK=BLOCK, FAST_LOG=logits.is_cuda)
+                                 SPLITS=splits, BLOCK=BLOCK)
     _pick_kernel[(rows,)](best_scores, best_tokens, tokens, SPLITS=splits)
     return tokens

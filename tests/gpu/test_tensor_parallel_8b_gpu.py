@@ -11,9 +11,8 @@ Needs two GPUs with ~10 GB free each (the lent nvidia-h200-x2), from the repo ro
 Greedy tokens of a random model can hinge on near-ties that bf16 rounding decides differently when the
 matmuls are split: the two runs must give the same tokens wherever one rank's choice is clearer than the
 difference tensor parallelism makes to the logits, and their logits must agree within bf16 tolerance."""
-from pathlib import Path
-
 import logging
+from pathlib import Path
 
 import pytest
 import torch

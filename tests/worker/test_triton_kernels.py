@@ -480,9 +480,9 @@ def test_sampling_kernels_compile_for_hopper() -> None:
     from nanoserve_kernels import triton_sampling
     race = {"logits": "*bf16", "stride_row": "i32", "temperatures": "*fp64", "keys": "*i64", "counters": "*i64",
             "best_scores": "*fp32", "best_tokens": "*i32", "vocab_size": "i32", "blocks_per_split": "i32",
-            "SPLITS": "constexpr", "BLOCK": "constexpr", "FAST_LOG": "constexpr"}
+            "SPLITS": "constexpr", "BLOCK": "constexpr"}
     pick = {"best_scores": "*fp32", "best_tokens": "*i32", "tokens": "*i64", "SPLITS": "constexpr"}
-    for kernel, signature, constexprs in ((triton_sampling._race_kernel, race, {"SPLITS": 64, "BLOCK": 1024, "FAST_LOG": True}),
+    for kernel, signature, constexprs in ((triton_sampling._race_kernel, race, {"SPLITS": 64, "BLOCK": 1024}),
                                           (triton_sampling._pick_kernel, pick, {"SPLITS": 64})):
         compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs),
                                   target=GPUTarget("cuda", 90, 32))
