@@ -11,6 +11,8 @@ Needs two GPUs with ~10 GB free each (the lent nvidia-h200-x2), from the repo ro
 Greedy tokens of a random model can hinge on near-ties that bf16 rounding decides differently when the
 matmuls are split: the two runs must give the same tokens wherever one rank's choice is clearer than the
 difference tensor parallelism makes to the logits, and their logits must agree within bf16 tolerance."""
+import faulthandler
+import gc
 import logging
 from pathlib import Path
 
@@ -30,6 +32,8 @@ SHAPE = {**QWEN3_8B, "num_hidden_layers": 4}
 BLOCK_SIZE, NUM_BLOCKS, TOKENS = 16, 512, 32
 PROMPTS = {1: [785, 3974, 13876, 38835, 34208] * 40, 2: [11, 22, 33], 3: list(range(100, 1100))}
 NEXT_TOKENS = {1: 4242, 2: 17, 3: 99_999}
+# A rank still running after this prints every thread's stack and exits: a hang fails with where it is.
+HANG_SECONDS = 150
 
 
 def runner(model_dir: str, rank: int, world_size: int) -> ModelRunner:
@@ -68,6 +72,7 @@ def greedy_with_margins(r: ModelRunner) -> tuple[dict, dict]:
 
 def _one_rank(rank: int, model_dir: str, out: str) -> None:
     logging.basicConfig(level=logging.INFO, format="one rank %(asctime)s %(message)s")
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
     torch.cuda.set_device(0)
     r = runner(model_dir, 0, 1)
     tokens, margins = greedy_with_margins(r)
@@ -76,12 +81,16 @@ def _one_rank(rank: int, model_dir: str, out: str) -> None:
 
 def _two_ranks(rank: int, port: int, model_dir: str, out: str) -> None:
     logging.basicConfig(level=logging.INFO, format=f"two ranks, rank {rank} %(asctime)s %(message)s")
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             device_id=torch.device("cuda", rank))
     r = runner(model_dir, rank, 2)
     greedy = generate(r, StepWriter(BLOCK_SIZE), PROMPTS, TOKENS, pipelined=True)  # as the scheduler drives it
     torch.save({"logits": logits_of_fixed_steps(r), "greedy": greedy}, Path(out) / f"rank{rank}.pt")
+    # Its CUDA graphs hold NCCL collectives: destroying the group while they live hangs (pytorch#115388).
+    del r
+    gc.collect()
     dist.destroy_process_group()
 
 
