@@ -1,8 +1,9 @@
-"""Batch-1 decode: the RMSNorm before the q/k/v and gate/up projections is made in the matrix-vector
-kernel's loads of x (nanoserve_kernels/triton_gemv.py), and the SiLU-and-mul after gate/up in its
-output, instead of in kernels of their own: three fewer launches per layer where a step is ~10 small
-kernels per layer. Larger batches and the CPU run the separate modules, as does any step where
-FUSED lacks the fusion."""
+"""Decode-step fusions on CUDA. At batch 1 the RMSNorm before the q/k/v and gate/up projections is
+made in the matrix-vector kernel's loads of x (nanoserve_kernels/triton_gemv.py), and the SiLU-and-mul
+after gate/up in its output, instead of in kernels of their own: three fewer launches per layer where a
+step is ~10 small kernels per layer. At 2 to 128 rows the SiLU-and-mul is made in the gate/up GEMM's
+epilogue (nanoserve_kernels/triton_gate_up.py). Larger batches and the CPU run the separate modules,
+as does any step where FUSED lacks the fusion."""
 import torch
 
 from nanoserve_model.activation import silu_and_mul
@@ -10,7 +11,7 @@ from nanoserve_model.linear import ColumnParallelLinear, on_matvec_path
 from nanoserve_model.norm import RMSNorm
 
 # The fusions in use; tests take them out to compare with the separate kernels.
-FUSED = {"rms_norm", "silu_mul"}
+FUSED = {"rms_norm", "silu_mul", "gate_up_silu"}
 
 
 def norm_project(norm: RMSNorm, proj: ColumnParallelLinear, hidden: torch.Tensor, residual: torch.Tensor | None
@@ -32,5 +33,10 @@ def norm_project_silu_mul(norm: RMSNorm, proj: ColumnParallelLinear, hidden: tor
     if {"rms_norm", "silu_mul"} <= FUSED and on_matvec_path(hidden):
         from nanoserve_kernels.triton_gemv import rms_norm_gemv
         return rms_norm_gemv(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias, silu_mul=True)
+    if "gate_up_silu" in FUSED and hidden.is_cuda and proj.bias is None:
+        from nanoserve_kernels.triton_gate_up import gate_up_silu, takes
+        if takes(hidden, proj.weight):
+            hidden, residual = norm(hidden, residual)
+            return gate_up_silu(hidden, proj.weight), residual
     gate_up, residual = norm_project(norm, proj, hidden, residual)
     return silu_and_mul(gate_up), residual

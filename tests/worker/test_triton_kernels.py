@@ -421,6 +421,32 @@ def check_silu_and_mul(device: str, dtype: torch.dtype, differ: float = 0.0) -> 
             assert_nearly_same(got, separate(gate_up), differ, (rows, d))
 
 
+def check_gate_up_silu(device: str, dtype: torch.dtype, shapes: tuple[tuple[int, int], ...],
+                       differ: float | None = None) -> None:
+    """The gate/up GEMM with SiLU-and-mul in its epilogue, at both launch shapes (forced, so the
+    interpreter's small sizes take each) and the chosen one: close to float64; with `differ`, against
+    the separate path (F.linear, then the SiLU-and-mul kernel) equal but in at most that share of
+    elements (where the two GEMMs' float32 sums round gate or up to the dtype differently), each within
+    a few steps of it. Row counts with a masked tail of a row block, several row and column blocks."""
+    from nanoserve_kernels.triton_activation import silu_and_mul
+    from nanoserve_kernels.triton_gate_up import MAX_ROWS, gate_up_silu, tiles
+    gen = torch.Generator(device).manual_seed(0)
+    for (d, k), rows in ((shape, rows) for shape in shapes for rows in (2, 7, 33, 100)):
+        x = torch.randn(rows, k, generator=gen, device=device).to(dtype)
+        w = (torch.randn(2 * d, k, generator=gen, device=device) / k ** 0.5).to(dtype)
+        gate, up = torch.nn.functional.linear(x.double(), w.double()).chunk(2, dim=-1)
+        expected = gate * torch.sigmoid(gate) * up
+        separate = silu_and_mul(torch.nn.functional.linear(x, w))
+        for launch in (*(tiles(rows, k_size) for rows, k_size in ((2, k), (32, k), (64, k), (MAX_ROWS, 128),
+                                                                   (MAX_ROWS, 4096))), None):
+            got = gate_up_silu(x, w, launch)
+            what = (d, k, rows, launch)
+            assert got.shape == (rows, d) and got.dtype == dtype, what
+            assert relative_error(got, expected) < TOLERANCE[dtype], (what, relative_error(got, expected))
+            if differ is not None:
+                assert_nearly_same(got, separate, differ, what)
+
+
 def assert_nearly_same(got: torch.Tensor, expected: torch.Tensor, share: float, what: object) -> None:
     """Equal but for at most `share` of the elements, which are within a few steps of the dtype (a last
     bit of the inverse RMS goes through two roundings)."""
@@ -449,6 +475,10 @@ def run_interpreted_cases(kernel: str) -> None:
         return
     if kernel == "activation":
         check_silu_and_mul("cpu", torch.float32, differ=0.5)  # the plain ops round twice: off by a step, at most
+        return
+    if kernel == "gate_up":
+        # numpy's float32 sums in another order than torch's: only the float64 comparison holds there
+        check_gate_up_silu("cpu", torch.float32, ((64, 128), (192, 256)))
         return
     if kernel == "gemv":
         check_gemv()
@@ -572,6 +602,24 @@ def test_activation_kernel_compiles_for_hopper() -> None:
     assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 
 
+@pytest.mark.parametrize("rows, k_size", [(2, 1024), (32, 1024), (64, 1024), (128, 1024), (128, 4096)])
+def test_gate_up_kernel_compiles_for_hopper(rows: int, k_size: int) -> None:
+    """Every launch shape for sm_90 in bf16 (the interpreter runs float32 dots, without wgmma): the
+    stacked gate and up rows' dot and the epilogue's split of the accumulator."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nanoserve_kernels import triton_gate_up
+    kernel = triton_gate_up._gate_up_silu_kernel
+    launch = triton_gate_up.tiles(rows, k_size)
+    constexprs = {name: launch[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    source = ASTSource(kernel, _hopper_signature(kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"}),
+                       constexprs=constexprs)
+    options = dict(num_warps=launch["num_warps"], num_stages=launch["num_stages"])
+    assert triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
+
+
 def _fix_interpreter_for_numpy_2_4() -> None:
     """Triton 3.6's interpreter turns a scalar into a Python int with int(array of shape (1,)),
     which numpy >= 2.4 refuses, so `range(start, end)` over loaded values fails
@@ -596,7 +644,7 @@ def _stand_in_for_libdevice() -> None:
 
 
 @pytest.mark.parametrize("kernel", ["store", "prefill", "decode", "sampling", "rotary", "rotary_store", "gemv",
-                                    "activation"])
+                                    "activation", "gate_up"])
 def test_triton_kernel_matches_reference_in_interpreter(kernel: str) -> None:
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath}
