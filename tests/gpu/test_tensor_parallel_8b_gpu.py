@@ -2,8 +2,8 @@
 bf16) against one rank on one GPU, on dummy weights (the same full tensors at every tensor-parallel size,
 made on the GPU from config.json alone, so nothing is written or read). Four of the 8B's 36 layers, each
 at its full shape (hidden 4,096, 32 query and 8 KV heads, 12,288 intermediate, 151,936 vocabulary): every
-layer shards alike. With all 36 the test never finished on 2 x H200 (240 and 270 s, sessions 9-11); where
-that time went is not known, so the processes now log their start-up steps.
+layer shards alike. It once seemed never to finish: its ranks hung in destroy_process_group while the runner's
+CUDA graphs, holding NCCL collectives, were alive (pytorch#115388); the runner is freed first now.
 
 Needs two GPUs with ~10 GB free each (the lent nvidia-h200-x2), from the repo root:
     PYTHONPATH=.:proto python3 -m pytest tests/gpu/test_tensor_parallel_8b_gpu.py -q
