@@ -29,7 +29,7 @@ def tiles(rows: int, k_size: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=4)
 
 
-@triton.jit(do_not_specialize=["rows"])  # one compile for every batch size, at start-up
+@triton.jit(do_not_specialize=["rows"])  # one compile a tile shape, whatever the batch size
 def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, rows, d, k_size, stride_x, stride_w, stride_out,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     row_blocks = tl.cdiv(rows, BLOCK_M)
@@ -56,7 +56,8 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, rows, d, k_size, stride_x, strid
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x [rows, K] times the packed (gate, up) weight [2 d, K] runs here: 16-bit floats on CUDA
-    (float32 keeps cuBLAS's exact product), 2 to MAX_ROWS rows, K and d multiples of the largest tiles."""
+    (float32 stays on cuBLAS: Triton's dots would round it to TF32), 2 to MAX_ROWS rows, K and d
+    multiples of the largest tiles."""
     return (x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous()
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and 2 <= x.shape[0] <= MAX_ROWS and x.shape[1] == weight.shape[1]
