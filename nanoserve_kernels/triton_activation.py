@@ -16,14 +16,20 @@ BLOCK, NUM_WARPS = 1024, 4
 
 
 @triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up of float32 values: the one formula of every kernel that makes SiLU-and-mul (this
+    pass, the gemv's and the gate/up GEMM's epilogues), so each rounds as the compiled function does."""
+    return gate / (libdevice.exp(-gate) + 1.0) * up
+
+
+@triton.jit
 def _silu_and_mul_kernel(gate_up_ptr, out_ptr, d, stride_in, stride_out, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
     gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + row * stride_in + d + cols, mask=mask, other=0.0).to(tl.float32)
-    out = gate / (libdevice.exp(-gate) + 1.0) * up
-    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_out + cols, silu_mul(gate, up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor, block: int = BLOCK, num_warps: int = NUM_WARPS) -> torch.Tensor:

@@ -11,7 +11,8 @@ path's: gate and up rounded to the model dtype, SiLU-and-mul in float32 from the
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
+
+from nanoserve_kernels.triton_activation import silu_mul
 
 MAX_ROWS = 128
 MAX_BLOCK_N, MAX_BLOCK_K = 64, 128
@@ -48,10 +49,9 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, rows, d, k_size, stride_x, strid
         acc = tl.dot(x, tl.trans(tl.load(w_ptrs + start)), acc)
     halves = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
     gate, up = tl.split(tl.permute(tl.reshape(halves, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1)))
-    out = gate / (libdevice.exp(-gate) + 1.0) * up
     col = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(out_ptr + row[:, None].to(tl.int64) * stride_out + col[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
+    tl.store(out_ptr + row[:, None].to(tl.int64) * stride_out + col[None, :],
+             silu_mul(gate, up).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:

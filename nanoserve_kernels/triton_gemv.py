@@ -27,6 +27,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from nanoserve_kernels.pdl import pdl_launch, wait_for_previous_kernel
+from nanoserve_kernels.triton_activation import silu_mul
 
 MAX_ROWS = 1
 # Tiles (bench/gemv.py --sweep: the model's calls, fusions and PDL in, weights from memory, H100).
@@ -108,7 +109,7 @@ def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, bias_pt
             up_acc += tl.load(bias_ptr + N + rows, mask=row_ok, other=0.0).to(tl.float32)
     if SILU_MUL:  # as the compiled silu_and_mul: float32 from the rounded products, one rounding
         gate = acc.to(dtype).to(tl.float32)
-        acc = gate / (libdevice.exp(-gate) + 1.0) * up_acc.to(dtype).to(tl.float32)
+        acc = silu_mul(gate, up_acc.to(dtype).to(tl.float32))
     tl.store(y_ptr + rows, acc.to(dtype), mask=row_ok)
 
 

@@ -423,8 +423,8 @@ def check_silu_and_mul(device: str, dtype: torch.dtype, differ: float = 0.0) -> 
 
 def check_gate_up_silu(device: str, dtype: torch.dtype, shapes: tuple[tuple[int, int], ...],
                        differ: float | None = None) -> None:
-    """The gate/up GEMM with SiLU-and-mul in its epilogue, at both launch shapes (forced, so the
-    interpreter's small sizes take each) and the chosen one: close to float64; with `differ`, against
+    """The gate/up GEMM with SiLU-and-mul in its epilogue, at every launch shape of `tiles` (forced, so
+    the interpreter's small sizes take each) and the chosen one: close to float64; with `differ`, against
     the separate path (F.linear, then the SiLU-and-mul kernel) equal but in at most that share of
     elements (where the two GEMMs' float32 sums round gate or up to the dtype differently), each within
     a few steps of it. Row counts with a masked tail of a row block, several row and column blocks."""
@@ -437,8 +437,8 @@ def check_gate_up_silu(device: str, dtype: torch.dtype, shapes: tuple[tuple[int,
         gate, up = torch.nn.functional.linear(x.double(), w.double()).chunk(2, dim=-1)
         expected = gate * torch.sigmoid(gate) * up
         separate = silu_and_mul(torch.nn.functional.linear(x, w))
-        for launch in (*(tiles(rows, k_size) for rows, k_size in ((2, k), (32, k), (64, k), (MAX_ROWS, 128),
-                                                                   (MAX_ROWS, 4096))), None):
+        for launch in (*(tiles(batch, k_size) for batch, k_size in ((2, k), (32, k), (64, k), (MAX_ROWS, 128),
+                                                                     (MAX_ROWS, 4096))), None):
             got = gate_up_silu(x, w, launch)
             what = (d, k, rows, launch)
             assert got.shape == (rows, d) and got.dtype == dtype, what
