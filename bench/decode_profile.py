@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "proto")]
 
 from nanoserve.mathutil import cdiv  # noqa: E402
+from nanoserve.step_rows import StepEntry, pack_step  # noqa: E402
 from nanoserve.v1 import llm_pb2, worker_pb2  # noqa: E402
 from nanoserve_cli.cache import bench_model_dir  # noqa: E402
 from nanoserve_cli.demo_model import build_bench_model  # noqa: E402
@@ -77,13 +78,11 @@ def main() -> None:
     sampling = llm_pb2.SamplingParams(temperature=args.temperature)
     per_step = max(1, runner.config.max_num_batched_tokens // args.context)
     for first in range(0, args.batch, per_step):  # prefill every sequence to the context length
-        runner.step(worker_pb2.StepRequest(seqs=[
-            worker_pb2.SeqStep(seq_id=i, token_ids=[i % 1000 + 1] * args.context, reset=True, sample=True,
-                               new_block_ids=range(i * blocks, (i + 1) * blocks), sampling=sampling)
+        runner.step(pack_step(0, [
+            StepEntry(i, [i % 1000 + 1] * args.context, sample=True, reset=True, sampling=sampling,
+                      new_block_ids=range(i * blocks, (i + 1) * blocks))
             for i in range(first, min(args.batch, first + per_step))]))
-    step = worker_pb2.StepRequest(seqs=[worker_pb2.SeqStep(seq_id=i, token_ids=[7], num_computed=args.context,
-                                                           sample=True, num_generated=1)
-                                        for i in range(args.batch)])
+    step = pack_step(0, [StepEntry(i, [7], args.context, sample=True, num_generated=1) for i in range(args.batch)])
     work = runner.seqs.apply(step)
     graphs = runner.graphs.decode
     num_rows = graphs.batch_size(args.batch)

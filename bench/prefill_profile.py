@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "proto")]
 
 from nanoserve.mathutil import cdiv  # noqa: E402
+from nanoserve.step_rows import StepEntry, pack_step  # noqa: E402
 from nanoserve.v1 import worker_pb2  # noqa: E402
 from nanoserve_cli.cache import bench_model_dir  # noqa: E402
 from nanoserve_cli.demo_model import build_bench_model  # noqa: E402
@@ -56,23 +57,22 @@ class Prompts:
         per_seq = cdiv(self.decode_context + steps, BLOCK_SIZE)
         for i in range(self.decodes):
             first = self.prompts * self.prompt_blocks + i * per_seq
-            runner.step(worker_pb2.StepRequest(seqs=[worker_pb2.SeqStep(
-                seq_id=DECODE_IDS + i, token_ids=[(i * 7 + t) % 10_000 for t in range(self.decode_context)],
-                reset=True, sample=True, new_block_ids=range(first, first + per_seq))]))
+            runner.step(pack_step(0, [StepEntry(
+                DECODE_IDS + i, [(i * 7 + t) % 10_000 for t in range(self.decode_context)], sample=True, reset=True,
+                new_block_ids=range(first, first + per_seq))]))
 
     def next(self, length: int) -> worker_pb2.StepRequest:
         self.step_id += 1
         computed = self.decode_context + self.decoded
         self.decoded += 1
-        decodes = [worker_pb2.SeqStep(seq_id=DECODE_IDS + i, num_computed=computed, sample=True,
-                                      num_generated=self.decoded) for i in range(self.decodes)]
+        decodes = [StepEntry(DECODE_IDS + i, num_computed=computed, sample=True, num_generated=self.decoded)
+                   for i in range(self.decodes)]
         first_id, blocks = self.step_id * self.prompts, cdiv(length, BLOCK_SIZE)
-        prompts = [worker_pb2.SeqStep(
-            seq_id=first_id + j, token_ids=[((first_id + j) * 31 + i) % 10_000 for i in range(length)], reset=True,
-            sample=True, new_block_ids=range(j * self.prompt_blocks, j * self.prompt_blocks + blocks))
+        prompts = [StepEntry(
+            first_id + j, [((first_id + j) * 31 + i) % 10_000 for i in range(length)], sample=True, reset=True,
+            new_block_ids=range(j * self.prompt_blocks, j * self.prompt_blocks + blocks))
             for j in range(self.prompts)]
-        return worker_pb2.StepRequest(step_id=self.step_id, seqs=[*decodes, *prompts],
-                                      forget_seq_ids=range(first_id - self.prompts, first_id))
+        return pack_step(self.step_id, [*decodes, *prompts], forget_seq_ids=range(first_id - self.prompts, first_id))
 
 
 def measure(runner: ModelRunner, prompts: Prompts, length: int, repeat: int) -> dict[str, float]:

@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "proto"), str(REPO / "bench")]
 
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
+from nanoserve.wire import STEP_FORMAT  # noqa: E402
 from nanoserve_cli.cache import cache_dir  # noqa: E402
 from nanoserve_cli.launcher import free_port, stop_all, wait_serving  # noqa: E402
 from latency import percentiles  # noqa: E402
@@ -67,7 +68,8 @@ class NullRunner:
         self.info_message = worker_pb2.WorkerInfo(
             model=tokenizer_dir, rank=0, world_size=1, dtype="bfloat16", block_size=256, max_kv_blocks=2446,
             vocab_size=151936, max_model_len=4096, eos_token_ids=[151645], attention_backend="none",
-            device="none", max_num_seqs=256, max_num_batched_tokens=16384, model_fingerprint="null")
+            device="none", max_num_seqs=256, max_num_batched_tokens=16384, model_fingerprint="null",
+            step_format=STEP_FORMAT)
         self.step_seconds, self.launch_seconds = step_ms / 1e3, launch_ms / 1e3
         self.device_free = None  # when the emulated device finishes the work queued so far
         self.idles: list[tuple[int, float]] = []  # (step id, the device's wait before it): decode steps
@@ -87,10 +89,10 @@ class NullRunner:
             idle, self.device_free = 0.0, now
         else:
             idle = max(0.0, now - self.device_free)  # the device ran out of queued steps
-            if all(len(entry.token_ids) <= 1 and not entry.reset for entry in request.seqs):
+            if max(request.num_token_ids, default=0) <= 1 and not any(item.reset for item in request.extras):
                 self.idles.append((request.step_id, idle))
         self.device_free = max(now, self.device_free) + self.step_seconds
-        tokens = [5] * sum(1 for entry in request.seqs if entry.sample)
+        tokens = [5] * sum(request.sample)
         return NullStep(self.device_free, tokens, self.step_seconds, idle, now - started)
 
 

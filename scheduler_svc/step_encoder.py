@@ -1,35 +1,35 @@
-"""The step plan on the wire: StepPlan -> worker_pb2.StepRequest. One pass over the dense
-columns, then the few entries that reset or gain blocks."""
+"""The step plan on the wire: StepPlan -> worker_pb2.StepRequest. The plan's dense columns go over
+as they are, each in one call; the few entries that reset, gain blocks or score their prompt add
+an EntryExtras each."""
 from nanoserve.v1 import llm_pb2, worker_pb2
+from nanoserve.wire import pack_token_ids
 from scheduler_svc.sequence import SamplingOptions
 from scheduler_svc.step_plan import StepPlan
 
 
 def encode_step(plan: StepPlan) -> worker_pb2.StepRequest:
-    request = worker_pb2.StepRequest(step_id=plan.step_id, forget_seq_ids=plan.forget_seq_ids)
-    add_entry = request.seqs.add
-    for seq, start, num_token_ids, sample, num_generated in zip(plan.seqs, plan.num_computed, plan.num_token_ids,
-                                                                plan.sample, plan.num_generated):
-        # Fields left at their defaults are not passed: each keyword costs on the hot path (an empty
-        # token list, a decode whose token is still in flight, costs as much as the rest of the entry).
-        if num_token_ids:
-            add_entry(seq_id=seq.seq_id, token_ids=seq.token_ids[start:start + num_token_ids], num_computed=start,
-                      sample=sample, num_generated=num_generated)
-        else:
-            add_entry(seq_id=seq.seq_id, num_computed=start, sample=sample, num_generated=num_generated)
-    entries = request.seqs
-    for index, options in plan.resets.items():
-        entry = entries[index]
-        entry.reset = True
-        entry.sampling.CopyFrom(encode_sampling(options))
-        if options.has_penalties:  # the workers count the tokens the penalties look at
-            seq = plan.seqs[index]
-            entry.history_token_ids.extend(seq.token_ids[:seq.num_prompt_tokens + plan.num_generated[index]])
-    for index, block_ids in plan.new_block_ids.items():
-        entries[index].new_block_ids.extend(block_ids)
-    for index, count in plan.scored.items():  # each position's target: the prompt token after it
-        start = plan.num_computed[index] + 1
-        entries[index].prompt_logprob_targets.extend(plan.seqs[index].token_ids[start:start + count])
+    token_ids: list[int] = []
+    extend = token_ids.extend
+    for seq, start, count in zip(plan.seqs, plan.num_computed, plan.num_token_ids):
+        if count:  # most decodes send none: the workers feed in the token they sampled
+            extend(seq.token_ids[start:start + count])
+    request = worker_pb2.StepRequest(
+        step_id=plan.step_id, forget_seq_ids=plan.forget_seq_ids, seq_ids=[seq.seq_id for seq in plan.seqs],
+        num_computed=plan.num_computed, num_token_ids=plan.num_token_ids, token_ids=pack_token_ids(token_ids),
+        sample=plan.sample, num_generated=plan.num_generated)
+    for index in sorted(plan.resets.keys() | plan.new_block_ids.keys() | plan.scored.keys()):
+        extras = request.extras.add(entry=index, new_block_ids=plan.new_block_ids.get(index, ()))
+        options = plan.resets.get(index)
+        if options is not None:
+            extras.reset = True
+            extras.sampling.CopyFrom(encode_sampling(options))
+            if options.has_penalties:  # the workers count the tokens the penalties look at
+                seq = plan.seqs[index]
+                extras.history_token_ids.extend(seq.token_ids[:seq.num_prompt_tokens + plan.num_generated[index]])
+        count = plan.scored.get(index)
+        if count:  # each position's target: the prompt token after it
+            start = plan.num_computed[index] + 1
+            extras.prompt_logprob_targets.extend(plan.seqs[index].token_ids[start:start + count])
     return request
 
 

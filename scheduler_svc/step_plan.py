@@ -66,7 +66,7 @@ class StepPlan:
             end = start + count
             num_known = len(seq.token_ids)
             num_computed.append(start)
-            num_token_ids.append((end if end <= num_known else num_known) - start)
+            num_token_ids.append(max(0, (end if end <= num_known else num_known) - start))  # in flight: none
             num_generated.append(seq.num_completion_tokens)
             num_sent_blocks = seq.num_blocks_on_workers
             if num_sent_blocks < len(seq.block_table):  # rare in decode: once a block

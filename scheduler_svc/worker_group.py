@@ -9,7 +9,7 @@ import grpc
 
 from nanoserve.tls import TLSFiles, open_aio_channel
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
-from nanoserve.wire import GRPC_OPTIONS, SESSION_KEY, TOKEN_KEY, TOKEN_SCHEME
+from nanoserve.wire import GRPC_OPTIONS, SESSION_KEY, STEP_FORMAT, TOKEN_KEY, TOKEN_SCHEME
 from scheduler_svc.step_encoder import encode_step
 from scheduler_svc.step_plan import StepPlan
 
@@ -131,6 +131,10 @@ class WorkerGroup:
                 raise WorkerUnavailable(f"{self.name(rank)} reports no steps in flight (max_steps_in_flight 0): "
                                         "it is too old for this scheduler or incompatible; run workers of the "
                                         "same nanoserve version")
+            if info.step_format != STEP_FORMAT:
+                raise WorkerUnavailable(f"{self.name(rank)} reads step format {info.step_format}, this scheduler "
+                                        f"writes {STEP_FORMAT}: run workers of the same nanoserve version",
+                                        final=True)
             problems = []
             if info.rank != rank:
                 problems.append(f"reports rank {info.rank}")

@@ -25,7 +25,9 @@ from nanoserve_model.sampler import Sampler
 from nanoserve_model.step_context import step_context
 from nanoserve.hub import resolve_model_dir
 from nanoserve.mathutil import cdiv
+from nanoserve.step_rows import StepEntry, pack_step
 from nanoserve.v1 import llm_pb2, worker_pb2
+from nanoserve.wire import STEP_FORMAT
 from worker_svc.config import WorkerConfig
 from worker_svc.cuda_graphs import StepGraphs, batch_buckets
 from worker_svc.distributed import uses_cuda
@@ -146,9 +148,8 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         base, free_before = torch.cuda.memory_reserved(self.device), torch.cuda.mem_get_info(self.device)[0]
-        self.step(worker_pb2.StepRequest(seqs=[
-            worker_pb2.SeqStep(seq_id=i, token_ids=[0] * seq_len, new_block_ids=range(i * blocks, (i + 1) * blocks),
-                               reset=True, sample=True) for i in range(num_seqs)]))
+        self.step(pack_step(0, [StepEntry(i, [0] * seq_len, sample=True, reset=True,
+                                          new_block_ids=range(i * blocks, (i + 1) * blocks)) for i in range(num_seqs)]))
         torch.cuda.empty_cache()  # the eager step's activations go: the graphs' pool replaces them
         graphs = self._capture_graphs([self.config.max_num_seqs],
                                     [min(self.config.max_num_batched_tokens, PREFILL_GRAPH_MAX_TOKENS)])
@@ -189,7 +190,7 @@ class ModelRunner:
             max_model_len=self.max_model_len, eos_token_ids=self.model_config.eos_token_ids,
             attention_backend=self.backend.name, device=str(self.device),
             max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
-            model_fingerprint=self.fingerprint, sampling_defaults=self._sampling_defaults())
+            model_fingerprint=self.fingerprint, sampling_defaults=self._sampling_defaults(), step_format=STEP_FORMAT)
 
     def _sampling_defaults(self) -> worker_pb2.SamplingDefaults:
         """generation_config.json's values, the ones it sets (unset fields stay unset on the wire)."""
@@ -229,25 +230,24 @@ class ModelRunner:
             return
         sampling = llm_pb2.SamplingParams(temperature=1.0)
 
-        def prefill(seq_id: int, num_tokens: int = 2) -> worker_pb2.SeqStep:
+        def prefill(seq_id: int, num_tokens: int = 2) -> StepEntry:
             first = seq_id * blocks
-            return worker_pb2.SeqStep(seq_id=seq_id, token_ids=[0] * num_tokens, reset=True, sample=True,
-                                      sampling=sampling, new_block_ids=range(first, first + cdiv(num_tokens, size)))
+            return StepEntry(seq_id, [0] * num_tokens, sample=True, reset=True, sampling=sampling,
+                             new_block_ids=range(first, first + cdiv(num_tokens, size)))
 
-        def decode(seq_id: int, num_computed: int) -> worker_pb2.SeqStep:
-            return worker_pb2.SeqStep(seq_id=seq_id, num_computed=num_computed, sample=True,
-                                      num_generated=num_computed - 1)
+        def decode(seq_id: int, num_computed: int) -> StepEntry:
+            return StepEntry(seq_id, num_computed=num_computed, sample=True, num_generated=num_computed - 1)
 
         longest = min(self.config.max_num_batched_tokens, self.max_model_len - 1, num_blocks * size)
-        self.step(worker_pb2.StepRequest(seqs=[prefill(0, longest)]))
-        self.step(worker_pb2.StepRequest(forget_seq_ids=[0]))
-        self.step(worker_pb2.StepRequest(seqs=[prefill(0)]))
+        self.step(pack_step(0, [prefill(0, longest)]))
+        self.step(pack_step(0, [], forget_seq_ids=[0]))
+        self.step(pack_step(0, [prefill(0)]))
         if self.config.max_num_seqs == 1:  # no step can mix: one decode is all there is
-            self.step(worker_pb2.StepRequest(seqs=[decode(0, 2)]))
+            self.step(pack_step(0, [decode(0, 2)]))
         else:
-            self.step(worker_pb2.StepRequest(seqs=[decode(0, 2), prefill(1)]))
-            self.step(worker_pb2.StepRequest(seqs=[decode(0, 3), decode(1, 2)]))
-        self.step(worker_pb2.StepRequest(forget_seq_ids=[0, 1]))
+            self.step(pack_step(0, [decode(0, 2), prefill(1)]))
+            self.step(pack_step(0, [decode(0, 3), decode(1, 2)]))
+        self.step(pack_step(0, [], forget_seq_ids=[0, 1]))
 
     def _reserved_bytes(self) -> int:
         return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
@@ -313,9 +313,10 @@ class ModelRunner:
         """Validates the step and updates the sequence table (host only); ValueError if refused."""
         if self.seqs is None:
             raise ValueError("step before the KV cache was allocated")
-        num_tokens = sum(max(1, len(entry.token_ids)) for entry in request.seqs)
-        if len(request.seqs) > self.config.max_num_seqs or num_tokens > self.config.max_num_batched_tokens:
-            raise ValueError(f"step of {len(request.seqs)} sequences and {num_tokens} tokens exceeds this "
+        counts = request.num_token_ids[:]
+        num_tokens = sum(counts) + counts.count(0)  # a decode fed its own token computes one
+        if len(counts) > self.config.max_num_seqs or num_tokens > self.config.max_num_batched_tokens:
+            raise ValueError(f"step of {len(counts)} sequences and {num_tokens} tokens exceeds this "
                              f"worker's limits ({self.config.max_num_seqs} sequences, "
                              f"{self.config.max_num_batched_tokens} tokens)")
         work = self.seqs.apply(request)

@@ -109,14 +109,14 @@ class SamplingExtras:
         """Takes the sampling params of the step's reset entries (validated by the sequence table)."""
         if not self.samples:
             return
-        for slot, entry in work.resets:
-            sampling = entry.sampling
+        for slot, extras, num_generated in work.resets:
+            sampling = extras.sampling
             if not asks_for_extras(sampling):
                 self.processors.clear(slot)
                 self.num_logprobs[slot], self.num_prompt_logprobs[slot] = -1, 0
                 continue
             self.processors.reset(slot, processor_params(sampling, self.eos_token_ids, self.processors.vocab_size),
-                                  list(entry.history_token_ids), entry.num_generated)
+                                  extras.history_token_ids[:], num_generated)
             self.num_logprobs[slot] = sampling.logprobs if sampling.HasField("logprobs") else -1
             self.num_prompt_logprobs[slot] = sampling.prompt_logprobs
             self.any_logprobs |= sampling.HasField("logprobs")

@@ -1,5 +1,5 @@
 """The worker's memory of its live sequences: a row of the block-table array and sampling
-parameters each, updated by the delta entries of each step (worker.proto, SeqStep). A step is
+parameters each, updated by the delta entries of each step (worker.proto, StepRequest). A step is
 validated whole before any state changes, so a bad request is refused without disturbing the
 others.
 
@@ -17,12 +17,20 @@ import numpy as np
 from nanoserve_model.sampler import seed_key
 from nanoserve.mathutil import cdiv
 from nanoserve.v1 import worker_pb2
+from nanoserve.wire import TOKEN_ID_DTYPE
 
 
 class SeqState(NamedTuple):  # made once per sequence, when it is reset
     slot: int
     temperature: float
     seed: int | None
+
+
+class Reset(NamedTuple):
+    """A reset entry of a step: what the sampling extras start its slot from."""
+    slot: int
+    extras: worker_pb2.EntryExtras  # its sampling params and token history
+    num_generated: int
 
 
 @dataclass
@@ -32,13 +40,13 @@ class StepWork:
     num_new: np.ndarray         # [n] tokens each entry computes
     num_computed: np.ndarray    # [n] position of each entry's first new token
     num_blocks: np.ndarray      # [n] blocks in each entry's table
-    token_ids: list[int]        # packed new tokens; 0 where the sampled token is fed in
+    token_ids: np.ndarray       # packed new tokens; 0 where the sampled token is fed in
     fed_rows: list[int]         # packed positions that take the sequence's last sampled token
     fed_slots: list[int]        # ... from these slots
     sampled: list[int]          # entries that sample, in entry order
     num_generated: list[int]    # ... and the tokens each of their requests has produced so far
     is_decode: bool             # every entry computes exactly one token (decode kernels, CUDA graphs)
-    resets: list[tuple[int, worker_pb2.SeqStep]] = field(default_factory=list)  # (slot, entry) of reset entries
+    resets: list[Reset] = field(default_factory=list)
     scored: list[tuple[int, list[int]]] = field(default_factory=list)  # (entry, prompt_logprob_targets)
 
     @property
@@ -68,117 +76,110 @@ class SequenceTable:
 
     def apply(self, request: worker_pb2.StepRequest) -> StepWork | None:
         """Forgets, then applies every entry; ValueError (and no change at all) on a bad entry.
-        None when the step computes nothing. One pass over the entries gathers columns; the
-        checks then run on whole columns."""
+        None when the step computes nothing. The columns are read whole (each in one call), and
+        the checks run on whole columns; only the slot lookup walks the entries."""
+        seq_ids, counts = request.seq_ids[:], np.array(request.num_token_ids[:], np.int64)
+        _check_columns(request, seq_ids, counts)
         released = set(request.forget_seq_ids)
         # A copy: nothing changes before the step is valid; afterwards it is the new free list.
         spare_slots = self.free_slots + [self.states[seq_id].slot for seq_id in released if seq_id in self.states]
-        entries = request.seqs
-        reset: dict[int, SeqState] = {}  # by entry index
-        appends: list[tuple[int, list[int]]] = []  # (entry index, new block ids)
-        slots, num_new, num_computed, token_ids = [], [], [], []
-        fed_rows, fed_entries, sampled, num_generated, scored = [], [], [], [], []
-        for index, entry in enumerate(entries):
-            if entry.reset:
-                state = reset[index] = self._reset_state(entry, released, spare_slots)
-            else:
-                state = None if entry.seq_id in released else self.states.get(entry.seq_id)
+        num_generated = request.num_generated[:]
+        reset = {item.entry: self._reset_state(seq_ids[item.entry], item, num_generated[item.entry], released,
+                                               spare_slots) for item in request.extras if item.reset}
+        slots, get_state = [], self.states.get
+        for index, seq_id in enumerate(seq_ids):
+            state = reset.get(index) if reset else None
+            if state is None:
+                state = None if seq_id in released else get_state(seq_id)
                 if state is None:
-                    raise ValueError(f"sequence {entry.seq_id} is unknown to this worker (forgotten or never "
+                    raise ValueError(f"sequence {seq_id} is unknown to this worker (forgotten or never "
                                      "seen): its first step must set reset")
-            if entry.new_block_ids:
-                appends.append((index, list(entry.new_block_ids)))
-            tokens = entry.token_ids
-            if tokens:
-                token_ids.extend(tokens[:])  # a slice: upb copies into a list in C, a third faster than iterating
-                num_new.append(len(tokens))
-                if entry.prompt_logprob_targets:
-                    scored.append((index, self._checked_targets(entry)))
-            else:
-                fed_rows.append(len(token_ids))
-                fed_entries.append(index)
-                token_ids.append(0)
-                num_new.append(1)
-            if entry.sample:
-                sampled.append(index)
-                num_generated.append(entry.num_generated)
             slots.append(state.slot)
-            num_computed.append(entry.num_computed)
-        if not entries:
+        if not seq_ids:
             self._commit(released, spare_slots, {}, [], None)
             return None
-        work = StepWork(np.array(slots, np.int64), np.array(num_new, np.int64), np.array(num_computed, np.int64),
-                        np.zeros(len(slots), np.int64), token_ids, fed_rows, [slots[i] for i in fed_entries],
-                        sampled, num_generated, is_decode=len(token_ids) == len(slots),
-                        resets=[(state.slot, entries[i]) for i, state in reset.items()], scored=scored)
+        appends = [(item.entry, item.new_block_ids[:]) for item in request.extras if item.new_block_ids]
+        scored = [(item.entry, self._checked_targets(seq_ids[item.entry], item, counts[item.entry]))
+                  for item in request.extras if item.prompt_logprob_targets]
+        fed = counts == 0  # decodes of a token this worker sampled: it feeds in its own copy
+        token_ids, num_new, starts = _packed_rows(request.token_ids, counts, fed)
+        sampled = np.flatnonzero(np.array(request.sample[:], bool))
+        slot_array = np.array(slots, np.int64)
+        work = StepWork(slot_array, num_new, np.array(request.num_computed[:], np.int64), np.zeros(len(slots), np.int64),
+                        token_ids, starts[fed].tolist(), slot_array[fed].tolist(), sampled.tolist(),
+                        np.array(num_generated, np.int64)[sampled].tolist(), is_decode=len(token_ids) == len(slots),
+                        resets=[Reset(reset[item.entry].slot, item, num_generated[item.entry])
+                                for item in request.extras if item.reset],
+                        scored=scored)
         is_reset = np.zeros(len(slots), bool)
         is_reset[list(reset)] = True
         work.num_blocks = np.where(is_reset, 0, self.num_blocks[work.slots])
         for index, block_ids in appends:
             work.num_blocks[index] += len(block_ids)
-        self._check(entries, work, is_reset, appends, fed_entries)
-        self._commit(released, spare_slots, {entries[i].seq_id: s for i, s in reset.items()}, appends, work)
+        self._check(seq_ids, work, is_reset, appends, fed)
+        self._commit(released, spare_slots, {seq_ids[i]: s for i, s in reset.items()}, appends, work)
         return work
 
-    def _checked_targets(self, entry: worker_pb2.SeqStep) -> list[int]:
-        targets = list(entry.prompt_logprob_targets)
-        if len(targets) > len(entry.token_ids) or max(targets) >= self.vocab_size:
-            raise ValueError(f"sequence {entry.seq_id}: {len(targets)} prompt logprob targets for "
-                             f"{len(entry.token_ids)} tokens, or one outside the vocabulary (size {self.vocab_size})")
+    def _checked_targets(self, seq_id: int, extras: worker_pb2.EntryExtras, num_tokens: int) -> list[int]:
+        targets = extras.prompt_logprob_targets[:]
+        if len(targets) > num_tokens or max(targets) >= self.vocab_size:
+            raise ValueError(f"sequence {seq_id}: {len(targets)} prompt logprob targets for "
+                             f"{num_tokens} tokens, or one outside the vocabulary (size {self.vocab_size})")
         return targets
 
-    def _reset_state(self, entry: worker_pb2.SeqStep, released: set[int], spare_slots: list[int]) -> SeqState:
+    def _reset_state(self, seq_id: int, extras: worker_pb2.EntryExtras, num_generated: int, released: set[int],
+                     spare_slots: list[int]) -> SeqState:
         """A fresh state for a reset entry; its old slot, if any, goes back to the spares."""
-        previous = None if entry.seq_id in released else self.states.get(entry.seq_id)
+        previous = None if seq_id in released else self.states.get(seq_id)
         if previous is not None:
             spare_slots.append(previous.slot)
         if not spare_slots:
-            raise ValueError(f"sequence {entry.seq_id}: more live sequences than this worker's "
+            raise ValueError(f"sequence {seq_id}: more live sequences than this worker's "
                              f"{len(self.block_tables)} (max_num_seqs)")
-        sampling = entry.sampling
+        sampling = extras.sampling
         temperature = sampling.temperature if sampling.HasField("temperature") else 1.0
         if not (math.isfinite(temperature) and temperature >= 0):
-            raise ValueError(f"sequence {entry.seq_id}: temperature {temperature} is not a finite number >= 0")
-        self._check_sampling(entry)
+            raise ValueError(f"sequence {seq_id}: temperature {temperature} is not a finite number >= 0")
+        self._check_sampling(seq_id, extras, num_generated)
         return SeqState(spare_slots.pop(), temperature, sampling.seed if sampling.HasField("seed") else None)
 
-    def _check_sampling(self, entry: worker_pb2.SeqStep) -> None:
+    def _check_sampling(self, seq_id: int, extras: worker_pb2.EntryExtras, num_generated: int) -> None:
         """What the logits processors and logprobs would index the vocabulary with (empty fields
         are skipped first: iterating one costs more than asking whether it is empty)."""
-        sampling, history, vocab_size = entry.sampling, entry.history_token_ids, self.vocab_size
+        sampling, history, vocab_size = extras.sampling, extras.history_token_ids, self.vocab_size
         for token_ids in (sampling.stop_token_ids, sampling.logit_bias, history):
             if token_ids and max(token_ids) >= vocab_size:
-                raise ValueError(f"sequence {entry.seq_id}: token id {max(token_ids)} in its sampling params or "
+                raise ValueError(f"sequence {seq_id}: token id {max(token_ids)} in its sampling params or "
                                  f"history is outside the vocabulary (size {vocab_size})")
-        if history and len(history) < entry.num_generated:
-            raise ValueError(f"sequence {entry.seq_id}: its history has {len(history)} tokens, "
-                             f"fewer than the {entry.num_generated} it generated")
+        if history and len(history) < num_generated:
+            raise ValueError(f"sequence {seq_id}: its history has {len(history)} tokens, "
+                             f"fewer than the {num_generated} it generated")
         if sampling.logprobs > vocab_size or sampling.prompt_logprobs > vocab_size:
-            raise ValueError(f"sequence {entry.seq_id}: logprobs or prompt_logprobs exceed the vocabulary")
+            raise ValueError(f"sequence {seq_id}: logprobs or prompt_logprobs exceed the vocabulary")
 
-    def _check(self, entries, work: StepWork, is_reset: np.ndarray, appends: list[tuple[int, list[int]]],
-               fed_entries: list[int]) -> None:
+    def _check(self, seq_ids: list[int], work: StepWork, is_reset: np.ndarray,
+               appends: list[tuple[int, list[int]]], fed: np.ndarray) -> None:
         def fail(index: int, problem: str) -> None:
-            raise ValueError(f"sequence {entries[int(index)].seq_id}: {problem}")
+            raise ValueError(f"sequence {seq_ids[int(index)]}: {problem}")
 
-        if len({entry.seq_id for entry in entries}) < len(entries):
+        if len(set(seq_ids)) < len(seq_ids):
             seen = set()
-            for entry in entries:
-                if entry.seq_id in seen:
-                    raise ValueError(f"sequence {entry.seq_id} appears twice in one step")
-                seen.add(entry.seq_id)
+            for seq_id in seq_ids:
+                if seq_id in seen:
+                    raise ValueError(f"sequence {seq_id} appears twice in one step")
+                seen.add(seq_id)
         for index, block_ids in appends:
             if max(block_ids) >= self.num_kv_blocks:
                 fail(index, f"block id {max(block_ids)} is out of range (the KV cache has "
                             f"{self.num_kv_blocks} blocks)")
-        if max(work.token_ids) >= self.vocab_size:
-            row = next(i for i, t in enumerate(work.token_ids) if t >= self.vocab_size)
+        if work.token_ids.max() >= self.vocab_size:
+            row = int(np.argmax(work.token_ids >= self.vocab_size))
             fail(np.searchsorted(np.cumsum(work.num_new), row, side="right"),
                  f"token id {work.token_ids[row]} is outside the vocabulary (size {self.vocab_size})")
-        if fed_entries:
-            fed = np.array(fed_entries)
-            expected = np.where(is_reset[fed], -1, self.sampled_positions[work.slots[fed]])
-            for index in fed[expected != work.num_computed[fed]]:
+        if fed.any():
+            fed_entries = np.flatnonzero(fed)
+            expected = np.where(is_reset[fed_entries], -1, self.sampled_positions[work.slots[fed_entries]])
+            for index in fed_entries[expected != work.num_computed[fed_entries]]:
                 fail(index, f"no tokens to compute, and no token sampled by this worker at position "
                             f"{work.num_computed[index]} to feed in")
         context_lens = work.context_lens
@@ -212,3 +213,36 @@ class SequenceTable:
         positions = np.full(len(work.slots), -1, np.int64)
         positions[work.sampled] = work.context_lens[work.sampled]
         self.sampled_positions[work.slots] = positions
+
+
+def _check_columns(request: worker_pb2.StepRequest, seq_ids: list[int], counts: np.ndarray) -> None:
+    """The columns describe the same entries, the tokens are as many as they say, and each
+    EntryExtras names its own entry, in entry order."""
+    lengths = {name: len(getattr(request, name)) for name in ("num_computed", "num_token_ids", "sample", "num_generated")}
+    if any(length != len(seq_ids) for length in lengths.values()):
+        raise ValueError(f"step {request.step_id}: its columns disagree on the number of entries "
+                         f"(seq_ids {len(seq_ids)}, " + ", ".join(f"{k} {v}" for k, v in lengths.items()) + ")")
+    if len(request.token_ids) != 4 * int(counts.sum()):
+        raise ValueError(f"step {request.step_id}: token_ids holds {len(request.token_ids)} bytes, not the 4 bytes "
+                         f"of each of the {int(counts.sum())} tokens its entries count")
+    previous = -1
+    for item in request.extras:
+        if not previous < item.entry < len(seq_ids):
+            raise ValueError(f"step {request.step_id}: the EntryExtras of entry {item.entry} is out of order or "
+                             f"out of range (it follows entry {previous}'s; the step has {len(seq_ids)} entries)")
+        previous = item.entry
+
+
+def _packed_rows(packed: bytes, counts: np.ndarray, fed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The step's token rows: each entry's tokens in entry order, and one row holding 0 for each
+    entry fed its own sampled token. Also the rows each entry computes, and its first row."""
+    num_new = np.maximum(counts, 1)
+    starts = np.cumsum(num_new) - num_new
+    tokens = np.frombuffer(packed, TOKEN_ID_DTYPE)
+    if not fed.any():
+        return tokens.astype(np.int64), num_new, starts
+    token_ids = np.zeros(len(tokens) + int(fed.sum()), np.int64)
+    is_fed_row = np.zeros(len(token_ids), bool)
+    is_fed_row[starts[fed]] = True
+    token_ids[~is_fed_row] = tokens
+    return token_ids, num_new, starts

@@ -123,9 +123,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
 def _summary(request: worker_pb2.StepRequest) -> str:
     """What a step computes, for the debug log: sequences, how many of them decode, tokens."""
-    decodes = sum(len(entry.token_ids) <= 1 for entry in request.seqs)
-    tokens = sum(max(1, len(entry.token_ids)) for entry in request.seqs)
-    return f"{len(request.seqs)} seqs, {decodes} decoding, {tokens} tokens"
+    counts = request.num_token_ids[:]
+    decodes = counts.count(0) + counts.count(1)
+    return f"{len(counts)} seqs, {decodes} decoding, {sum(counts) + counts.count(0)} tokens"
 
 
 _END = object()

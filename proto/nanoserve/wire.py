@@ -1,4 +1,6 @@
 """Transport settings every nanoserve gRPC endpoint shares, declared once for both sides."""
+import array
+import sys
 
 # A prefill step of 16k token ids is ~100 KiB; the limit leaves room for large steps and logprobs.
 MAX_MESSAGE_BYTES = 64 << 20
@@ -20,3 +22,28 @@ SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.so_reuseport", 0),
 SESSION_KEY = "nanoserve-session"
 TOKEN_KEY = "authorization"
 TOKEN_SCHEME = "Bearer "
+
+# The StepRequest layout both sides speak (worker.proto): a worker reports its own in WorkerInfo, and a
+# scheduler refuses a worker of another, whose steps it would misread.
+STEP_FORMAT = 2
+
+# StepRequest.token_ids: one little-endian uint32 per token. The scheduler packs with the standard
+# library (it has no numpy); a worker reads the bytes as an array without a copy.
+_UINT32 = next(code for code in "IL" if array.array(code).itemsize == 4)
+TOKEN_ID_DTYPE = "<u4"  # numpy's name of the same layout
+
+
+def pack_token_ids(token_ids: list[int]) -> bytes:
+    packed = array.array(_UINT32, token_ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_token_ids(data: bytes) -> list[int]:
+    """pack_token_ids' inverse, for readers without numpy."""
+    unpacked = array.array(_UINT32)
+    unpacked.frombytes(data)
+    if sys.byteorder != "little":
+        unpacked.byteswap()
+    return unpacked.tolist()

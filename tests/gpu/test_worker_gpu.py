@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from nanoserve.v1 import worker_pb2
+from nanoserve.step_rows import StepEntry
 from nanoserve_kernels import flash_attn_backend
 from nanoserve_kernels.pdl import pdl_on
 from nanoserve_model import row_fusion
@@ -327,7 +327,7 @@ def test_serving_steps_compile_no_kernel_after_start_up(bf16_model_dir, kv_cache
         first = runner.step(writer.request(*(writer.entry(i, p, reset=True) for i, p in batch.items())))
         tokens, lengths = dict(zip(batch, first)), {i: len(p) for i, p in batch.items()}  # lengths: in the cache
 
-        def decode(seq_ids: list[int]) -> list[worker_pb2.SeqStep]:
+        def decode(seq_ids: list[int]) -> list[StepEntry]:
             return [writer.entry(i, [tokens[i]], lengths[i], num_generated=1) for i in seq_ids]
 
         def advance(seq_ids: list[int], sampled: list[int]) -> None:

@@ -5,7 +5,7 @@ sampling positions carry on where the completed tokens end."""
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import SamplingOptions, Sequence, SequenceStatus
-from scheduler_svc.step_encoder import encode_step
+from tests.scheduler.test_scheduler_edges import sent
 
 BLOCK_SIZE = 4
 
@@ -39,11 +39,11 @@ def test_drop_kv_requeues_running_first_and_recomputes_only_completed_tokens():
         assert seq.status is SequenceStatus.WAITING and seq.block_table == []
         assert (seq.num_computed_tokens, seq.num_pending_tokens, seq.num_steps_in_flight) == (0, 0, 0)
 
-    request = encode_step(scheduler.schedule())
-    assert [list(entry.token_ids) for entry in request.seqs] == [[1, 2, 3, 4, 5, 11], [6, 7, 8, 12]]
-    assert all(entry.reset and entry.sample for entry in request.seqs)
+    entries = sent(scheduler.schedule()).seqs
+    assert [list(entry.token_ids) for entry in entries] == [[1, 2, 3, 4, 5, 11], [6, 7, 8, 12]]
+    assert all(entry.reset and entry.sample for entry in entries)
     # The next token of each is its second: seeded draws are keyed by that position.
-    assert [entry.num_generated for entry in request.seqs] == [1, 1]
+    assert [entry.num_generated for entry in entries] == [1, 1]
 
 
 def test_sequences_that_outgrow_a_smaller_pool_are_finished():

@@ -1,11 +1,14 @@
 """Edge cases of the scheduler, checked on the step messages the workers would receive."""
+from typing import NamedTuple
+
 import pytest
 
-from nanoserve.v1 import worker_pb2
+from nanoserve.step_rows import StepEntry, unpack_step
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.scheduler import AdmissionError, Scheduler
 from scheduler_svc.sequence import SamplingOptions, Sequence, SequenceStatus
 from scheduler_svc.step_encoder import encode_step
+from scheduler_svc.step_plan import StepPlan
 
 EOS = 0
 BLOCK_SIZE = 4
@@ -23,11 +26,22 @@ def add(scheduler: Scheduler, seq_id: int, prompt: list[int], **sampling) -> Seq
     return seq
 
 
-def step(scheduler: Scheduler, token_id: int = 9) -> worker_pb2.StepRequest:
+class SentStep(NamedTuple):
+    """A step as the workers read it: its entries, and the sequences they forget first."""
+    seqs: list[StepEntry]
+    forget_seq_ids: list[int]
+
+
+def sent(plan: StepPlan) -> SentStep:
+    request = encode_step(plan)
+    return SentStep(unpack_step(request), list(request.forget_seq_ids))
+
+
+def step(scheduler: Scheduler, token_id: int = 9) -> SentStep:
     """Runs one step in which every sampling entry draws token_id."""
     plan = scheduler.schedule()
     scheduler.postprocess(plan, [token_id] * len(plan.sampled))
-    return encode_step(plan)
+    return sent(plan)
 
 
 def run_to_end(scheduler: Scheduler) -> None:
@@ -130,7 +144,7 @@ def test_cached_block_revived_from_the_free_list():
     assert scheduler.num_free_blocks == scheduler.num_total_blocks  # finished: all free, hashes kept
     add(scheduler, 2, list(range(1, 9)) + [42], max_tokens=1)
     plan = scheduler.schedule()
-    (entry,) = encode_step(plan).seqs
+    (entry,) = sent(plan).seqs
     assert list(entry.new_block_ids[:2]) == list(first.new_block_ids[:2]) and entry.num_computed == 8
     assert scheduler.num_free_blocks == scheduler.num_total_blocks - 3
     ref_counts = [scheduler.block_manager.blocks[block_id].ref_count for block_id in entry.new_block_ids]
@@ -191,11 +205,13 @@ def test_decode_entries_stay_small_whatever_the_context():
     add(scheduler, 1, [1] * 5)
     add(scheduler, 2, [2] * 2001)
     step(scheduler)
-    short, long = step(scheduler).seqs
+    plan = scheduler.schedule()
+    request = encode_step(plan)
+    short, long = unpack_step(request)
     for entry in (short, long):
-        assert len(entry.token_ids) == 1 and not entry.reset and not entry.HasField("sampling")
-    assert long.num_computed == 2001 and len(long.new_block_ids) == 0
-    assert long.ByteSize() - short.ByteSize() <= 1  # only num_computed's varint grows
+        assert len(entry.token_ids) == 1 and not entry.reset and entry.sampling is None
+    assert long.num_computed == 2001 and not request.extras  # no blocks, no options: the columns alone
+    assert request.ByteSize() <= 40  # per entry ~11 bytes of columns (3 for a context of 2,001), plus their tags
 
 
 @pytest.mark.parametrize("max_tokens", [None, 100])

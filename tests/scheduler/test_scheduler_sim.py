@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 import xxhash
 
+from nanoserve.step_rows import StepEntry, unpack_step
 from nanoserve.v1 import worker_pb2
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
@@ -70,40 +71,41 @@ class PagedFakeWorker:
             del self.tables[seq_id]
             self.last_sampled.pop(seq_id, None)
         # Decodes lead: a worker may run the step's leading one-token entries as decodes.
-        is_prompt = [entry.reset or len(entry.token_ids) > 1 for entry in request.seqs]
+        entries = unpack_step(request)
+        is_prompt = [entry.reset or len(entry.token_ids) > 1 for entry in entries]
         assert is_prompt == sorted(is_prompt), "a decode entry after a prompt entry"
         self.stats.mixed_steps += 0 < sum(is_prompt) < len(is_prompt)
-        self.stats.longest_entry = max(self.stats.longest_entry, *(len(entry.token_ids) for entry in request.seqs))
+        self.stats.longest_entry = max(self.stats.longest_entry, *(len(entry.token_ids) for entry in entries))
         # Like a forward pass: every entry's KV is stored before any attention reads it.
-        for entry in request.seqs:
+        for entry in entries:
             self._apply_delta(entry)
             table = self.tables[entry.seq_id]
             for offset, token in enumerate(entry.token_ids or self._fed_token(entry)):
                 position = entry.num_computed + offset
                 self.slots[self._slot(table, position)] = (position, token)
-        return [self._sample(entry) for entry in request.seqs if entry.sample]
+        return [self._sample(entry) for entry in entries if entry.sample]
 
-    def _fed_token(self, entry: worker_pb2.SeqStep) -> list[int]:
+    def _fed_token(self, entry: StepEntry) -> list[int]:
         position, token = self.last_sampled[entry.seq_id]
         assert position == entry.num_computed and not entry.reset
         self.stats.fed_tokens += 1
         return [token]
 
-    def _apply_delta(self, entry: worker_pb2.SeqStep) -> None:
+    def _apply_delta(self, entry: StepEntry) -> None:
         stats = self.stats
         if entry.reset:
             assert entry.seq_id not in self.tables, "reset of a sequence the worker was not told to forget"
-            assert entry.HasField("sampling")
+            assert entry.sampling is not None
             stats.recomputes += entry.seq_id in stats.seen
             stats.cross_request_hits += entry.seq_id not in stats.seen and entry.num_computed > 0
             stats.seen.add(entry.seq_id)
             self.tables[entry.seq_id] = list(entry.new_block_ids)
         else:
-            assert not entry.HasField("sampling") and len(entry.new_block_ids) <= 1
+            assert entry.sampling is None and len(entry.new_block_ids) <= 1
             self.tables[entry.seq_id].extend(entry.new_block_ids)
         stats.partial_chunks += not entry.sample
 
-    def _sample(self, entry: worker_pb2.SeqStep) -> int:
+    def _sample(self, entry: StepEntry) -> int:
         table = self.tables[entry.seq_id]
         history = []
         for position in range(entry.num_computed + max(1, len(entry.token_ids))):

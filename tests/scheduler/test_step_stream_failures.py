@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
+from nanoserve.wire import STEP_FORMAT
 from scheduler_svc.step_plan import StepPlan
 from scheduler_svc.worker_group import WorkerGroup, WorkerUnavailable
 
@@ -17,7 +18,7 @@ from scheduler_svc.worker_group import WorkerGroup, WorkerUnavailable
 class FailingRank(worker_pb2_grpc.WorkerServicer):
     """A rank whose Step handler raises on the first step, which ends the stream."""
     info = worker_pb2.WorkerInfo(rank=0, world_size=1, block_size=4, max_kv_blocks=8, model_fingerprint="fake",
-                                 max_steps_in_flight=2)
+                                 max_steps_in_flight=2, step_format=STEP_FORMAT)
 
     def Describe(self, request, context):
         return self.info

@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
+from nanoserve.wire import STEP_FORMAT
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine
 from scheduler_svc.sequence import SamplingOptions, Sequence
@@ -24,10 +25,11 @@ class FakeRank(worker_pb2_grpc.WorkerServicer):
     """Answers each step after STEP_SECONDS (rank 0 with token 5 per sampled entry) and records
     how many steps had arrived unanswered, at most, since the last reply."""
 
-    def __init__(self, rank: int, world_size: int, max_steps_in_flight: int, host_seconds: float):
+    def __init__(self, rank: int, world_size: int, max_steps_in_flight: int, host_seconds: float,
+                 step_format: int = STEP_FORMAT):
         self.info = worker_pb2.WorkerInfo(rank=rank, world_size=world_size, block_size=4, max_kv_blocks=64,
                                           max_model_len=64, model_fingerprint="fake",
-                                          max_steps_in_flight=max_steps_in_flight)
+                                          max_steps_in_flight=max_steps_in_flight, step_format=step_format)
         self.host_seconds = host_seconds
         self.most_unanswered = 0
 
@@ -52,7 +54,7 @@ class FakeRank(worker_pb2_grpc.WorkerServicer):
         while (request := arrived.get()) is not None:
             time.sleep(STEP_SECONDS)
             self.most_unanswered = max(self.most_unanswered, 1 + arrived.qsize())
-            tokens = [5] * sum(entry.sample for entry in request.seqs) if self.info.rank == 0 else []
+            tokens = [5] * sum(request.sample) if self.info.rank == 0 else []
             yield worker_pb2.StepResponse(step_id=request.step_id, token_ids=tokens, host_seconds=self.host_seconds)
 
 
@@ -67,8 +69,12 @@ def serve(ranks: list[FakeRank]) -> tuple[list[grpc.Server], list[str]]:
     return servers, addresses
 
 
-def test_a_rank_reporting_no_steps_in_flight_is_refused_by_name():
-    servers, addresses = serve([FakeRank(0, 2, 3, 0.0), FakeRank(1, 2, 0, 0.0)])
+@pytest.mark.parametrize("second, problem", [
+    (FakeRank(1, 2, 0, 0.0), "too old"),  # an old worker sends neither field
+    (FakeRank(1, 2, 3, 0.0, step_format=1), f"reads step format 1, this scheduler writes {STEP_FORMAT}"),
+])
+def test_a_rank_of_another_version_is_refused_by_name(second, problem):
+    servers, addresses = serve([FakeRank(0, 2, 3, 0.0), second])
 
     async def connect() -> None:
         group = WorkerGroup(addresses)
@@ -78,7 +84,7 @@ def test_a_rank_reporting_no_steps_in_flight_is_refused_by_name():
             await group.close()
 
     try:
-        with pytest.raises(WorkerUnavailable, match=f"worker rank 1 at {addresses[1]} .*too old"):
+        with pytest.raises(WorkerUnavailable, match=f"worker rank 1 at {addresses[1]} .*{problem}"):
             asyncio.run(connect())
     finally:
         for server in servers:

@@ -14,6 +14,7 @@ import pytest
 
 from nanoserve.client import Client
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
+from nanoserve.wire import STEP_FORMAT
 from scheduler_svc.recovery import MAX_FAILURES_IN_A_ROW
 from tests.services.processes import free_port, start_scheduler, stop, wait_serving
 
@@ -26,7 +27,7 @@ class FlakyWorker(worker_pb2_grpc.WorkerServicer):
         self.info = worker_pb2.WorkerInfo(
             model=str(model_dir), rank=0, world_size=1, block_size=16, max_kv_blocks=64, vocab_size=151936,
             max_model_len=1024, eos_token_ids=[151645], model_fingerprint="flaky", max_num_seqs=8,
-            max_num_batched_tokens=1024, max_steps_in_flight=3)
+            max_num_batched_tokens=1024, max_steps_in_flight=3, step_format=STEP_FORMAT)
         self.failures = failures
         self.failed = 0
         self.lock = threading.Lock()
@@ -46,7 +47,7 @@ class FlakyWorker(worker_pb2_grpc.WorkerServicer):
                 self.failed += fails
             if fails:
                 raise AttributeError("'FlakyWorker' object has no attribute 'idle_seconds'")
-            yield worker_pb2.StepResponse(step_id=request.step_id, token_ids=[5] * sum(e.sample for e in request.seqs))
+            yield worker_pb2.StepResponse(step_id=request.step_id, token_ids=[5] * sum(request.sample))
 
 
 @contextlib.contextmanager

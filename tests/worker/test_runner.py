@@ -68,6 +68,10 @@ def test_forget_then_reuse_of_a_seq_id_needs_reset(runner):
     ("too few blocks", "10 tokens need 3 blocks, its block table has 2"),
     ("duplicate", "appears twice"),
     ("nothing to feed in", "no token sampled by this worker at position 6"),
+    ("ragged columns", r"columns disagree on the number of entries \(seq_ids 2, num_computed 3"),
+    ("token bytes", "token_ids holds 9 bytes, not the 4 bytes of each of the 2 tokens"),
+    ("extras past the entries", "the EntryExtras of entry 2 is out of order or out of range .* has 2 entries"),
+    ("extras twice", "the EntryExtras of entry 1 is out of order or out of range \\(it follows entry 1's"),
 ])
 def test_a_bad_step_is_refused_whole_and_disturbs_nothing(runner, problem, message):
     """A step with a good entry, a bad one and a forget: ValueError naming the problem, and no
@@ -90,10 +94,20 @@ def test_a_bad_step_is_refused_whole_and_disturbs_nothing(runner, problem, messa
     elif problem == "nothing to feed in":
         bad.num_computed += 1
         del bad.token_ids[:]
-    else:
+    elif problem == "duplicate":
         bad.seq_id = 1
+    request = writer.request(good, bad, forget=(3,))
+    if problem == "ragged columns":
+        request.num_computed.append(0)
+    elif problem == "token bytes":
+        request.token_ids += b"\0"
+    elif problem == "extras past the entries":
+        request.extras.add(entry=2)
+    elif problem == "extras twice":
+        request.extras.add(entry=1, new_block_ids=[5])
+        request.extras.add(entry=1, new_block_ids=[6])
     with pytest.raises(ValueError, match=message):
-        runner.step(writer.request(good, bad, forget=(3,)))
+        runner.step(request)
     after = snapshot()
     assert after[0] == before[0] and (after[1] == before[1]).all() and after[2] == before[2]
     assert runner.step(writer.request(good)) == cpu_runner_continuation(runner.config.model, out[0])

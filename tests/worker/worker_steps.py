@@ -2,6 +2,7 @@
 resets it with its whole block table, later entries carry only the blocks it has grown into."""
 import math
 
+from nanoserve.step_rows import StepEntry, pack_step
 from nanoserve.v1 import llm_pb2, worker_pb2
 from worker_svc.config import WorkerConfig
 from worker_svc.runner import ModelRunner
@@ -25,7 +26,7 @@ class StepWriter:
 
     def entry(self, seq_id: int, token_ids: list[int], num_computed: int = 0, *, reset: bool = False,
               sample: bool = True, temperature: float = 0.0, seed: int | None = None,
-              num_generated: int = 0, shared_blocks: tuple[int, ...] = ()) -> worker_pb2.SeqStep:
+              num_generated: int = 0, shared_blocks: tuple[int, ...] = ()) -> StepEntry:
         """One sequence's entry; fresh blocks are handed out as its context grows. On reset the
         table starts from `shared_blocks` (prefix-cache hits owned by another sequence)."""
         if reset:
@@ -35,16 +36,13 @@ class StepWriter:
         new_blocks = list(range(self.next_block, self.next_block + max(0, needed)))
         self.next_block += len(new_blocks)
         table += new_blocks
-        entry = worker_pb2.SeqStep(seq_id=seq_id, token_ids=token_ids, num_computed=num_computed,
-                                   new_block_ids=table if reset else new_blocks, reset=reset,
-                                   sample=sample, num_generated=num_generated)
-        if reset:
-            entry.sampling.CopyFrom(llm_pb2.SamplingParams(temperature=temperature, seed=seed))
-        return entry
+        return StepEntry(seq_id, token_ids, num_computed, sample, num_generated, reset,
+                         llm_pb2.SamplingParams(temperature=temperature, seed=seed) if reset else None,
+                         list(table) if reset else new_blocks)
 
-    def request(self, *entries: worker_pb2.SeqStep, forget: tuple[int, ...] = ()) -> worker_pb2.StepRequest:
+    def request(self, *entries: StepEntry, forget: tuple[int, ...] = ()) -> worker_pb2.StepRequest:
         self.next_step += 1
-        return worker_pb2.StepRequest(step_id=self.next_step, seqs=entries, forget_seq_ids=forget)
+        return pack_step(self.next_step, entries, forget)
 
 
 def generate(runner: ModelRunner, writer: StepWriter, prompts: dict[int, list[int]], num_tokens: int,
