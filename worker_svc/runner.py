@@ -25,7 +25,7 @@ from nanoserve_model.sampler import Sampler
 from nanoserve_model.step_context import step_context
 from nanoserve.hub import resolve_model_dir
 from nanoserve.mathutil import cdiv
-from nanoserve.step_rows import StepEntry, pack_step
+from nanoserve.step_rows import StepEntry, num_rows, pack_step
 from nanoserve.v1 import llm_pb2, worker_pb2
 from nanoserve.wire import STEP_FORMAT
 from worker_svc.config import WorkerConfig
@@ -314,7 +314,7 @@ class ModelRunner:
         if self.seqs is None:
             raise ValueError("step before the KV cache was allocated")
         counts = request.num_token_ids[:]
-        num_tokens = sum(counts) + counts.count(0)  # a decode fed its own token computes one
+        num_tokens = num_rows(counts)
         if len(counts) > self.config.max_num_seqs or num_tokens > self.config.max_num_batched_tokens:
             raise ValueError(f"step of {len(counts)} sequences and {num_tokens} tokens exceeds this "
                              f"worker's limits ({self.config.max_num_seqs} sequences, "

@@ -11,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from nanoserve.gc_freeze import freeze_start_up_objects
 from nanoserve.listen import ListenError, listen
+from nanoserve.step_rows import num_rows
 from nanoserve.tls import TLSConfigError, TLSFiles
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
 from nanoserve.wire import SERVER_OPTIONS
@@ -125,7 +126,7 @@ def _summary(request: worker_pb2.StepRequest) -> str:
     """What a step computes, for the debug log: sequences, how many of them decode, tokens."""
     counts = request.num_token_ids[:]
     decodes = counts.count(0) + counts.count(1)
-    return f"{len(counts)} seqs, {decodes} decoding, {sum(counts) + counts.count(0)} tokens"
+    return f"{len(counts)} seqs, {decodes} decoding, {num_rows(counts)} tokens"
 
 
 _END = object()

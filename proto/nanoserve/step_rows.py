@@ -1,6 +1,7 @@
 """A StepRequest as rows, one StepEntry per entry, for code off the hot path: the worker's warm-up
 steps, benchmarks, and tests that write or read steps by hand. The scheduler's encoder writes the
-columns straight from its plan, and the worker's sequence table reads them as columns."""
+columns straight from its plan, and the worker's sequence table reads them as columns. Also the
+count of rows a step computes (num_rows), which the worker checks against its limits."""
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -21,6 +22,11 @@ class StepEntry:
     new_block_ids: Sequence[int] = field(default_factory=list)
     prompt_logprob_targets: list[int] = field(default_factory=list)
     history_token_ids: list[int] = field(default_factory=list)
+
+
+def num_rows(num_token_ids: list[int]) -> int:
+    """The tokens a step computes, from its num_token_ids: a decode fed its own sampled token computes one."""
+    return sum(num_token_ids) + num_token_ids.count(0)
 
 
 def pack_step(step_id: int, entries: Iterable[StepEntry], forget_seq_ids: Iterable[int] = ()) -> worker_pb2.StepRequest:
