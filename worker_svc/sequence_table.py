@@ -78,7 +78,7 @@ class SequenceTable:
         """Forgets, then applies every entry; ValueError (and no change at all) on a bad entry.
         None when the step computes nothing. The columns are read whole (each in one call), and
         the checks run on whole columns; only the slot lookup walks the entries."""
-        seq_ids, counts = request.seq_ids[:], np.array(request.num_token_ids[:], np.int64)
+        seq_ids, counts = request.seq_ids[:], request.num_token_ids[:]
         _check_columns(request, seq_ids, counts)
         released = set(request.forget_seq_ids)
         # A copy: nothing changes before the step is valid; afterwards it is the new free list.
@@ -101,13 +101,14 @@ class SequenceTable:
         appends = [(item.entry, item.new_block_ids[:]) for item in request.extras if item.new_block_ids]
         scored = [(item.entry, self._checked_targets(seq_ids[item.entry], item, counts[item.entry]))
                   for item in request.extras if item.prompt_logprob_targets]
-        fed = counts == 0  # decodes of a token this worker sampled: it feeds in its own copy
-        token_ids, num_new, starts = _packed_rows(request.token_ids, counts, fed)
-        sampled = np.flatnonzero(np.array(request.sample[:], bool))
-        slot_array = np.array(slots, np.int64)
-        work = StepWork(slot_array, num_new, np.array(request.num_computed[:], np.int64), np.zeros(len(slots), np.int64),
-                        token_ids, starts[fed].tolist(), slot_array[fed].tolist(), sampled.tolist(),
-                        np.array(num_generated, np.int64)[sampled].tolist(), is_decode=len(token_ids) == len(slots),
+        # Lists, not arrays, for the per-entry columns: a step of one decode pays no numpy call for them.
+        fed = [index for index, count in enumerate(counts) if not count]  # decodes fed their own sampled token
+        sampled = [index for index, sample in enumerate(request.sample[:]) if sample]
+        tokens = np.frombuffer(request.token_ids, TOKEN_ID_DTYPE)
+        token_ids, num_new, fed_rows = _packed_rows(tokens, counts, fed)
+        work = StepWork(np.array(slots, np.int64), num_new, np.array(request.num_computed[:], np.int64),
+                        np.zeros(len(slots), np.int64), token_ids, fed_rows, [slots[i] for i in fed], sampled,
+                        [num_generated[i] for i in sampled], is_decode=len(token_ids) == len(slots),
                         resets=[Reset(reset[item.entry].slot, item, num_generated[item.entry])
                                 for item in request.extras if item.reset],
                         scored=scored)
@@ -116,7 +117,7 @@ class SequenceTable:
         work.num_blocks = np.where(is_reset, 0, self.num_blocks[work.slots])
         for index, block_ids in appends:
             work.num_blocks[index] += len(block_ids)
-        self._check(seq_ids, work, is_reset, appends, fed)
+        self._check(seq_ids, work, is_reset, appends, fed, tokens, counts)
         self._commit(released, spare_slots, {seq_ids[i]: s for i, s in reset.items()}, appends, work)
         return work
 
@@ -157,8 +158,8 @@ class SequenceTable:
         if sampling.logprobs > vocab_size or sampling.prompt_logprobs > vocab_size:
             raise ValueError(f"sequence {seq_id}: logprobs or prompt_logprobs exceed the vocabulary")
 
-    def _check(self, seq_ids: list[int], work: StepWork, is_reset: np.ndarray,
-               appends: list[tuple[int, list[int]]], fed: np.ndarray) -> None:
+    def _check(self, seq_ids: list[int], work: StepWork, is_reset: np.ndarray, appends: list[tuple[int, list[int]]],
+               fed: list[int], tokens: np.ndarray, counts: list[int]) -> None:
         def fail(index: int, problem: str) -> None:
             raise ValueError(f"sequence {seq_ids[int(index)]}: {problem}")
 
@@ -172,12 +173,12 @@ class SequenceTable:
             if max(block_ids) >= self.num_kv_blocks:
                 fail(index, f"block id {max(block_ids)} is out of range (the KV cache has "
                             f"{self.num_kv_blocks} blocks)")
-        if work.token_ids.max() >= self.vocab_size:
-            row = int(np.argmax(work.token_ids >= self.vocab_size))
-            fail(np.searchsorted(np.cumsum(work.num_new), row, side="right"),
-                 f"token id {work.token_ids[row]} is outside the vocabulary (size {self.vocab_size})")
-        if fed.any():
-            fed_entries = np.flatnonzero(fed)
+        if len(tokens) and tokens.max() >= self.vocab_size:
+            position = int(np.argmax(tokens >= self.vocab_size))
+            fail(np.searchsorted(np.cumsum(counts), position, side="right"),
+                 f"token id {tokens[position]} is outside the vocabulary (size {self.vocab_size})")
+        if fed:
+            fed_entries = np.array(fed)
             expected = np.where(is_reset[fed_entries], -1, self.sampled_positions[work.slots[fed_entries]])
             for index in fed_entries[expected != work.num_computed[fed_entries]]:
                 fail(index, f"no tokens to compute, and no token sampled by this worker at position "
@@ -215,16 +216,16 @@ class SequenceTable:
         self.sampled_positions[work.slots] = positions
 
 
-def _check_columns(request: worker_pb2.StepRequest, seq_ids: list[int], counts: np.ndarray) -> None:
+def _check_columns(request: worker_pb2.StepRequest, seq_ids: list[int], counts: list[int]) -> None:
     """The columns describe the same entries, the tokens are as many as they say, and each
     EntryExtras names its own entry, in entry order."""
     lengths = {name: len(getattr(request, name)) for name in ("num_computed", "num_token_ids", "sample", "num_generated")}
     if any(length != len(seq_ids) for length in lengths.values()):
         raise ValueError(f"step {request.step_id}: its columns disagree on the number of entries "
                          f"(seq_ids {len(seq_ids)}, " + ", ".join(f"{k} {v}" for k, v in lengths.items()) + ")")
-    if len(request.token_ids) != 4 * int(counts.sum()):
+    if len(request.token_ids) != 4 * sum(counts):
         raise ValueError(f"step {request.step_id}: token_ids holds {len(request.token_ids)} bytes, not the 4 bytes "
-                         f"of each of the {int(counts.sum())} tokens its entries count")
+                         f"of each of the {sum(counts)} tokens its entries count")
     previous = -1
     for item in request.extras:
         if not previous < item.entry < len(seq_ids):
@@ -233,16 +234,18 @@ def _check_columns(request: worker_pb2.StepRequest, seq_ids: list[int], counts: 
         previous = item.entry
 
 
-def _packed_rows(packed: bytes, counts: np.ndarray, fed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The step's token rows: each entry's tokens in entry order, and one row holding 0 for each
-    entry fed its own sampled token. Also the rows each entry computes, and its first row."""
-    num_new = np.maximum(counts, 1)
-    starts = np.cumsum(num_new) - num_new
-    tokens = np.frombuffer(packed, TOKEN_ID_DTYPE)
-    if not fed.any():
-        return tokens.astype(np.int64), num_new, starts
-    token_ids = np.zeros(len(tokens) + int(fed.sum()), np.int64)
-    is_fed_row = np.zeros(len(token_ids), bool)
-    is_fed_row[starts[fed]] = True
+def _packed_rows(tokens: np.ndarray, counts: list[int], fed: list[int]) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """The step's token rows: each entry's tokens in entry order, and a row holding 0 for each entry
+    fed its own sampled token (`fed`). Also the rows each entry computes, and the fed rows."""
+    if len(fed) == len(counts):  # a pipelined decode step: every entry is fed
+        return np.zeros(len(fed), np.int64), np.ones(len(fed), np.int64), list(range(len(fed)))
+    num_new = np.array(counts, np.int64)
+    if not fed:
+        return tokens.astype(np.int64), num_new, []
+    num_new[fed] = 1
+    fed_rows = (np.cumsum(num_new) - 1)[fed]  # a fed entry's one row
+    is_fed_row = np.zeros(len(tokens) + len(fed), bool)
+    is_fed_row[fed_rows] = True
+    token_ids = np.zeros(len(is_fed_row), np.int64)
     token_ids[~is_fed_row] = tokens
-    return token_ids, num_new, starts
+    return token_ids, num_new, fed_rows.tolist()
