@@ -96,8 +96,19 @@ class Scheduler:
             raise AdmissionError("exhausted", f"prompt needs {num_blocks} KV blocks of "
                                               f"{self.config.block_size} tokens but the pool has "
                                               f"{self.num_total_blocks}")
+        self._set_limits(seq)
         self.waiting.append(seq)
         self.live[seq.seq_id] = seq
+
+    def _set_limits(self, seq: Sequence) -> None:
+        """What ends the sequence, as it checks every step: its length limit and its stop ids."""
+        sampling = seq.sampling
+        seq.length_limit = self.max_seq_len
+        if sampling.max_tokens is not None:
+            seq.length_limit = min(seq.length_limit, seq.num_prompt_tokens + sampling.max_tokens)
+        seq.stop_ids = frozenset(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            seq.stop_ids |= self.eos_token_ids
 
     def schedule(self) -> StepPlan | None:
         """The next step, or None when no sequence is live (pending forgets then ride on the next step)."""
@@ -180,6 +191,7 @@ class Scheduler:
             seq.status, seq.block_table = SequenceStatus.WAITING, []
             seq.num_computed_tokens = seq.num_blocks_on_workers = 0
             seq.num_pending_tokens = seq.num_steps_in_flight = 0
+            self._set_limits(seq)
             if self.block_manager.num_blocks_for(len(seq)) > num_blocks:
                 self.waiting.remove(seq)
                 self._release(seq)
@@ -253,27 +265,18 @@ class Scheduler:
         while index < len(running):
             seq = running[index]
             computed = seq.num_computed_tokens
-            if len(seq.token_ids) + seq.num_pending_tokens - computed > 1:  # its prompt is not all computed
+            known = len(seq.token_ids) + seq.num_pending_tokens
+            if known - computed > 1:  # its prompt is not all computed
                 prefilling.append(seq)
                 index += 1
-                continue
-            if self._ends_in_flight(seq):  # nothing to compute, no slot needed
+            elif known >= seq.length_limit:  # its pending token ends it: nothing to compute, no slot needed
                 index += 1
-                continue
-            if computed < len(seq.block_table) * block_size or self.block_manager.append_block(seq):
+            elif computed < len(seq.block_table) * block_size or self.block_manager.append_block(seq):
                 decoding.append(seq)
                 index += 1
             else:
                 self._preempt(running.pop())  # may be seq itself, which ends the loop
         return decoding, prefilling
-
-    def _ends_in_flight(self, seq: Sequence) -> bool:
-        """Its pending token brings it to its length limit: nothing more to compute."""
-        if not seq.num_pending_tokens:
-            return False
-        max_tokens = seq.sampling.max_tokens
-        return (len(seq.token_ids) + seq.num_pending_tokens >= self.max_seq_len
-                or (max_tokens is not None and seq.num_completion_tokens >= max_tokens))
 
     def _build(self, seqs: list[Sequence], num_tokens: list[int]) -> StepPlan:
         plan = StepPlan.build(self.next_step_id, seqs, num_tokens, self.forget_seq_ids)
@@ -303,13 +306,10 @@ class Scheduler:
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         """Also records what stopped it (seq.stop_reason): a stop token id, not eos (as vLLM)."""
-        sampling = seq.sampling
-        if len(seq.completion_token_ids) > sampling.min_tokens:
-            if token_id in sampling.stop_token_ids:
+        if token_id in seq.stop_ids and len(seq.completion_token_ids) > seq.sampling.min_tokens:
+            if token_id in seq.sampling.stop_token_ids:
                 seq.stop_reason = token_id
-                return "stop"
-            if token_id in self.eos_token_ids and not sampling.ignore_eos:
-                return "stop"
-        if len(seq.completion_token_ids) == sampling.max_tokens or len(seq.token_ids) >= self.max_seq_len:
+            return "stop"
+        if len(seq.token_ids) >= seq.length_limit:
             return "length"
         return None

@@ -43,7 +43,7 @@ class Sequence:
     __slots__ = ("seq_id", "sampling", "status", "prompt_token_ids", "completion_token_ids", "token_ids",
                  "block_table", "num_computed_tokens", "num_cached_prompt_tokens", "num_blocks_on_workers",
                  "num_pending_tokens", "num_steps_in_flight", "finish_reason", "stop_reason", "index", "leader",
-                 "num_scored_prompt_tokens", "prompt_scoring_end")
+                 "num_scored_prompt_tokens", "prompt_scoring_end", "length_limit", "stop_ids")
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int], sampling: SamplingOptions, index: int = 0,
                  leader: "Sequence | None" = None):
@@ -77,6 +77,11 @@ class Sequence:
         # have been asked for already, so a recompute after preemption asks for none twice.
         self.prompt_scoring_end = len(prompt_token_ids) - 1 if sampling.prompt_logprobs is not None else 0
         self.num_scored_prompt_tokens = 0
+        # Set by the scheduler when it queues the sequence (Scheduler.enqueue), so that the checks run
+        # for every sequence every step are one comparison each: the length (prompt and completion)
+        # at which it stops, and the token ids that may stop it (its stop ids, and eos unless ignored).
+        self.length_limit = 0
+        self.stop_ids: frozenset[int] = frozenset()
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -88,11 +93,6 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens
-
-    @property
-    def num_completion_tokens(self) -> int:
-        """Generated so far, counting the tokens still in flight."""
-        return len(self.completion_token_ids) + self.num_pending_tokens
 
     @property
     def scores_prompt(self) -> bool:

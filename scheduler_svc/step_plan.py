@@ -64,10 +64,10 @@ class StepPlan:
         for index, (seq, count) in enumerate(zip(seqs, num_tokens)):
             start = seq.num_computed_tokens
             end = start + count
-            num_known = len(seq.token_ids)
+            num_known, num_pending = len(seq.token_ids), seq.num_pending_tokens
             num_computed.append(start)
-            num_token_ids.append(max(0, (end if end <= num_known else num_known) - start))  # in flight: none
-            num_generated.append(seq.num_completion_tokens)
+            num_token_ids.append(count if end <= num_known else max(0, num_known - start))  # in flight: none
+            num_generated.append(len(seq.completion_token_ids) + num_pending)
             num_sent_blocks = seq.num_blocks_on_workers
             if num_sent_blocks < len(seq.block_table):  # rare in decode: once a block
                 if not num_sent_blocks:
@@ -79,10 +79,10 @@ class StepPlan:
                 seq.num_scored_prompt_tokens = max(seq.num_scored_prompt_tokens, start + scored[index])
             seq.num_computed_tokens = end
             seq.num_steps_in_flight += 1
-            samples = end == num_known + seq.num_pending_tokens
+            samples = end == num_known + num_pending
             sample.append(samples)
             if samples:
-                seq.num_pending_tokens += 1
+                seq.num_pending_tokens = num_pending + 1
                 sampled.append(seq)
         return cls(step_id, seqs, num_computed, num_token_ids, num_tokens, sample, num_generated, resets,
                    new_block_ids, forget_seq_ids, sampled, scored)
