@@ -1,7 +1,7 @@
 """Paged KV memory: a pool of fixed-size blocks shared by reference count, with a prefix cache.
 
-A full block is known by a hash chained over every token before it: xxh64 of the previous
-block's hash and the block's own token ids, so equal hashes mean equal prefixes. Blocks are
+A full block is known by a hash chained over every token before it: xxh64 of the block's own
+token ids, seeded with the previous block's hash, so equal hashes mean equal prefixes. Blocks are
 hashed only once their KV is computed, so a hit never points at memory still being written.
 A freed block keeps its hash on the free list until it is handed out again, so a later
 prompt can still revive it.
@@ -12,14 +12,13 @@ from collections import OrderedDict
 import xxhash
 
 from nanoserve.mathutil import cdiv
+from nanoserve.wire import token_array
 from scheduler_svc.sequence import Sequence
 
 
-def hash_block(prev_hash: int | None, token_ids: list[int]) -> int:
-    data = array("I", token_ids).tobytes()
-    if prev_hash is not None:
-        data = prev_hash.to_bytes(8, "little") + data
-    return xxhash.xxh64_intdigest(data)
+def hash_block(prev_hash: int | None, token_ids: array) -> int:
+    """xxh64 of the block's uint32 token ids (nanoserve.wire.token_array), seeded with the previous hash."""
+    return xxhash.xxh64_intdigest(token_ids, seed=prev_hash or 0)
 
 
 class Block:
@@ -29,7 +28,7 @@ class Block:
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = None      # set once the block is full and computed
-        self.token_ids: list[int] = []    # its tokens then, compared on a hit to rule out collisions
+        self.token_ids = token_array()    # its tokens then, compared on a hit to rule out collisions
 
 
 class BlockManager:
@@ -122,6 +121,6 @@ class BlockManager:
         if block.hash is not None:  # its cached content is about to be overwritten
             if self.hash_to_block_id.get(block.hash) == block_id:
                 del self.hash_to_block_id[block.hash]
-            block.hash, block.token_ids = None, []
+            block.hash, block.token_ids = None, token_array()
         block.ref_count = 1
         return block_id

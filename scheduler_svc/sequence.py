@@ -2,6 +2,8 @@
 from dataclasses import dataclass
 from enum import Enum, auto
 
+from nanoserve.wire import token_array
+
 
 class SequenceStatus(Enum):
     WAITING = auto()   # queued: holds no blocks, the workers do not know it
@@ -59,7 +61,7 @@ class Sequence:
         # Prompt then completion: the history the KV cache covers. Kept whole beside the two
         # parts so that slicing it for blocks and steps never concatenates. Only ever appended
         # to: step plans refer to their tokens by position.
-        self.token_ids = list(prompt_token_ids)
+        self.token_ids = token_array(prompt_token_ids)  # uint32: blocks hash and steps pack it without a copy per id
         self.block_table: list[int] = []
         self.num_computed_tokens = 0         # while running: tokens whose KV the workers hold or are computing
         self.num_cached_prompt_tokens = 0    # prompt tokens the prefix cache served at the latest admission

@@ -2,13 +2,13 @@
 as they are, each in one call; the few entries that reset, gain blocks or score their prompt add
 an EntryExtras each."""
 from nanoserve.v1 import llm_pb2, worker_pb2
-from nanoserve.wire import pack_token_ids
+from nanoserve.wire import pack_token_ids, token_array
 from scheduler_svc.sequence import SamplingOptions
 from scheduler_svc.step_plan import StepPlan
 
 
 def encode_step(plan: StepPlan) -> worker_pb2.StepRequest:
-    token_ids: list[int] = []
+    token_ids = token_array()
     extend = token_ids.extend
     for seq, start, count in zip(plan.seqs, plan.num_computed, plan.num_token_ids):
         if count:  # most decodes send none: the workers feed in the token they sampled

@@ -25,12 +25,11 @@ PREFIXES = [[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 1, 2, 3, 4]
 
 
 def chain_hashes(token_ids: list[int]) -> list[int]:
-    """Written out independently of hash_block: xxh64(previous hash, 8 bytes LE + uint32 tokens)."""
+    """Written out independently of hash_block: xxh64(uint32 tokens) seeded with the previous hash (0 first)."""
     hashes: list[int] = []
     for start in range(0, len(token_ids) - BLOCK_SIZE + 1, BLOCK_SIZE):
-        prefix = hashes[-1].to_bytes(8, "little") if hashes else b""
-        block = array("I", token_ids[start:start + BLOCK_SIZE]).tobytes()
-        hashes.append(xxhash.xxh64(prefix + block).intdigest())
+        block = array("I", list(token_ids[start:start + BLOCK_SIZE])).tobytes()
+        hashes.append(xxhash.xxh64(block, seed=hashes[-1] if hashes else 0).intdigest())
     return hashes
 
 
@@ -147,7 +146,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             block = self.manager.blocks[block_id]
             assert block.hash == block_hash
             prefix = self.prefix_by_hash[block_hash]
-            assert prefix[-BLOCK_SIZE:] == block.token_ids
+            assert list(prefix[-BLOCK_SIZE:]) == list(block.token_ids)
             assert self.kv[block_id] == list(enumerate(prefix))[-BLOCK_SIZE:]
 
     def teardown(self):
