@@ -54,3 +54,18 @@ def test_sequences_that_outgrow_a_smaller_pool_are_finished():
     assert lost == [long] and long.status is SequenceStatus.FINISHED and long.finish_reason is None
     assert list(scheduler.waiting) == [short] and scheduler.num_total_blocks == 3
     assert scheduler.abort(long.seq_id) is None
+
+
+def test_a_smaller_pool_ends_the_survivors_at_its_size():
+    """A sequence that still fits the new pool stops with "length" where the pool ends (12 tokens here),
+    before its own max_tokens (20), and is never scheduled past it."""
+    scheduler = make_scheduler()
+    seq = add(scheduler, 1, [1, 2, 3, 4, 5])
+    scheduler.postprocess(scheduler.schedule(), [6])
+    assert scheduler.drop_kv(3) == []
+    tokens = 7
+    while (plan := scheduler.schedule()) is not None:
+        assert all(start + count <= 12 for start, count in zip(plan.num_computed, plan.num_tokens))
+        scheduler.postprocess(plan, [tokens] * len(plan.sampled))
+        tokens += 1
+    assert (seq.finish_reason, len(seq.token_ids), len(seq.completion_token_ids)) == ("length", 12, 7)
