@@ -41,7 +41,7 @@ def token_array(token_ids: Iterable[int] = ()) -> array.array:
 
 
 def pack_token_ids(token_ids: Iterable[int]) -> bytes:
-    packed = array.array(_UINT32, token_ids)
+    packed = token_array(token_ids)  # a copy, also of an array: the byte swap below must not touch the caller's
     if sys.byteorder != "little":
         packed.byteswap()
     return packed.tobytes()
@@ -49,7 +49,7 @@ def pack_token_ids(token_ids: Iterable[int]) -> bytes:
 
 def unpack_token_ids(data: bytes) -> list[int]:
     """pack_token_ids' inverse, for readers without numpy."""
-    unpacked = array.array(_UINT32)
+    unpacked = token_array()
     unpacked.frombytes(data)
     if sys.byteorder != "little":
         unpacked.byteswap()
