@@ -34,6 +34,11 @@ from worker_svc.distributed import uses_cuda
 from worker_svc.launched_step import LaunchedStep, StepClock
 from worker_svc.prefill_graphs import token_buckets
 from worker_svc.sampling_extras import SamplingExtras
+from worker_svc.sequence_table import SequenceTable, StepWork
+from worker_svc.step_buffers import StepBuffers
+from worker_svc.step_inputs import StepInputs, build_step_inputs
+
+log = logging.getLogger("nanoserve.worker")
 
 # Prefill and mixed steps up to this many tokens replay graphs (the default step budget); larger
 # steps run eagerly. An eager step costs ~36 ms of host time in the worker process, more than the
@@ -41,11 +46,6 @@ from worker_svc.sampling_extras import SamplingExtras
 # 41 ms on the H100 (nano-vllm: 35). The larger buckets hold ~0.3 GiB more on the 0.6B shape and
 # leave the throughput workload as it was (17.5k vs 17.8k tok/s, bench/RESULTS.md).
 PREFILL_GRAPH_MAX_TOKENS = 8192
-from worker_svc.sequence_table import SequenceTable, StepWork
-from worker_svc.step_buffers import StepBuffers
-from worker_svc.step_inputs import StepInputs, build_step_inputs
-
-log = logging.getLogger("nanoserve.worker")
 
 
 def model_fingerprint(path: Path, dtype: torch.dtype, kv_dtype: torch.dtype, load_format: str) -> str:

@@ -220,7 +220,7 @@ DECODE_CASES = [
 
 # (N, K) of W: masked row and column tails; several column tiles come from the forced small ones (the
 # identity matrix of a larger K takes the interpreter minutes).
-FUSED_GEMV_SHAPES = ((40, 96), (7, 1000), (33, 70))
+FUSED_GEMV_SHAPES = ((40, 96), (7, 520), (33, 70))
 # In the interpreter numpy's float32 sum (in another order) stands in for the CPU's torch
 # kernels: any element of x may be a step apart (float32 rounds nothing of it away), so the bit for
 # bit checks there are the product's and the residual's.
