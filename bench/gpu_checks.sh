@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a lent GPU machine, from the repo root: builds the minimal flash-attn (when .fa/ is carried),
-# runs tests/gpu and the service integration suite on CUDA, then the throughput benchmark.
+# runs tests/gpu and the service suites on CUDA (a two-rank case skips on one GPU), then the throughput
+# benchmark.
 #   bench/gpu_checks.sh [tests|bench|all|tp|release|mixed]   (results under $OUT, default bench/out)
 # `release` fits one 10-minute call: tests/gpu, then throughput and latency on the 0.6B shape (triton),
 # the 8B shape at default flags on dummy weights, and throughput with flash-attn (built meanwhile).
@@ -61,8 +62,9 @@ if [ "$mode" = tp ]; then
 fi
 if [ "$mode" != bench ]; then
   python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/gpu_tests.log" | tail -15
-  NANOSERVE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/services/test_integration.py 2>&1 \
-    | tee "$out/integration_cuda.log" | tail -8
+  NANOSERVE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/services/test_integration.py \
+    tests/services/test_generation_api.py tests/services/test_fp8_service.py tests/services/test_model_families.py \
+    2>&1 | tee "$out/services_cuda.log" | tail -8
 fi
 if [ "$mode" != tests ]; then
   for backend in ${BACKENDS:-triton flash-attn}; do

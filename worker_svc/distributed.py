@@ -23,16 +23,19 @@ HEARTBEAT_SECONDS = 1.0
 HEARTBEAT_TIMEOUT = timedelta(seconds=60)
 
 
+class GroupError(Exception):
+    """This rank cannot join its tensor-parallel group; the message says why."""
+
+
 def uses_cuda(config: WorkerConfig) -> bool:
     return config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
 
 
 def init_distributed(config: WorkerConfig) -> None:
-    """Every rank blocks here until the whole group has met (world size 1 skips it)."""
+    """Every rank blocks here until the whole group has met (world size 1 skips it); GroupError if
+    it cannot."""
     if config.tensor_parallel_size == 1:
         return
-    if not 0 <= config.rank < config.tensor_parallel_size:
-        raise SystemExit(f"--rank {config.rank} is outside 0..{config.tensor_parallel_size - 1}")
     cuda = uses_cuda(config)
     if cuda:
         torch.cuda.set_device(config.rank % torch.cuda.device_count())
@@ -45,10 +48,22 @@ def init_distributed(config: WorkerConfig) -> None:
                                 rank=config.rank, world_size=config.tensor_parallel_size, timeout=GROUP_TIMEOUT,
                                 device_id=torch.device("cuda", torch.cuda.current_device()) if cuda else None)
     except dist.DistError as err:
-        raise SystemExit(f"rank {config.rank}: the {config.tensor_parallel_size} ranks did not meet at "
-                         f"{config.dist_init_addr}: {err}") from None
+        raise GroupError(f"the {config.tensor_parallel_size} ranks did not meet at "
+                         f"{config.dist_init_addr}: {_why_not_met(err, cuda)}") from None
     _start_heartbeat(config.rank)
     log.info("rank %d joined its group", config.rank)
+
+
+def _why_not_met(err: Exception, cuda: bool) -> str:
+    """NCCL's reason; for ranks on one GPU (more ranks on a host than the GPUs it shows them), what to
+    change, in one line instead of NCCL's several."""
+    if not (cuda and "Duplicate GPU" in str(err)):
+        return str(err)
+    count = torch.cuda.device_count()
+    return (f"its GPU (cuda:{torch.cuda.current_device()}) is another rank's too, and NCCL needs a GPU for each rank: "
+            f"this process sees {count} GPU{'s' if count != 1 else ''} (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); run at most {count} rank{'s' if count != 1 else ''} "
+            "on this host (--tensor-parallel-size), or give each rank its own GPU")
 
 
 def _start_heartbeat(rank: int) -> None:

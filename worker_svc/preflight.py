@@ -1,7 +1,7 @@
 """What a worker checks before it takes its port or loads anything, so a configuration that cannot
-run fails at start with one line naming the flag, never at the first request: the device exists,
-the attention backend can read the KV cache and run on the device, the checkpoint directory has
-its config.json."""
+run fails at start with one line naming the flag, never at the first request: the rank is one of
+its group's, the device exists, the attention backend can read the KV cache and run on the device,
+the checkpoint directory has its config.json."""
 import importlib
 import os
 from pathlib import Path
@@ -19,6 +19,9 @@ class StartupError(Exception):
 
 
 def check_startup(config: WorkerConfig) -> None:
+    if not 0 <= config.rank < config.tensor_parallel_size:
+        raise StartupError(f"--rank {config.rank} is outside 0..{config.tensor_parallel_size - 1} "
+                           f"(--tensor-parallel-size {config.tensor_parallel_size})")
     _check_device(config.device)
     if config.attention_backend == "flash-attn" and config.kv_cache_dtype == "fp8":
         raise StartupError(FLASH_ATTN_NO_FP8)

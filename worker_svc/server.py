@@ -16,7 +16,7 @@ from nanoserve.tls import TLSConfigError, TLSFiles
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
 from nanoserve.wire import SERVER_OPTIONS
 from worker_svc.config import WorkerConfig
-from worker_svc.distributed import exit_broken_rank, init_distributed
+from worker_svc.distributed import GroupError, exit_broken_rank, init_distributed
 from worker_svc.guard import WorkerGuard
 from worker_svc.launched_step import MAX_STEPS_IN_FLIGHT, LaunchedStep, RefusedStep
 from worker_svc.preflight import StartupError, check_startup
@@ -171,11 +171,12 @@ def serve_worker(config: WorkerConfig, host: str, port: int, tls: TLSFiles = TLS
 def _load(config: WorkerConfig):
     from worker_svc.runner import ModelRunner
 
-    init_distributed(config)
-    log.info("rank %d/%d loading %s", config.rank, config.tensor_parallel_size, config.model)
     try:
+        init_distributed(config)
+        log.info("rank %d/%d loading %s", config.rank, config.tensor_parallel_size, config.model)
         return ModelRunner(config)
-    except (ValueError, OSError) as err:  # a tensor-parallel size that does not divide the model, a missing file
+    # ranks that cannot meet; a tensor-parallel size that does not divide the model, a missing file
+    except (GroupError, ValueError, OSError) as err:
         raise StartupError(str(err)) from None
 
 

@@ -31,6 +31,14 @@ def test_a_busy_port_stops_a_worker_before_it_loads_in_one_json_line(tiny_model_
                                  "is in use (by another nanoserve, or another program)")
 
 
+def test_a_rank_outside_its_group_stops_before_it_listens(tiny_model_dir):
+    out = run("worker", "--model", str(tiny_model_dir), "--port", str(free_port()), "--device", "cpu",
+              "--tensor-parallel-size", "2", "--rank", "2")
+    assert out.returncode == 1
+    (line,) = out.stderr.splitlines()
+    assert line.endswith(" ERROR nanoserve.worker cannot start: --rank 2 is outside 0..1 (--tensor-parallel-size 2)")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
 def test_device_cuda_without_cuda_is_one_line_naming_the_flag(tiny_model_dir):
     out = run("worker", "--model", str(tiny_model_dir), "--port", str(free_port()), "--device", "cuda")

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Iterator
 
 import grpc
+import pytest
 
 from nanoserve.healthcheck import serving_status
 from nanoserve.listen import PortReservation
@@ -53,9 +54,19 @@ def release_ports() -> None:
 
 
 def start_worker(model_dir: Path, port: int, *flags: str, log: Path) -> subprocess.Popen:
+    if DEVICE == "cuda" and "--tensor-parallel-size" in flags:
+        _skip_unless_gpus(int(flags[flags.index("--tensor-parallel-size") + 1]))
     return subprocess.Popen(CLI + ["worker", "--model", str(model_dir), "--host", "127.0.0.1",
                                    "--port", str(port), "--device", DEVICE, *flags],
                             env=ENV, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+
+
+def _skip_unless_gpus(ranks: int) -> None:
+    """On CUDA each rank needs a GPU of its own (NCCL refuses two ranks on one)."""
+    import torch  # only where the suite runs on a GPU
+
+    if torch.cuda.device_count() < ranks:
+        pytest.skip(f"{ranks} ranks on CUDA need {ranks} GPUs; this machine shows {torch.cuda.device_count()}")
 
 
 def start_scheduler(workers: list[str], port: int, *flags: str, log: Path) -> subprocess.Popen:
