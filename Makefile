@@ -46,7 +46,8 @@ serve: install
 	@set -e; $(VENV)/bin/nanoserve up --port $(PORT) & up=$$!; \
 	trap 'kill $$up 2>/dev/null; wait $$up' EXIT; \
 	for i in $$(seq 300); do \
-	  $(PY) -m nanoserve.healthcheck --address 127.0.0.1:$(PORT) >/dev/null 2>&1 && break; sleep 1; done; \
+	  $(PY) -m nanoserve.healthcheck --address 127.0.0.1:$(PORT) >/dev/null 2>&1 && break; \
+	  kill -0 $$up 2>/dev/null || { wait $$up; exit 1; }; sleep 1; done; \
 	$(VENV)/bin/nanoserve generate "Tell me about the sea." --address 127.0.0.1:$(PORT) --max-tokens 32
 
 test: install tiny-model
