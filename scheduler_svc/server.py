@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from nanoserve.checkpoint import TOKENIZER_FILE, CheckpointError, check_files
 from nanoserve.gc_freeze import freeze_start_up_objects
+from nanoserve.healthcheck import LIVENESS
 from nanoserve.hub import ModelNotFound
 from nanoserve.listen import ListenError, check_port_free, listen
 from nanoserve.mathutil import cdiv
@@ -267,6 +268,7 @@ async def _serve(args: argparse.Namespace) -> int:
             await health_servicer.set(name, status)
 
     await set_health(False)
+    await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     log.info("listening on %s; connecting to workers %s", address, args.workers)
 
     group = WorkerGroup([a.strip() for a in args.workers.split(",") if a.strip()], args.worker_token, worker_tls,
