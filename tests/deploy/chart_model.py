@@ -26,9 +26,9 @@ CRDS = Path(__file__).resolve().parent / "crds"
 RELEASE, NAMESPACE = "demo", "serving"
 NO_HELM = "no helm binary: `make install` puts one in .venv/bin (deploy/helm/install-helm.sh)"
 # The environment the kubelet and the LeaderWorkerSet controller give a container, for expanding
-# $(VAR) in its arguments as the kubelet does: a second group's rank 1.
+# $(VAR) in its arguments as the kubelet does: in the second group (and its rank and size, below).
 POD_ENV = {"LWS_LEADER_ADDRESS": f"{RELEASE}-nanoserve-1.{RELEASE}-nanoserve.{NAMESPACE}",
-           "LWS_GROUP_SIZE": None, "LWS_WORKER_INDEX": "1", "GROUP_INDEX": "1", "NAMESPACE": NAMESPACE}
+           "GROUP_INDEX": "1", "NAMESPACE": NAMESPACE}
 
 
 def helm() -> str:
@@ -155,10 +155,10 @@ class BadCommandLine(ValueError):
     """A container's arguments that nanoserve's own parser refuses."""
 
 
-def command_line(container: dict, group_size: int = 1):
-    """(command, the argparse namespace nanoserve's own parser makes of the container's arguments),
-    or BadCommandLine: a flag the command does not take, or a bad value."""
-    env = {**POD_ENV, "LWS_GROUP_SIZE": str(group_size)}
+def command_line(container: dict, group_size: int = 1, rank: int = 1):
+    """(command, the argparse namespace nanoserve's own parser makes of the container's arguments in
+    a pod of rank `rank` of a group), or BadCommandLine: a flag the command does not take, a bad value."""
+    env = {**POD_ENV, "LWS_GROUP_SIZE": str(group_size), "LWS_WORKER_INDEX": str(rank)}
     args = [expand(str(word), env) for word in container["args"]]
     command, argv = args[0], args[1:]
     try:
