@@ -24,10 +24,11 @@ CHART = REPO / "deploy" / "helm" / "nanoserve"
 PROFILES = CHART / "profiles"
 CRDS = Path(__file__).resolve().parent / "crds"
 RELEASE, NAMESPACE = "demo", "serving"
+FULLNAME = f"{RELEASE}-nanoserve"  # the chart's resources are named after it
 NO_HELM = "no helm binary: `make install` puts one in .venv/bin (deploy/helm/install-helm.sh)"
 # The environment the kubelet and the LeaderWorkerSet controller give a container, for expanding
 # $(VAR) in its arguments as the kubelet does: in the second group (and its rank and size, below).
-POD_ENV = {"LWS_LEADER_ADDRESS": f"{RELEASE}-nanoserve-1.{RELEASE}-nanoserve.{NAMESPACE}",
+POD_ENV = {"LWS_LEADER_ADDRESS": f"{FULLNAME}-1.{FULLNAME}.{NAMESPACE}",
            "GROUP_INDEX": "1", "NAMESPACE": NAMESPACE}
 
 
@@ -135,15 +136,26 @@ class Pod:
         return [c["name"] for c in self.spec["containers"]]
 
 
-def pods(docs: list[dict]) -> list[Pod]:
-    out = [Pod("Deployment", d["spec"]["template"]["metadata"]["labels"], d["spec"]["template"]["spec"])
-           for d in of_kind(docs, "Deployment") if "nanoserve" in d["spec"]["template"]["metadata"]["labels"].get(
-               "app.kubernetes.io/name", "")]
+def component(template: dict) -> str:
+    return template["metadata"]["labels"].get("app.kubernetes.io/component", "")
+
+
+def pod_templates(docs: list[dict]) -> list[Pod]:
+    """Every pod template of the output: Deployments' (the origin names the component) and the
+    LeaderWorkerSet's leader and worker templates."""
+    out = [Pod(component(d["spec"]["template"]) if component(d["spec"]["template"]) != "server" else "Deployment",
+               d["spec"]["template"]["metadata"]["labels"], d["spec"]["template"]["spec"])
+           for d in of_kind(docs, "Deployment")]
     for lws in of_kind(docs, "LeaderWorkerSet"):
         template = lws["spec"]["leaderWorkerTemplate"]
         out += [Pod(origin, template[key]["metadata"]["labels"], template[key]["spec"])
                 for origin, key in (("leader", "leaderTemplate"), ("worker", "workerTemplate"))]
     return out
+
+
+def pods(docs: list[dict]) -> list[Pod]:
+    """The replicas' pod templates (not the routers')."""
+    return [pod for pod in pod_templates(docs) if pod.origin in ("Deployment", "leader", "worker")]
 
 
 def expand(word: str, env: dict[str, str]) -> str:
