@@ -237,7 +237,8 @@ def _model_info(config: SchedulerConfig, group: WorkerGroup, limits: RequestLimi
                              eos_token_ids=info.eos_token_ids, dtype=info.dtype, block_size=info.block_size,
                              num_kv_blocks=group.num_blocks, tensor_parallel_size=info.world_size,
                              attention_backend=info.attention_backend, max_logprobs=limits.max_logprobs,
-                             max_n=limits.max_n, kv_cache_dtype=info.kv_cache_dtype)
+                             max_n=limits.max_n, kv_cache_dtype=info.kv_cache_dtype, weight_dtype=info.weight_dtype,
+                             quantization=info.quantization)
 
 
 async def _serve(args: argparse.Namespace) -> int:
