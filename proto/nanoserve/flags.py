@@ -192,6 +192,9 @@ FLAGS = (
     Flag("--port", OPENAI_PORT, "port the HTTP API listens on", ("gateway",), limits=PORTS),
     Flag("--served-model-name", "", "model id the HTTP API lists and answers to; empty = the model directory's "
          "name", ("gateway", "up")),
+    Flag("--vllm-metric-names", False, "/metrics also serves the model-server gauges under vLLM's names "
+         "(vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc and its older "
+         "vllm:gpu_cache_usage_perc, vllm:cache_config_info) for routers that hard-code them", ("gateway", "up")),
     Flag("--log-level", "info", "the gateway's log level (uvicorn's included)", ("gateway",),
          ("critical", "error", "warning", "info", "debug")),
     # One Python event loop turns every streamed message into an event: past ~15k streamed tokens/s it is
