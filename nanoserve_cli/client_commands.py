@@ -5,7 +5,9 @@ import json
 import sys
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
 
 from nanoserve.client import Client
 from nanoserve.flags import SCHEDULER_PORT
@@ -14,6 +16,10 @@ from nanoserve.tls import tls_files
 from nanoserve.v1 import worker_pb2
 
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+# Protobuf's JSON mapping writes 64-bit integers as strings (JavaScript's numbers end at 2**53); the
+# CLI prints counters for people and `jq`, as numbers.
+_INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
+          FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}
 
 
 def open_client(args: argparse.Namespace) -> Client:
@@ -49,9 +55,19 @@ def print_tokens(client: Client, args: argparse.Namespace) -> None:
     print(json.dumps(client.tokenize(args.text)))
 
 
-def _print_json(message) -> None:
-    print(json.dumps(MessageToDict(message, preserving_proto_field_name=True,
-                                   always_print_fields_with_no_presence=True), indent=2))
+def _print_json(message: Message) -> None:
+    print(json.dumps(as_dict(message), indent=2))
+
+
+def as_dict(message: Message) -> dict:
+    """The message as JSON would carry it (field names as in the .proto, every field shown), with its
+    64-bit integers as numbers. ModelInfo and Stats are flat: only their own fields are looked at."""
+    fields = MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    for field in message.DESCRIPTOR.fields:
+        if field.type in _INT64 and field.name in fields:
+            value = fields[field.name]
+            fields[field.name] = [int(v) for v in value] if isinstance(value, list) else int(value)
+    return fields
 
 
 QUERIES = {"info": print_info, "stats": print_stats, "tokenize": print_tokens}
