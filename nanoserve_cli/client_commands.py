@@ -3,14 +3,15 @@ shares: the connection (--address, TLS) and one line for any failure, never a tr
 import argparse
 import json
 import sys
+import urllib.request
 
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
-from nanoserve.client import Client
-from nanoserve.flags import SCHEDULER_PORT
+from nanoserve.client import Client, with_default_port
+from nanoserve.flags import GATEWAY_TITLE, SCHEDULER_PORT
 from nanoserve.healthcheck import serving_status
 from nanoserve.tls import tls_files
 from nanoserve.v1 import worker_pb2
@@ -27,9 +28,13 @@ def open_client(args: argparse.Namespace) -> Client:
 
 
 def rpc_error_line(err: grpc.RpcError, args: argparse.Namespace) -> str:
-    """The one line a failed call prints; a worker's port is named as such."""
+    """The one line a failed call prints; a worker's port and the gateway's are named as such."""
     if err.code() == grpc.StatusCode.UNIMPLEMENTED and _is_worker(args):
         return (f"error: {args.address} is a nanoserve worker (the internal Worker API), not the public API: "
+                f"point --address at the scheduler (port {SCHEDULER_PORT} unless it was given another)")
+    # gRPC's own words when an HTTP/1 server answers: "Trying to connect an http1.x server"
+    if err.code() == grpc.StatusCode.UNAVAILABLE and "http1.x server" in (err.details() or "") and _is_gateway(args):
+        return (f"error: {args.address} is the OpenAI HTTP gateway (http://{args.address}/v1), not the gRPC API: "
                 f"point --address at the scheduler (port {SCHEDULER_PORT} unless it was given another)")
     return f"error: {err.code().name}: {err.details()}"
 
@@ -40,6 +45,15 @@ def _is_worker(args: argparse.Namespace) -> bool:
         serving_status(args.address, WORKER_SERVICE, timeout=2, tls=tls_files(args))
         return True
     except grpc.RpcError:
+        return False
+
+
+def _is_gateway(args: argparse.Namespace) -> bool:
+    """The gateway's OpenAPI description carries its title."""
+    try:
+        with urllib.request.urlopen(f"http://{with_default_port(args.address)}/openapi.json", timeout=2) as reply:
+            return json.load(reply).get("info", {}).get("title") == GATEWAY_TITLE
+    except (OSError, ValueError, AttributeError):
         return False
 
 
