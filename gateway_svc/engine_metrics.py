@@ -60,15 +60,19 @@ async def engine_exposition(client: SchedulerClient, served_model_name: str, vll
         info = await client.model_info()
     except OpenAIError:
         return b""
-    registry = CollectorRegistry(auto_describe=False)
     model_name = model_names(info, served_model_name)[0]
-    registry.register(_Snapshot(engine_families(stats, info.block_size, info.kv_cache_dtype or "auto", model_name,
-                                                vllm_names)))
+    return text_format(engine_families(stats, info.block_size, info.kv_cache_dtype or "auto", model_name, vllm_names))
+
+
+def text_format(families: list[Metric]) -> bytes:
+    """Families computed already, in Prometheus' text format."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(families))
     return generate_latest(registry)
 
 
 class _Snapshot(Collector):
-    """Metric families computed already, for one exposition."""
+    """Metric families computed already."""
 
     def __init__(self, families: list[Metric]):
         self.families = families
