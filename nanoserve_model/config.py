@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from nanoserve_model.moe_config import MoeConfig
+from nanoserve_model.quantization import Fp8Scheme, QuantizationError, read_quantization
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ROPE_TYPES = ("default", "llama3")
@@ -60,6 +61,7 @@ class ModelConfig:
     sliding_window: int | None = None  # attention window in tokens; None: full attention
     moe: MoeConfig | None = None       # a mixture-of-experts family's experts; None: dense
     sampling_defaults: SamplingDefaults = SamplingDefaults()
+    quantization: Fp8Scheme | None = None  # config.json's `quantization_config`: FP8 weights
 
     @classmethod
     def from_dir(cls, path: str | Path, sliding_window: int | None = None, moe: MoeConfig | None = None
@@ -71,10 +73,10 @@ class ModelConfig:
                       "num_attention_heads", "max_position_embeddings"):
             if not isinstance(raw.get(field), int):
                 raise ConfigError(f"{where}: `{field}` is missing or not an integer")
-        if raw.get("quantization_config"):
-            method = dict(raw["quantization_config"]).get("quant_method", "?")
-            raise ConfigError(f"{where}: `quantization_config` ({method}) is not supported: nanoserve runs "
-                              f"unquantized float32/bfloat16/float16 checkpoints")
+        try:
+            quantization = read_quantization(raw.get("quantization_config"), where)
+        except QuantizationError as err:
+            raise ConfigError(str(err)) from None
         if raw.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"{where}: `hidden_act` {raw['hidden_act']!r} is not supported (only silu)")
         dtype = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
@@ -100,6 +102,7 @@ class ModelConfig:
             sliding_window=sliding_window,
             moe=moe,
             sampling_defaults=_sampling_defaults(path),
+            quantization=quantization,
         )
 
     def context_limit(self, requested: int) -> int:

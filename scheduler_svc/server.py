@@ -4,6 +4,7 @@ import asyncio
 import logging
 import signal
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -13,6 +14,8 @@ from grpc_reflection.v1alpha import reflection
 
 from nanoserve.checkpoint import TOKENIZER_FILE, CheckpointError, check_files
 from nanoserve.gc_freeze import freeze_start_up_objects
+from nanoserve.grammar_tokenizer import GrammarTokenizer
+from nanoserve.healthcheck import LIVENESS
 from nanoserve.hub import ModelNotFound
 from nanoserve.listen import ListenError, check_port_free, listen
 from nanoserve.mathutil import cdiv
@@ -23,12 +26,13 @@ from scheduler_svc.chat_template import ChatTemplate, ChatTemplateError
 from scheduler_svc.completions import CompletionOutput, completion_sequences
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine
-from scheduler_svc.metrics import RequestTimer
 from scheduler_svc.request_bytes import RequestBytesGuard
+from scheduler_svc.request_stream import RequestTimer
 from scheduler_svc.request_validation import (BadRequest, RequestLimits, check_room, checked_length, prompt_ids,
                                               sampling_options)
 from scheduler_svc.scheduler import AdmissionError
 from scheduler_svc.sequence import SamplingOptions
+from scheduler_svc.structured_outputs import ConstraintError, GrammarCompiler, constraint_key
 from scheduler_svc.tokenizer import TextTokenizer
 from scheduler_svc.worker_group import WorkerGroup, WorkerUnavailable
 
@@ -48,6 +52,7 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         self.info: llm_pb2.ModelInfo | None = None
         self.limits: RequestLimits | None = None
         self.sampling_defaults = worker_pb2.SamplingDefaults()  # the model's, from its workers
+        self.grammars: GrammarCompiler | None = None
         # Text is tokenized here, off the event loop: a long prompt must not stall the engine's steps.
         self.tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
 
@@ -57,8 +62,9 @@ class LLMService(llm_pb2_grpc.LLMServicer):
     async def _ready_engine(self, context) -> Engine:
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is still connecting to its workers")
-        if not self.engine.accepts_requests:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"no worker group can serve: {self.engine.failure}")
+        if not self.engine.requests.accepts_requests:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"no worker group can serve: {self.engine.requests.failure}")
         return self.engine
 
     async def Generate(self, request: llm_pb2.GenerateRequest, context):
@@ -77,20 +83,34 @@ class LLMService(llm_pb2_grpc.LLMServicer):
                 ids = await self._off_loop(prompt_ids, request, self.tokenizer, self.limits)
             else:
                 ids = prompt_ids(request, self.tokenizer, self.limits)
-            options = sampling_options(request.sampling, self.limits, self.sampling_defaults)
-            check_room(len(ids), options.max_tokens, self.limits.max_model_len)
+            options = await self._options(request.sampling, len(ids))
         except BadRequest as err:
             await context.abort(err.code, str(err))
         await self._stream(engine, ids, options, request.request_id, timer, context)
+
+    async def _options(self, sampling: llm_pb2.SamplingParams, num_prompt_tokens: int,
+                       thinking: str = "") -> SamplingOptions:
+        """The request's checked sampling options, its constraint compiled (off the event loop; `thinking`
+        as ChatTemplate.thinking says), or BadRequest."""
+        options = sampling_options(sampling, self.limits, self.sampling_defaults)
+        check_room(num_prompt_tokens, options.max_tokens, self.limits.max_model_len)
+        constraint = constraint_key(sampling.structured_outputs)
+        if constraint is None:
+            return options
+        try:
+            grammar = await self._off_loop(self.grammars.compile, *constraint, thinking)
+        except ConstraintError as err:
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+        return replace(options, grammar=grammar)
 
     async def Chat(self, request: llm_pb2.ChatRequest, context):
         """Generate on the conversation as the model's chat template writes it out."""
         timer = RequestTimer()
         engine = await self._ready_engine(context)
         try:
-            ids = checked_length(await self._off_loop(self._conversation_ids, request), self.limits)
-            options = sampling_options(request.sampling, self.limits, self.sampling_defaults)
-            check_room(len(ids), options.max_tokens, self.limits.max_model_len)
+            text = await self._off_loop(self._conversation_text, request)
+            ids = checked_length(await self._off_loop(self.tokenizer.encode, text, False), self.limits)
+            options = await self._options(request.sampling, len(ids), self.chat_template.thinking(text))
         except BadRequest as err:
             await context.abort(err.code, str(err))
         await self._stream(engine, ids, options, request.request_id, timer, context)
@@ -127,22 +147,24 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         finally:
             for output in outputs:
                 if not output.done:  # cancelled, disconnected, past its deadline or failed: free its blocks
-                    engine.abort(output.seq.seq_id)
+                    engine.requests.abort(output.seq.seq_id)
                 engine.metrics.request_finished(request_id, output.seq, timer)
 
-    def _conversation_ids(self, request: llm_pb2.ChatRequest | llm_pb2.TokenizeRequest) -> list[int]:
+    def _conversation_ids(self, request: llm_pb2.TokenizeRequest) -> list[int]:
         """The prompt ids of a request's conversation, through the chat template."""
+        return self.tokenizer.encode(self._conversation_text(request), add_bos=False)  # the template writes any BOS
+
+    def _conversation_text(self, request: llm_pb2.ChatRequest | llm_pb2.TokenizeRequest) -> str:
         if not request.messages:
             raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, "messages is empty: send at least one message")
         messages = [{"role": message.role, "content": message.content} for message in request.messages]
         add_generation_prompt = (request.add_generation_prompt if request.HasField("add_generation_prompt")
                                  else True)
         try:
-            text = self.chat_template.render(messages, add_generation_prompt,
+            return self.chat_template.render(messages, add_generation_prompt,
                                              MessageToDict(request.chat_template_kwargs))
         except ChatTemplateError as err:
             raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
-        return self.tokenizer.encode(text, add_bos=False)  # the template writes any BOS itself
 
     async def Tokenize(self, request: llm_pb2.TokenizeRequest, context) -> llm_pb2.TokenizeResponse:
         await self._ready_engine(context)
@@ -237,7 +259,8 @@ def _model_info(config: SchedulerConfig, group: WorkerGroup, limits: RequestLimi
                              eos_token_ids=info.eos_token_ids, dtype=info.dtype, block_size=info.block_size,
                              num_kv_blocks=group.num_blocks, tensor_parallel_size=info.world_size,
                              attention_backend=info.attention_backend, max_logprobs=limits.max_logprobs,
-                             max_n=limits.max_n, kv_cache_dtype=info.kv_cache_dtype)
+                             max_n=limits.max_n, kv_cache_dtype=info.kv_cache_dtype, weight_dtype=info.weight_dtype,
+                             quantization=info.quantization)
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -267,6 +290,7 @@ async def _serve(args: argparse.Namespace) -> int:
             await health_servicer.set(name, status)
 
     await set_health(False)
+    await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     log.info("listening on %s; connecting to workers %s", address, args.workers)
 
     group = WorkerGroup([a.strip() for a in args.workers.split(",") if a.strip()], args.worker_token, worker_tls,
@@ -287,8 +311,10 @@ async def _serve(args: argparse.Namespace) -> int:
                                    min(args.max_logprobs, group.infos[0].vocab_size))
     service.info = _model_info(config, group, service.limits)
     service.sampling_defaults = group.infos[0].sampling_defaults
+    service.grammars = GrammarCompiler(GrammarTokenizer(service.tokenizer.directory / TOKENIZER_FILE,
+                                                        group.infos[0].vocab_size, config.eos_token_ids))
     engine = Engine(group, config, args.worker_restart_timeout)
-    engine.on_health_change = lambda healthy: asyncio.get_running_loop().create_task(set_health(healthy))
+    engine.requests.on_health_change = lambda healthy: asyncio.get_running_loop().create_task(set_health(healthy))
     engine.start()
     service.engine = engine
     if args.metrics_port:
@@ -305,7 +331,7 @@ async def _serve(args: argparse.Namespace) -> int:
     stopping = loop.create_task(stop.wait())
     await asyncio.wait((stopping, engine.task), return_when=asyncio.FIRST_COMPLETED)
     if not stopping.done():  # the engine ended: no worker group can ever serve this scheduler
-        log.error("exiting: %s", engine.failure)
+        log.error("exiting: %s", engine.requests.failure)
         await server.stop(grace=1)
         return 1
     log.info("shutting down")
