@@ -273,7 +273,7 @@ def _model_info(config: SchedulerConfig, group: WorkerGroup, limits: RequestLimi
                              num_kv_blocks=group.num_blocks, tensor_parallel_size=info.world_size,
                              attention_backend=info.attention_backend, max_logprobs=limits.max_logprobs,
                              max_n=limits.max_n, kv_cache_dtype=info.kv_cache_dtype, weight_dtype=info.weight_dtype,
-                             quantization=info.quantization)
+                             quantization=info.quantization, platform=info.platform)
 
 
 async def _serve(args: argparse.Namespace) -> int:
