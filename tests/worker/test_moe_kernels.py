@@ -4,6 +4,7 @@ routing, sort-and-pad, and whole layers at batch 1 and with experts that get no 
 leave tails in every dimension. Each case runs in a fresh process with TRITON_INTERPRET=1 set from the
 start (as tests/worker/test_triton_kernels.py explains); tests/gpu/test_moe_gpu.py reuses the checks in
 bf16 on CUDA. Also: the GEMM compiles for sm_90 in bf16."""
+import json
 import os
 import subprocess
 import sys
@@ -97,6 +98,20 @@ def test_moe_kernels_match_the_reference_in_interpreter(kernel: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath}
     result = subprocess.run([sys.executable, __file__, kernel], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_step_takes_the_config_tuned_for_the_next_batch_size_up(monkeypatch, tmp_path):
+    from nanoserve_kernels import moe_launch
+    monkeypatch.setattr(moe_launch, "CONFIG_DIR", tmp_path)
+    moe_launch.tuned_configs.cache_clear()
+    assert moe_launch.launch_config(3, 128, 768, "NVIDIA H100 80GB HBM3") == moe_launch.default_config(3, 128)
+    tuned = {batch: dict(SMALL_TILES, BLOCK_M=block_m) for batch, block_m in ((1, 16), (8, 32), (64, 64))}
+    (tmp_path / "E128_N768_NVIDIA_H100_80GB_HBM3.json").write_text(json.dumps({"configs": tuned}))
+    moe_launch.tuned_configs.cache_clear()
+    picked = [moe_launch.launch_config(tokens, 128, 768, "NVIDIA H100 80GB HBM3")["BLOCK_M"]
+              for tokens in (1, 2, 8, 9, 64, 4096)]
+    assert picked == [16, 32, 32, 64, 64, 64]
+    moe_launch.tuned_configs.cache_clear()
 
 
 @pytest.mark.parametrize("silu_mul, block_m", [(True, 16), (False, 64)])
