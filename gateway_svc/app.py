@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from gateway_svc import generation
+from gateway_svc.drain import Drain
 from gateway_svc.errors import OpenAIError, bad_request, install_handlers
 from gateway_svc.http_metrics import HTTPMetrics, exposition
 from gateway_svc.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -27,6 +28,7 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 @dataclass
 class GatewayConfig:
     scheduler: str               # host:port of the scheduler's public gRPC API
+    shutdown_timeout: float      # seconds a stopping process lets its requests finish (drain.py)
     served_model_name: str = ""  # the id /v1/models lists; default: the model directory's name
 
 
@@ -62,6 +64,7 @@ def create_app(config: GatewayConfig) -> HTTPMetrics:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        drain.listen()
         gateway.client = SchedulerClient(config.scheduler)
         waiting = asyncio.create_task(gateway.client.wait_serving())  # the port opens at once: /health says why not
         yield
@@ -135,7 +138,8 @@ def create_app(config: GatewayConfig) -> HTTPMetrics:
         return Response(exposition(registry), media_type=CONTENT_TYPE_LATEST)
 
     paths = {route.path for route in app.routes}
-    return HTTPMetrics(app, registry, paths)
+    drain = Drain(app, config.shutdown_timeout)  # the lifespan above starts its signal handling
+    return HTTPMetrics(drain, registry, paths)
 
 
 async def _respond(request: Request, call: grpc.aio.UnaryStreamCall, reply: Reply, stream: bool,

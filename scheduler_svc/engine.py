@@ -163,6 +163,13 @@ class Engine:
         self.task = loop.create_task(self._loop())
         self.task.add_done_callback(self._loop_ended)
 
+    async def close(self) -> None:
+        """Stops the loop and lets the workers go (their session ends with its step streams)."""
+        for task in (self.task, self.waker_task):
+            task.cancel()
+        await asyncio.gather(self.task, self.waker_task, return_exceptions=True)
+        await self.group.close()
+
     @property
     def accepts_requests(self) -> bool:
         """Serving, or holding requests while a worker group comes back."""

@@ -2,7 +2,6 @@
 import argparse
 import asyncio
 import logging
-import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from nanoserve.gc_freeze import freeze_start_up_objects
 from nanoserve.hub import ModelNotFound
 from nanoserve.listen import ListenError, check_port_free, listen
 from nanoserve.mathutil import cdiv
+from nanoserve.stopping import DRAINING, SHUTTING_DOWN
 from nanoserve.tls import TLSConfigError, tls_files
 from nanoserve.v1 import llm_pb2, llm_pb2_grpc, worker_pb2
 from nanoserve.wire import SERVER_OPTIONS
@@ -29,6 +29,7 @@ from scheduler_svc.request_validation import (BadRequest, RequestLimits, check_r
                                               sampling_options)
 from scheduler_svc.scheduler import AdmissionError
 from scheduler_svc.sequence import SamplingOptions
+from scheduler_svc.shutdown import Shutdown, Stopped
 from scheduler_svc.tokenizer import TextTokenizer
 from scheduler_svc.worker_group import WorkerGroup, WorkerUnavailable
 
@@ -38,10 +39,12 @@ log = logging.getLogger("nanoserve.scheduler")
 class LLMService(llm_pb2_grpc.LLMServicer):
     """nanoserve.v1.LLM over one engine. Until the workers have shaken hands every call answers
     UNAVAILABLE; while a failed group is rebuilt, requests are taken and held (recovery.py), and
-    once the engine gives up waiting for it, UNAVAILABLE again until a group is back."""
+    once the engine gives up waiting for it, UNAVAILABLE again until a group is back. Once stopping
+    (shutdown.py), new generation calls are refused UNAVAILABLE while those in flight finish."""
 
-    def __init__(self, max_waiting: int):
+    def __init__(self, max_waiting: int, shutdown: Shutdown):
         self.max_waiting = max_waiting
+        self.shutdown = shutdown
         self.engine: Engine | None = None
         self.tokenizer: TextTokenizer | None = None
         self.chat_template: ChatTemplate | None = None
@@ -61,6 +64,12 @@ class LLMService(llm_pb2_grpc.LLMServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"no worker group can serve: {self.engine.failure}")
         return self.engine
 
+    async def _accepting_engine(self, context) -> Engine:
+        """The engine, for a new generation call: refused while the server drains."""
+        if self.shutdown.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
+        return await self._ready_engine(context)
+
     async def Generate(self, request: llm_pb2.GenerateRequest, context):
         """Streams the completions of one prompt. The request is checked (INVALID_ARGUMENT) and
         queued (RESOURCE_EXHAUSTED when the waiting queue is full or it could never fit); then each
@@ -71,29 +80,31 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         writes its messages, not an async generator: gRPC would wrap a generator in a loop of its
         own, which costs every streamed message a few microseconds more."""
         timer = RequestTimer()
-        engine = await self._ready_engine(context)
-        try:
-            if request.WhichOneof("prompt") == "text":
-                ids = await self._off_loop(prompt_ids, request, self.tokenizer, self.limits)
-            else:
-                ids = prompt_ids(request, self.tokenizer, self.limits)
-            options = sampling_options(request.sampling, self.limits, self.sampling_defaults)
-            check_room(len(ids), options.max_tokens, self.limits.max_model_len)
-        except BadRequest as err:
-            await context.abort(err.code, str(err))
-        await self._stream(engine, ids, options, request.request_id, timer, context)
+        with self.shutdown.call():
+            engine = await self._accepting_engine(context)
+            try:
+                if request.WhichOneof("prompt") == "text":
+                    ids = await self._off_loop(prompt_ids, request, self.tokenizer, self.limits)
+                else:
+                    ids = prompt_ids(request, self.tokenizer, self.limits)
+                options = sampling_options(request.sampling, self.limits, self.sampling_defaults)
+                check_room(len(ids), options.max_tokens, self.limits.max_model_len)
+            except BadRequest as err:
+                await context.abort(err.code, str(err))
+            await self._stream(engine, ids, options, request.request_id, timer, context)
 
     async def Chat(self, request: llm_pb2.ChatRequest, context):
         """Generate on the conversation as the model's chat template writes it out."""
         timer = RequestTimer()
-        engine = await self._ready_engine(context)
-        try:
-            ids = checked_length(await self._off_loop(self._conversation_ids, request), self.limits)
-            options = sampling_options(request.sampling, self.limits, self.sampling_defaults)
-            check_room(len(ids), options.max_tokens, self.limits.max_model_len)
-        except BadRequest as err:
-            await context.abort(err.code, str(err))
-        await self._stream(engine, ids, options, request.request_id, timer, context)
+        with self.shutdown.call():
+            engine = await self._accepting_engine(context)
+            try:
+                ids = checked_length(await self._off_loop(self._conversation_ids, request), self.limits)
+                options = sampling_options(request.sampling, self.limits, self.sampling_defaults)
+                check_room(len(ids), options.max_tokens, self.limits.max_model_len)
+            except BadRequest as err:
+                await context.abort(err.code, str(err))
+            await self._stream(engine, ids, options, request.request_id, timer, context)
 
     async def _stream(self, engine: Engine, ids: list[int], options: SamplingOptions, request_id: str,
                       timer: RequestTimer, context):
@@ -253,7 +264,9 @@ async def _serve(args: argparse.Namespace) -> int:
     except (ListenError, CheckpointError, TLSConfigError) as err:
         log.error("cannot start: %s", err)
         return 1
-    service = LLMService(args.max_waiting)
+    shutdown = Shutdown(args.shutdown_timeout)
+    shutdown.listen()
+    service = LLMService(args.max_waiting, shutdown)
     llm_pb2_grpc.add_LLMServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -262,7 +275,8 @@ async def _serve(args: argparse.Namespace) -> int:
     await server.start()
 
     async def set_health(healthy: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if healthy else health_pb2.HealthCheckResponse.NOT_SERVING
+        serving = healthy and not shutdown.draining  # a recovered group does not bring a draining server back
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", llm_service):
             await health_servicer.set(name, status)
 
@@ -272,15 +286,18 @@ async def _serve(args: argparse.Namespace) -> int:
     group = WorkerGroup([a.strip() for a in args.workers.split(",") if a.strip()], args.worker_token, worker_tls,
                         args.step_timeout)
     try:
-        await group.connect(args.worker_connect_timeout)
+        await shutdown.unless_asked(group.connect(args.worker_connect_timeout))
         config = _scheduler_config(args, group)
         # The model's own revision applies to its tokenizer, not to another --tokenizer.
         service.tokenizer = _tokenizer(args.tokenizer or group.infos[0].model,
                                        "" if args.tokenizer else args.revision, args.download_dir)
-    except (WorkerUnavailable, StartupError) as err:
-        log.error("cannot start: %s", err)
+    except (WorkerUnavailable, StartupError, Stopped) as err:
         await group.close()
         await server.stop(grace=0)
+        if isinstance(err, Stopped):
+            log.info("stopped before serving")
+            return 0
+        log.error("cannot start: %s", err)
         return 1
     service.chat_template = ChatTemplate(service.tokenizer.directory)
     service.limits = RequestLimits(group.infos[0].vocab_size, config.max_model_len, args.max_n,
@@ -298,19 +315,31 @@ async def _serve(args: argparse.Namespace) -> int:
     log.info("serving %s (%d KV blocks, max model len %d)", service.info.model, config.num_kv_blocks,
              config.max_model_len)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    stopping = loop.create_task(stop.wait())
-    await asyncio.wait((stopping, engine.task), return_when=asyncio.FIRST_COMPLETED)
-    if not stopping.done():  # the engine ended: no worker group can ever serve this scheduler
+    asked = asyncio.ensure_future(shutdown.asked.wait())
+    await asyncio.wait((asked, engine.task), return_when=asyncio.FIRST_COMPLETED)
+    if not asked.done():  # the engine ended: no worker group can ever serve this scheduler
+        asked.cancel()
         log.error("exiting: %s", engine.failure)
         await server.stop(grace=1)
         return 1
-    log.info("shutting down")
-    await server.stop(grace=2)
+    await _drain(shutdown, engine, set_health)
+    await server.stop(grace=2)  # the calls ended above write their status
+    await engine.close()
+    log.info("stopped")
     return 0
+
+
+async def _drain(shutdown: Shutdown, engine: Engine, set_health) -> None:
+    """Lets the generation calls in flight finish (new ones are refused meanwhile), within the
+    timeout; then ends the rest UNAVAILABLE."""
+    await set_health(False)
+    log.info("stopping: NOT_SERVING and refusing new requests; %d request(s) in flight may finish within %gs "
+             "(--shutdown-timeout); a second Ctrl-C or SIGTERM stops at once", shutdown.in_flight, shutdown.timeout)
+    if await shutdown.drained():
+        log.info("every request in flight finished")
+        return
+    log.info("ending %d request(s) still in flight: %s", shutdown.in_flight, SHUTTING_DOWN)
+    engine.give_up(SHUTTING_DOWN)
 
 
 def _check_tokenizer_files(directory: str) -> None:
