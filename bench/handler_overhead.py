@@ -10,17 +10,21 @@ sys.path[:0] = [str(REPO), str(REPO / "proto")]
 from nanoserve.v1 import llm_pb2
 from nanoserve_cli.cache import cache_dir
 from scheduler_svc import server as srv
-from scheduler_svc.engine import RequestStream
+from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.tokenizer import TextTokenizer
 
 class FakeScheduler:
     num_waiting = 0
 
+class FakeRequests:
+    accepts_requests = True
+    def abort(self, seq_id): pass
+
 class FakeEngine:
-    healthy = accepts_requests = True
     def __init__(self):
         self.scheduler, self.metrics, self.streams, self.next = FakeScheduler(), SchedulerMetrics(), [], 0
+        self.requests = FakeRequests()
     def new_seq_id(self):
         self.next += 1
         return self.next
@@ -28,7 +32,6 @@ class FakeEngine:
         s = RequestStream(seq) if wakeup is None else RequestStream(seq, wakeup=wakeup)
         self.streams.append(s)
         return s
-    def abort(self, seq_id): pass
     def stop(self, seq): seq.finish_reason = "stop"
 
 def main():

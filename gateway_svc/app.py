@@ -1,5 +1,6 @@
 """The HTTP endpoints: OpenAI's completions, chat completions and models, plus vLLM's health,
-tokenize and detokenize, and Prometheus' /metrics."""
+tokenize, detokenize and render, Prometheus' /metrics (the gateway's own and the model-server
+protocol's), and the load endpoints routers poll."""
 import asyncio
 import contextlib
 import time
@@ -14,9 +15,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from gateway_svc import generation
 from gateway_svc.drain import Drain
+from gateway_svc.engine_metrics import engine_exposition
 from gateway_svc.errors import OpenAIError, bad_request, install_handlers
 from gateway_svc.http_metrics import HTTPMetrics, exposition
+from gateway_svc.load_api import add_load_routes
 from gateway_svc.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from gateway_svc.render import add_render_routes, check_vocabulary
 from gateway_svc.responses import Echo, Reply
 from gateway_svc.scheduler_client import SchedulerClient, check_model, model_names
 from nanoserve.v1 import llm_pb2
@@ -30,6 +34,7 @@ class GatewayConfig:
     scheduler: str               # host:port of the scheduler's public gRPC API
     shutdown_timeout: float      # seconds a stopping process lets its requests finish (drain.py)
     served_model_name: str = ""  # the id /v1/models lists; default: the model directory's name
+    vllm_metric_names: bool = False  # /metrics also carries the model-server gauges under vLLM's names
 
 
 class Gateway:
@@ -73,6 +78,8 @@ def create_app(config: GatewayConfig) -> HTTPMetrics:
 
     app = FastAPI(title="nanoserve OpenAI-compatible gateway", lifespan=lifespan)
     install_handlers(app)
+    add_load_routes(app, lambda: gateway.client, config.served_model_name)
+    add_render_routes(app, lambda: gateway.client, config.served_model_name)
 
     @app.exception_handler(_ClientGone)
     async def client_gone(request: Request, err: _ClientGone) -> Response:
@@ -127,15 +134,13 @@ def create_app(config: GatewayConfig) -> HTTPMetrics:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         await gateway.checked_model(body.model)
-        vocab_size = (await gateway.client.model_info()).vocab_size
-        bad = next((t for t in body.tokens if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise bad_request(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", "tokens")
+        check_vocabulary(body.tokens, (await gateway.client.model_info()).vocab_size, "tokens")
         return {"prompt": await gateway.client.detokenize(body.tokens)}
 
     @app.get("/metrics")
     async def metrics():
-        return Response(exposition(registry), media_type=CONTENT_TYPE_LATEST)
+        engine = await engine_exposition(gateway.client, config.served_model_name, config.vllm_metric_names)
+        return Response(exposition(registry) + engine, media_type=CONTENT_TYPE_LATEST)
 
     paths = {route.path for route in app.routes}
     drain = Drain(app, config.shutdown_timeout)  # the lifespan above starts its signal handling

@@ -37,6 +37,10 @@ class SchedulerClient:
             self._info = await self._call(self.llm.GetModelInfo, llm_pb2.GetModelInfoRequest())
         return self._info
 
+    async def stats(self) -> llm_pb2.Stats:
+        """The scheduler's counters and queue lengths now (GetStats)."""
+        return await self._call(self.llm.GetStats, llm_pb2.GetStatsRequest())
+
     async def tokenize(self, request: llm_pb2.TokenizeRequest) -> list[int]:
         """A text's tokens, or a conversation's through the chat template."""
         return list((await self._call(self.llm.Tokenize, request)).token_ids)

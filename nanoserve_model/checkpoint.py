@@ -19,11 +19,14 @@ class SafetensorsCheckpoint:
         files = sorted({self.path / name for name in weight_map.values()}) if weight_map else self._all_files()
         self.files: dict[str, Path] = {}         # tensor name -> its file
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, str] = {}         # tensor name -> safetensors dtype name (BF16, F8_E4M3, ...)
         for file in files:
             with safe_open(file, framework="pt", device="cpu") as tensors:
                 for name in tensors.keys():
                     if weight_map is None or weight_map.get(name) == file.name:
-                        self.files[name], self.shapes[name] = file, tuple(tensors.get_slice(name).get_shape())
+                        stored = tensors.get_slice(name)
+                        self.files[name], self.shapes[name] = file, tuple(stored.get_shape())
+                        self.dtypes[name] = stored.get_dtype()
         if weight_map and (unheld := sorted(weight_map.keys() - self.files.keys())):
             raise ValueError(f"{self.index}: tensor {unheld[0]!r} is mapped to {weight_map[unheld[0]]}, which "
                              f"does not hold it ({len(unheld)} such tensor(s))")

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from nanoserve_model.quantization import Fp8Scheme, QuantizationError, read_quantization
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ROPE_TYPES = ("default", "llama3")
 
@@ -57,6 +59,7 @@ class ModelConfig:
     mlp_bias: bool = False
     sliding_window: int | None = None  # attention window in tokens; None: full attention
     sampling_defaults: SamplingDefaults = SamplingDefaults()
+    quantization: Fp8Scheme | None = None  # config.json's `quantization_config`: FP8 weights
 
     @classmethod
     def from_dir(cls, path: str | Path, sliding_window: int | None = None) -> "ModelConfig":
@@ -67,10 +70,10 @@ class ModelConfig:
                       "num_attention_heads", "max_position_embeddings"):
             if not isinstance(raw.get(field), int):
                 raise ConfigError(f"{where}: `{field}` is missing or not an integer")
-        if raw.get("quantization_config"):
-            method = dict(raw["quantization_config"]).get("quant_method", "?")
-            raise ConfigError(f"{where}: `quantization_config` ({method}) is not supported: nanoserve runs "
-                              f"unquantized float32/bfloat16/float16 checkpoints")
+        try:
+            quantization = read_quantization(raw.get("quantization_config"), where)
+        except QuantizationError as err:
+            raise ConfigError(str(err)) from None
         if raw.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"{where}: `hidden_act` {raw['hidden_act']!r} is not supported (only silu)")
         dtype = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
@@ -95,6 +98,7 @@ class ModelConfig:
             mlp_bias=raw.get("mlp_bias", False),
             sliding_window=sliding_window,
             sampling_defaults=_sampling_defaults(path),
+            quantization=quantization,
         )
 
     def context_limit(self, requested: int) -> int:

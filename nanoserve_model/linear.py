@@ -1,12 +1,15 @@
 """Tensor-parallel linear layers, with an optional bias (Qwen2's q/k/v, Llama's `attention_bias` and
 `mlp_bias`). Each keeps only its rank's slice of the weight and knows how to cut that slice out of a
-full checkpoint tensor (its weight loader). At world size 1 they are plain linear layers."""
+full checkpoint tensor (its weight loader). At world size 1 they are plain linear layers. A layer built
+under fp8_storage holds an e4m3 weight and its scales (nanoserve_model/fp8_weights.py) and runs the FP8
+kernels (nanoserve_kernels/fp8_linear.py)."""
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve_model.fp8_weights import Fp8Source, copy_weight, new_weight
 from nanoserve_model.parallel import CheckpointTensor, all_reduce, divide, set_weight_loader, tp_rank, tp_world_size
 
 
@@ -20,8 +23,13 @@ def on_matvec_path(x: torch.Tensor) -> bool:
     return x.shape[0] <= MAX_ROWS
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the matrix-vector kernel where on_matvec_path(x)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           weight_scale: torch.Tensor | None = None, weight_block: tuple[int, int] | None = None) -> torch.Tensor:
+    """F.linear, through the matrix-vector kernel where on_matvec_path(x); of an e4m3 weight (given its
+    scales), through the FP8 kernels."""
+    if weight_scale is not None:
+        from nanoserve_kernels.fp8_linear import fp8_linear
+        return fp8_linear(x, weight, weight_scale, weight_block, bias)
     if on_matvec_path(x):
         from nanoserve_kernels.triton_gemv import gemv
         return gemv(x, weight, bias)
@@ -48,17 +56,25 @@ class ColumnParallelLinear(nn.Module):
         self.offsets, offset = {}, 0
         for shard_id, part in parts.items():
             self.offsets[shard_id], offset = offset, offset + part.rows
-        self.weight = set_weight_loader(nn.Parameter(torch.empty(offset, input_size)), self.load_rows,
+        self.weight = set_weight_loader(new_weight(self, offset, input_size), self.load_weight_rows,
                                         {i: (part.full_rows, input_size) for i, part in parts.items()})
-        self.bias = set_weight_loader(nn.Parameter(torch.empty(offset)), self.load_rows,
+        self.bias = set_weight_loader(nn.Parameter(torch.empty(offset)), self.load_bias_rows,
                                       {i: (part.full_rows,) for i, part in parts.items()}) if bias else None
 
-    def load_rows(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | str) -> None:
+    def load_weight_rows(self, param: nn.Parameter, loaded: CheckpointTensor | Fp8Source, shard_id: int | str) -> None:
+        part = self.parts[shard_id]
+        copy_weight(self, 0, self.offsets[shard_id], loaded, part.start, part.rows)
+
+    def load_bias_rows(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int | str) -> None:
         part = self.parts[shard_id]
         param.data.narrow(0, self.offsets[shard_id], part.rows).copy_(loaded.narrow(0, part.start, part.rows))
 
+    def weight_slices(self) -> dict[int | str, tuple[int, int, int, int]]:
+        """Per checkpoint matrix: (dim, start, length, full length) of the slice this rank holds."""
+        return {shard_id: (0, part.start, part.rows, part.full_rows) for shard_id, part in self.parts.items()}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.weight_scale, self.weight_block)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -102,21 +118,26 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
-        self.rank = tp_rank()
+        self.rank, self.input_size = tp_rank(), input_size
         columns = divide(input_size, tp_world_size(), "input features")
-        self.weight = set_weight_loader(nn.Parameter(torch.empty(output_size, columns)), self.load_columns,
+        self.weight = set_weight_loader(new_weight(self, output_size, columns), self.load_columns,
                                         {None: (output_size, input_size)})
         self.bias = set_weight_loader(nn.Parameter(torch.empty(output_size)), self.load_whole,
                                       {None: (output_size,)}) if bias else None
 
-    def load_columns(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
+    def load_columns(self, param: nn.Parameter, loaded: CheckpointTensor | Fp8Source) -> None:
         columns = param.shape[1]
-        param.data.copy_(loaded.narrow(1, self.rank * columns, columns))
+        copy_weight(self, 1, 0, loaded, self.rank * columns, columns)
+
+    def weight_slices(self) -> dict[None, tuple[int, int, int, int]]:
+        """(dim, start, length, full length) of the checkpoint weight's slice this rank holds."""
+        columns = self.weight.shape[1]
+        return {None: (1, self.rank * columns, columns, self.input_size)}
 
     @staticmethod
     def load_whole(param: nn.Parameter, loaded: CheckpointTensor) -> None:
         param.data.copy_(loaded.narrow(0, 0, param.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(linear(x, self.weight))
+        y = all_reduce(linear(x, self.weight, None, self.weight_scale, self.weight_block))
         return y if self.bias is None else y + self.bias

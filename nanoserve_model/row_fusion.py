@@ -18,7 +18,7 @@ def norm_project(norm: RMSNorm, proj: ColumnParallelLinear, hidden: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(proj(norm(hidden + residual)), hidden + residual): the projection and the residual stream it
     has not been added to; without a residual stream yet (the first layer), of hidden alone."""
-    if "rms_norm" in FUSED and on_matvec_path(hidden):
+    if "rms_norm" in FUSED and on_matvec_path(hidden) and proj.weight_scale is None:
         from nanoserve_kernels.triton_gemv import rms_norm_gemv  # Triton is a GPU requirement only
         return rms_norm_gemv(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias)
     if residual is None:
@@ -30,7 +30,7 @@ def norm_project(norm: RMSNorm, proj: ColumnParallelLinear, hidden: torch.Tensor
 def norm_project_silu_mul(norm: RMSNorm, proj: ColumnParallelLinear, hidden: torch.Tensor,
                           residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(silu(gate) * up of proj(norm(hidden + residual)) packed as (gate, up), hidden + residual)."""
-    if {"rms_norm", "silu_mul"} <= FUSED and on_matvec_path(hidden):
+    if {"rms_norm", "silu_mul"} <= FUSED and on_matvec_path(hidden) and proj.weight_scale is None:
         from nanoserve_kernels.triton_gemv import rms_norm_gemv
         return rms_norm_gemv(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias, silu_mul=True)
     if "gate_up_silu" in FUSED and hidden.is_cuda and proj.bias is None:

@@ -11,8 +11,8 @@ import dataclasses
 import xxhash
 
 from nanoserve.v1 import llm_pb2
-from scheduler_svc.engine import RequestStream
 from scheduler_svc.logprob_rows import ScoredToken
+from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.sequence import SamplingOptions, Sequence
 from scheduler_svc.stop_strings import StopStrings
 from scheduler_svc.tokenizer import TextTokenizer

@@ -10,85 +10,21 @@ late turn of this event loop.
 import asyncio
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 
 from nanoserve.v1 import worker_pb2
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.logprob_rows import ScoredToken, prompt_logprobs, sampled_logprobs
-from scheduler_svc.metrics import RequestTimer, SchedulerMetrics
+from scheduler_svc.logprob_rows import prompt_logprobs, sampled_logprobs
+from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.recovery import CannotServe, GroupRecovery
+from scheduler_svc.request_stream import RequestStream
+from scheduler_svc.request_table import RequestTable
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.step_plan import StepPlan
+from scheduler_svc.step_totals import Totals
 from scheduler_svc.worker_group import WorkerGroup, WorkerUnavailable
 
 log = logging.getLogger("nanoserve.scheduler")
-
-
-@dataclass(eq=False)  # compared and hashed by identity: the waker keeps a set of them
-class RequestStream:
-    """What the engine has produced for one sequence and not yet handed to its handler. The
-    completions of one request (n > 1) share their wakeup."""
-    seq: Sequence
-    new_tokens: list[int] = field(default_factory=list)
-    new_logprobs: list[ScoredToken] = field(default_factory=list)  # one per new token, when asked for
-    prompt_logprobs: list[ScoredToken] = field(default_factory=list)  # every prompt row so far, in order
-    finished: bool = False
-    error: str = ""  # set when no worker group can serve it; the handler answers UNAVAILABLE
-    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
-    timer: RequestTimer = field(default_factory=RequestTimer)
-
-    def take(self) -> list[int]:
-        """The tokens since the last take. The wakeup stays as it is: the handler clears it before
-        reading all of its streams, and clearing it here, between the writes of an n > 1 request,
-        lost the wakeup of a completion already read (a stream that never ended)."""
-        tokens, self.new_tokens = self.new_tokens, []
-        return tokens
-
-    def take_logprobs(self) -> list[ScoredToken]:
-        """The logprob rows since the last take (of a sequence that asks for logprobs)."""
-        logprobs, self.new_logprobs = self.new_logprobs, []
-        return logprobs
-
-
-@dataclass
-class Totals:
-    """Counters behind GetStats; step timings are rank 0's own."""
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    requests_finished: int = 0
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    prefill_busy_seconds: float = 0.0
-    decode_busy_seconds: float = 0.0
-    decode_idle_seconds: float = 0.0
-    prefill_host_seconds: float = 0.0
-    decode_host_seconds: float = 0.0
-    mixed_steps: int = 0
-    mixed_decode_tokens: int = 0
-
-    def record_step(self, plan: StepPlan, reply: worker_pb2.StepResponse) -> None:
-        """A step that computes prompt tokens counts as a prefill step, a mixed one too (its decodes
-        are counted beside it)."""
-        if not plan.seqs:
-            return
-        if plan.is_decode:
-            self.decode_steps += 1
-            self.decode_tokens += len(plan.seqs)
-            self.decode_busy_seconds += reply.busy_seconds
-            self.decode_idle_seconds += reply.idle_seconds
-            self.decode_host_seconds += reply.host_seconds
-        else:
-            num_decodes = plan.num_decodes
-            self.prefill_steps += 1
-            self.prefill_tokens += sum(plan.num_tokens) - num_decodes
-            self.prefill_busy_seconds += reply.busy_seconds
-            self.prefill_host_seconds += reply.host_seconds
-            if num_decodes:
-                self.mixed_steps += 1
-                self.mixed_decode_tokens += num_decodes
 
 
 class Waker:
@@ -141,17 +77,12 @@ class Engine:
         self.group = group
         self.config = config
         self.scheduler = Scheduler(config)
-        self.recovery = GroupRecovery(self, restart_timeout)
-        self.streams: dict[int, RequestStream] = {}
-        self.pending_aborts: list[int] = []
+        self.requests = RequestTable(self.scheduler)
         self.totals = Totals()
         self.metrics = SchedulerMetrics()
-        self.metrics.engine = self
-        self.healthy = True
-        self.recovering = False  # a group is being rebuilt: requests are taken, held, not admitted
-        self.failure = ""
-        self.on_health_change = lambda healthy: None
-        self.work = asyncio.Event()
+        self.metrics.watch(self.scheduler, self.totals)
+        self.recovery = GroupRecovery(self.requests, self.scheduler, self.metrics, self.totals, group.infos[0],
+                                      restart_timeout)
         self.next_seq_id = 0
         self.task: asyncio.Task | None = None
         self.waker = Waker()
@@ -170,11 +101,6 @@ class Engine:
         await asyncio.gather(self.task, self.waker_task, return_exceptions=True)
         await self.group.close()
 
-    @property
-    def accepts_requests(self) -> bool:
-        """Serving, or holding requests while a worker group comes back."""
-        return self.healthy or self.recovering
-
     def _loop_ended(self, task: asyncio.Task) -> None:
         """A loop that ends (no group can ever serve, or a bug) must not leave requests hanging:
         they fail, health goes down, and the scheduler exits (server.py)."""
@@ -182,70 +108,35 @@ class Engine:
             return
         error = task.exception()
         log.critical("the engine stopped: %s", error, exc_info=None if isinstance(error, CannotServe) else error)
-        self._end_all(f"the engine stopped: {error}")
-
-    def enter_recovery(self, reason: str) -> None:
-        """A rank failed: requests are held (health NOT_SERVING) until a group is back."""
-        self.healthy, self.recovering, self.failure = False, True, reason
-        self.on_health_change(False)
-
-    def resume(self) -> None:
-        self.healthy, self.recovering, self.failure = True, False, ""
-        self.on_health_change(True)
-
-    def give_up(self, reason: str) -> None:
-        """Ends every request with `reason` (UNAVAILABLE); new ones are refused until a group serves."""
-        for seq_id in list(self.streams):
-            self.scheduler.abort(seq_id)
-        self._end_all(reason)
-
-    def _end_all(self, reason: str) -> None:
-        self.healthy, self.recovering, self.failure = False, False, reason
-        self.on_health_change(False)
-        self.end_requests([stream.seq for stream in self.streams.values()], reason)
-        self.pending_aborts.clear()
-
-    def end_requests(self, seqs: list[Sequence], reason: str) -> None:
-        """Ends these sequences' requests with `reason` (UNAVAILABLE); the scheduler has let them go."""
-        for seq in seqs:
-            stream = self.streams.pop(seq.seq_id, None)
-            if stream is not None:
-                stream.error = reason
-                stream.wakeup.set()
+        self.requests.end_all(f"the engine stopped: {error}")
 
     def submit(self, seq: Sequence, wakeup: asyncio.Event | None = None) -> RequestStream:
         """Queues a sequence for scheduling and returns the stream its tokens will arrive on
         (raises AdmissionError when it can never run); `wakeup`: one shared with other streams."""
         self.scheduler.enqueue(seq)
         stream = RequestStream(seq, wakeup=wakeup or asyncio.Event())
-        self.streams[seq.seq_id] = stream
+        self.requests.streams[seq.seq_id] = stream
         self.totals.prompt_tokens += len(seq.prompt_token_ids)
-        self.work.set()
+        self.requests.work.set()
         return stream
 
     def new_seq_id(self) -> int:
         self.next_seq_id += 1
         return self.next_seq_id
 
-    def abort(self, seq_id: int) -> None:
-        """Cancels a request; applied between steps so an in-flight step stays consistent."""
-        if seq_id in self.streams:
-            self.pending_aborts.append(seq_id)
-            self.work.set()
-
     def stop(self, seq: Sequence) -> None:
         """Finishes a sequence that its handler found a stop string in: it ends as stopped and
         its blocks are freed like an abort's (unless its last token had finished it already)."""
-        if seq.seq_id in self.streams:
+        if seq.seq_id in self.requests.streams:
             self.totals.requests_finished += 1
-            self.abort(seq.seq_id)
+            self.requests.abort(seq.seq_id)
         seq.finish_reason = "stop"
 
     async def _loop(self) -> None:
         in_flight: deque[StepPlan] = deque()  # sent, in step order
         delivered: list[RequestStream] = []  # streams with new tokens, woken once the next step is out
         while True:
-            self.apply_aborts()
+            self.requests.apply_aborts()
             depth = self.group.max_steps_in_flight  # the group is replaced after a failure
             plan = None
             if len(in_flight) < depth and self.scheduler.has_work():
@@ -254,7 +145,7 @@ class Engine:
                 if plan is not None:
                     await self.group.send(plan)
                     in_flight.append(plan)
-                    self.metrics.step_sent(plan, self.streams, len(in_flight))
+                    self.metrics.step_sent(plan, self.requests.streams, len(in_flight))
                 # The handlers stream their tokens while the workers compute.
                 self.waker.wake_soon(delivered)
                 delivered = []
@@ -269,7 +160,7 @@ class Engine:
                 in_flight.clear()  # their tokens are dropped: recomputed, they come again
                 self.waker.wake_soon(delivered)
                 delivered = []
-                await self.recovery.recover(str(err))
+                self.group = await self.recovery.recover(self.group, str(err))
                 continue
             self.totals.record_step(done, reply)
             self.metrics.steps_in_flight.set(len(in_flight))
@@ -281,21 +172,15 @@ class Engine:
                          if (stream := self._deliver(seq)) is not None]
 
     async def _idle(self, ping_every: float = 2.0) -> None:
-        self.work.clear()
+        self.requests.work.clear()
         try:
-            await asyncio.wait_for(self.work.wait(), timeout=ping_every)
+            await asyncio.wait_for(self.requests.work.wait(), timeout=ping_every)
         except TimeoutError:
             await self.group.ping()
 
-    def apply_aborts(self) -> None:
-        for seq_id in self.pending_aborts:
-            if self.streams.pop(seq_id, None) is not None:
-                self.scheduler.abort(seq_id)
-        self.pending_aborts.clear()
-
     def _deliver(self, seq: Sequence) -> RequestStream | None:
         """Hands a sequence's new token to its request stream (woken later by the loop)."""
-        stream = self.streams.get(seq.seq_id)
+        stream = self.requests.streams.get(seq.seq_id)
         if stream is None:
             return None
         stream.new_tokens.append(seq.completion_token_ids[-1])
@@ -303,14 +188,14 @@ class Engine:
         if seq.finish_reason is not None:
             stream.finished = True
             self.totals.requests_finished += 1
-            del self.streams[seq.seq_id]
+            del self.requests.streams[seq.seq_id]
         return stream
 
     def _deliver_sampled_logprobs(self, plan: StepPlan, rows: worker_pb2.LogprobRows) -> None:
         """Each sampled token's logprob row, to the stream its token goes to next (the streams of
         sequences that finished before the step are gone, as their tokens are dropped)."""
         for seq, row in sampled_logprobs(plan, rows).items():
-            stream = self.streams.get(seq.seq_id)
+            stream = self.requests.streams.get(seq.seq_id)
             if stream is not None and seq.status is not SequenceStatus.FINISHED:
                 stream.new_logprobs.append(row)
 
@@ -318,7 +203,7 @@ class Engine:
         """Appends each scored entry's rows to its stream, from the position the stream has
         reached (a recompute after preemption may score positions again)."""
         for index, entry_rows in zip(plan.scored, prompt_logprobs(plan, rows)):
-            stream = self.streams.get(plan.seqs[index].seq_id)
+            stream = self.requests.streams.get(plan.seqs[index].seq_id)
             if stream is not None:
                 skip = len(stream.prompt_logprobs) - plan.num_computed[index]
                 stream.prompt_logprobs.extend(entry_rows[max(0, skip):])

@@ -7,17 +7,16 @@ prometheus_client's HTTP server on its own thread at --metrics-port.
 """
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:  # type hints only: the engine imports this module
-    from scheduler_svc.engine import Engine, RequestStream
-    from scheduler_svc.sequence import Sequence
-    from scheduler_svc.step_plan import StepPlan
+from scheduler_svc.request_stream import RequestStream, RequestTimer
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.sequence import Sequence
+from scheduler_svc.step_plan import StepPlan
+from scheduler_svc.step_totals import Totals
 
 log = logging.getLogger("nanoserve.requests")
 
@@ -29,24 +28,13 @@ _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0
 FINISH_REASONS = ("stop", "length", "abort")
 
 
-@dataclass
-class RequestTimer:
-    """When one request arrived, was first scheduled and got its first token (monotonic seconds)."""
-    arrived: float = field(default_factory=time.monotonic)
-    scheduled: float | None = None    # stamped by the engine when a step first computes it
-    first_token: float | None = None
-
-    def received(self, token_ids: list[int]) -> None:
-        if token_ids and self.first_token is None:
-            self.first_token = time.monotonic()
-
-
 class SchedulerMetrics:
     """Every nanoserve_ metric of one scheduler process, in a registry of its own."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.engine: "Engine | None" = None  # read at scrape time; set once the workers are connected
+        self.scheduler: Scheduler | None = None  # read at scrape time; set once the workers are connected
+        self.totals: Totals | None = None
         r = self.registry
         self.ttft = Histogram("nanoserve_time_to_first_token_seconds",
                               "Arrival to the first generated token being sent", buckets=_LATENCY_BUCKETS,
@@ -73,6 +61,10 @@ class SchedulerMetrics:
                                      "answered", registry=r)
         r.register(_EngineCollector(self))
 
+    def watch(self, scheduler: Scheduler, totals: Totals) -> None:
+        """The engine's queues, KV pool and counters, for the collector to read at scrape time."""
+        self.scheduler, self.totals = scheduler, totals
+
     def serve(self, host: str, port: int) -> None:
         """Serves /metrics over HTTP on a daemon thread."""
         try:
@@ -80,7 +72,7 @@ class SchedulerMetrics:
         except OSError as err:
             raise SystemExit(f"cannot serve metrics on {host}:{port} (--metrics-port): {err}") from None
 
-    def step_sent(self, plan: "StepPlan", streams: dict[int, "RequestStream"], steps_in_flight: int) -> None:
+    def step_sent(self, plan: StepPlan, streams: dict[int, RequestStream], steps_in_flight: int) -> None:
         """Stamps the requests this step computes for the first time. They are the batch's last
         entries (admissions join a step after the sequences already running, in queue order),
         so the walk from the end stops at the first request scheduled before: one look per
@@ -103,7 +95,7 @@ class SchedulerMetrics:
         self.worker_restarts.inc()
         self.recomputed_tokens.inc(recomputed_tokens)
 
-    def request_finished(self, request_id: str, seq: "Sequence", timer: RequestTimer) -> None:
+    def request_finished(self, request_id: str, seq: Sequence, timer: RequestTimer) -> None:
         """Observes a request that ended with its last token (or was aborted) and logs its line."""
         now = time.monotonic()
         reason = seq.finish_reason or "abort"
@@ -124,7 +116,7 @@ class SchedulerMetrics:
 
 
 class _EngineCollector(Collector):
-    """Gauges and token counters read from the engine when Prometheus scrapes.
+    """Gauges and token counters read from the engine's scheduler and totals when Prometheus scrapes.
 
     Runs on the HTTP server's thread: it only reads lengths and integers, which the engine
     replaces atomically, so a scrape may be a step stale but never inconsistent with itself.
@@ -134,10 +126,9 @@ class _EngineCollector(Collector):
         self.metrics = metrics
 
     def collect(self):
-        engine = self.metrics.engine
-        if engine is None:
+        scheduler, totals = self.metrics.scheduler, self.metrics.totals
+        if scheduler is None or totals is None:
             return
-        scheduler, totals = engine.scheduler, engine.totals
         yield _gauge("nanoserve_num_requests_running", "Requests holding KV blocks", scheduler.num_running)
         yield _gauge("nanoserve_num_requests_waiting", "Requests queued for admission", scheduler.num_waiting)
         yield _gauge("nanoserve_kv_blocks_total", "KV cache blocks in the pool", scheduler.num_total_blocks)

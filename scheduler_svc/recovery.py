@@ -19,12 +19,13 @@ scheduler exits non-zero so that its own supervisor restarts it against what its
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
 
+from nanoserve.v1 import worker_pb2
+from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.request_table import RequestTable
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.step_totals import Totals
 from scheduler_svc.worker_group import WorkerGroup, WorkerUnavailable
-
-if TYPE_CHECKING:  # type hints only: the engine imports this module
-    from scheduler_svc.engine import Engine
 
 log = logging.getLogger("nanoserve.scheduler")
 
@@ -38,28 +39,32 @@ class CannotServe(Exception):
 
 
 class GroupRecovery:
-    """Rebuilds the engine's worker group after a failure, keeping its requests meanwhile."""
+    """Rebuilds an engine's worker group after a failure, keeping its requests meanwhile."""
 
-    def __init__(self, engine: "Engine", restart_timeout: float):
-        self.engine = engine
+    def __init__(self, requests: RequestTable, scheduler: Scheduler, metrics: SchedulerMetrics, totals: Totals,
+                 first: worker_pb2.WorkerInfo, restart_timeout: float):
+        self.requests = requests
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.totals = totals
+        self.first = first  # what every later group must serve: the same model
         self.restart_timeout = restart_timeout
-        self.first = engine.group.infos[0]  # what every later group must serve: the same model
         self.failures_in_a_row = 0
         self.steps_at_last_failure = -1
 
-    async def recover(self, reason: str) -> None:
-        """Returns once a whole group serves again; raises CannotServe when none ever can."""
-        engine = self.engine
+    async def recover(self, group: WorkerGroup, reason: str) -> WorkerGroup:
+        """The group that serves again, once a whole one does; raises CannotServe when none ever can."""
+        requests, scheduler = self.requests, self.scheduler
         started = time.monotonic()
-        engine.metrics.worker_failure()
-        engine.enter_recovery(reason)
-        await engine.group.close()
-        recompute = sum(seq.num_computed_tokens for seq in engine.scheduler.running)  # KV that is gone
-        engine.scheduler.drop_kv(engine.scheduler.num_total_blocks)
-        for stream in engine.streams.values():
+        self.metrics.worker_failure()
+        requests.enter_recovery(reason)
+        await group.close()
+        recompute = sum(seq.num_computed_tokens for seq in scheduler.running)  # KV that is gone
+        scheduler.drop_kv(scheduler.num_total_blocks)
+        for stream in requests.streams.values():
             # Scoring rows of dropped steps never arrived: the recompute asks for them again.
             stream.seq.num_scored_prompt_tokens = len(stream.prompt_logprobs)
-        requeued = engine.scheduler.num_waiting
+        requeued = scheduler.num_waiting
         crash_loop = self._count_failure() >= MAX_FAILURES_IN_A_ROW
         if crash_loop:
             self._end_crash_loop(reason)
@@ -67,23 +72,24 @@ class GroupRecovery:
             log.error("worker group failed: %s; dropped the KV of %d token(s), holding %d request(s) until a group "
                       "is back (within %.0fs, --worker-restart-timeout)", reason, recompute, requeued,
                       self.restart_timeout)
-        if not await self._reconnect(reason, None if crash_loop else started + self.restart_timeout):
+        group, held = await self._reconnect(group, reason, None if crash_loop else started + self.restart_timeout)
+        if not held:
             recompute = 0  # the held requests were ended
-        lost = engine.scheduler.drop_kv(engine.group.num_blocks)
-        engine.end_requests(lost, f"its sequence no longer fits the restarted workers' KV pool "
-                                  f"({engine.group.num_blocks} blocks)")
-        engine.metrics.group_restored(recompute)
-        engine.resume()
+        lost = scheduler.drop_kv(group.num_blocks)
+        requests.end_requests(lost, f"its sequence no longer fits the restarted workers' KV pool "
+                                    f"({group.num_blocks} blocks)")
+        self.metrics.group_restored(recompute)
+        requests.resume()
         log.info("worker group back after %.2fs (session %s, %d KV blocks): resuming %d request(s), "
-                 "recomputing %d token(s)", time.monotonic() - started, engine.group.session_id[:8],
-                 engine.group.num_blocks, engine.scheduler.num_waiting, recompute)
+                 "recomputing %d token(s)", time.monotonic() - started, group.session_id[:8],
+                 group.num_blocks, scheduler.num_waiting, recompute)
+        return group
 
     def _count_failure(self) -> int:
         """Failures in a row of groups that completed no step for the requests they held; a
         failure holding none starts the count over."""
-        totals = self.engine.totals
-        steps = totals.prefill_steps + totals.decode_steps
-        held = bool(self.engine.streams)
+        steps = self.totals.prefill_steps + self.totals.decode_steps
+        held = bool(self.requests.streams)
         in_a_row = held and steps == self.steps_at_last_failure
         self.failures_in_a_row = self.failures_in_a_row + 1 if in_a_row else int(held)
         self.steps_at_last_failure = steps
@@ -95,21 +101,22 @@ class GroupRecovery:
         self.failures_in_a_row = 0
         message = (f"the worker group failed {MAX_FAILURES_IN_A_ROW} times in a row without completing a step: "
                    f"its workers fail every step (see their logs); the last failure: {reason}")
-        log.error("%s; ending %d request(s)", message, len(self.engine.streams))
-        self.engine.give_up(message)
+        log.error("%s; ending %d request(s)", message, len(self.requests.streams))
+        self.requests.give_up(message)
 
-    async def _reconnect(self, reason: str, deadline: float | None) -> bool:
+    async def _reconnect(self, failed: WorkerGroup, reason: str, deadline: float | None) -> tuple[WorkerGroup, bool]:
         """Connects a fresh group, applying aborts meanwhile (a client's deadline still ends its
         request); past the deadline the held requests end UNAVAILABLE and it goes on waiting.
-        False when it came to that, or without a deadline (the requests were ended already)."""
-        engine = self.engine
-        connecting = asyncio.ensure_future(self._connect())
+        With the group, whether the requests are still held: False when it came to that, or
+        without a deadline (the requests were ended already)."""
+        requests = self.requests
+        connecting = asyncio.ensure_future(self._connect(failed))
         gave_up = deadline is None
         try:
             while not connecting.done():
-                engine.work.clear()
-                engine.apply_aborts()
-                woken = asyncio.ensure_future(engine.work.wait())
+                requests.work.clear()
+                requests.apply_aborts()
+                woken = asyncio.ensure_future(requests.work.wait())
                 timeout = None if gave_up else max(0.0, deadline - time.monotonic())
                 await asyncio.wait((connecting, woken), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 woken.cancel()
@@ -117,24 +124,23 @@ class GroupRecovery:
                     gave_up = True
                     message = (f"no worker group came back within {self.restart_timeout:.0f}s "
                                f"(--worker-restart-timeout) after: {reason}")
-                    log.error("%s; ending %d request(s)", message, len(engine.streams))
-                    engine.give_up(message)
+                    log.error("%s; ending %d request(s)", message, len(requests.streams))
+                    requests.give_up(message)
         finally:
             connecting.cancel()
-        engine.group = connecting.result()
-        return not gave_up
+        return connecting.result(), not gave_up
 
-    async def _connect(self) -> WorkerGroup:
-        """A whole group on the same addresses, retried until one connects."""
+    async def _connect(self, failed: WorkerGroup) -> WorkerGroup:
+        """A whole group on the failed one's addresses, retried until one connects."""
         while True:
-            group = self.engine.group.renewed()
+            group = failed.renewed()
             try:
                 await group.connect(timeout=30)
                 self._check_same_model(group)
                 return group
             except WorkerUnavailable as err:
                 log.warning("worker group not back yet: %s", err)
-                self.engine.failure = f"no worker group can serve: {err}"
+                self.requests.failure = f"no worker group can serve: {err}"
                 await group.close()
                 if err.final:
                     raise CannotServe(str(err)) from None

@@ -12,6 +12,7 @@ from grpc_reflection.v1alpha import reflection
 
 from nanoserve.checkpoint import TOKENIZER_FILE, CheckpointError, check_files
 from nanoserve.gc_freeze import freeze_start_up_objects
+from nanoserve.healthcheck import LIVENESS
 from nanoserve.hub import ModelNotFound
 from nanoserve.listen import ListenError, check_port_free, listen
 from nanoserve.mathutil import cdiv
@@ -23,8 +24,8 @@ from scheduler_svc.chat_template import ChatTemplate, ChatTemplateError
 from scheduler_svc.completions import CompletionOutput, completion_sequences
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine
-from scheduler_svc.metrics import RequestTimer
 from scheduler_svc.request_bytes import RequestBytesGuard
+from scheduler_svc.request_stream import RequestTimer
 from scheduler_svc.request_validation import (BadRequest, RequestLimits, check_room, checked_length, prompt_ids,
                                               sampling_options)
 from scheduler_svc.scheduler import AdmissionError
@@ -60,8 +61,9 @@ class LLMService(llm_pb2_grpc.LLMServicer):
     async def _ready_engine(self, context) -> Engine:
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is still connecting to its workers")
-        if not self.engine.accepts_requests:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"no worker group can serve: {self.engine.failure}")
+        if not self.engine.requests.accepts_requests:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"no worker group can serve: {self.engine.requests.failure}")
         return self.engine
 
     async def _accepting_engine(self, context) -> Engine:
@@ -138,7 +140,7 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         finally:
             for output in outputs:
                 if not output.done:  # cancelled, disconnected, past its deadline or failed: free its blocks
-                    engine.abort(output.seq.seq_id)
+                    engine.requests.abort(output.seq.seq_id)
                 engine.metrics.request_finished(request_id, output.seq, timer)
 
     def _conversation_ids(self, request: llm_pb2.ChatRequest | llm_pb2.TokenizeRequest) -> list[int]:
@@ -248,7 +250,8 @@ def _model_info(config: SchedulerConfig, group: WorkerGroup, limits: RequestLimi
                              eos_token_ids=info.eos_token_ids, dtype=info.dtype, block_size=info.block_size,
                              num_kv_blocks=group.num_blocks, tensor_parallel_size=info.world_size,
                              attention_backend=info.attention_backend, max_logprobs=limits.max_logprobs,
-                             max_n=limits.max_n, kv_cache_dtype=info.kv_cache_dtype)
+                             max_n=limits.max_n, kv_cache_dtype=info.kv_cache_dtype, weight_dtype=info.weight_dtype,
+                             quantization=info.quantization)
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -281,6 +284,7 @@ async def _serve(args: argparse.Namespace) -> int:
             await health_servicer.set(name, status)
 
     await set_health(False)
+    await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     log.info("listening on %s; connecting to workers %s", address, args.workers)
 
     group = WorkerGroup([a.strip() for a in args.workers.split(",") if a.strip()], args.worker_token, worker_tls,
@@ -305,7 +309,7 @@ async def _serve(args: argparse.Namespace) -> int:
     service.info = _model_info(config, group, service.limits)
     service.sampling_defaults = group.infos[0].sampling_defaults
     engine = Engine(group, config, args.worker_restart_timeout)
-    engine.on_health_change = lambda healthy: asyncio.get_running_loop().create_task(set_health(healthy))
+    engine.requests.on_health_change = lambda healthy: asyncio.get_running_loop().create_task(set_health(healthy))
     engine.start()
     service.engine = engine
     if args.metrics_port:
@@ -319,7 +323,7 @@ async def _serve(args: argparse.Namespace) -> int:
     await asyncio.wait((asked, engine.task), return_when=asyncio.FIRST_COMPLETED)
     if not asked.done():  # the engine ended: no worker group can ever serve this scheduler
         asked.cancel()
-        log.error("exiting: %s", engine.failure)
+        log.error("exiting: %s", engine.requests.failure)
         await server.stop(grace=1)
         return 1
     await _drain(shutdown, engine, set_health)
@@ -339,7 +343,7 @@ async def _drain(shutdown: Shutdown, engine: Engine, set_health) -> None:
         log.info("every request in flight finished")
         return
     log.info("ending %d request(s) still in flight: %s", shutdown.in_flight, SHUTTING_DOWN)
-    engine.give_up(SHUTTING_DOWN)
+    engine.requests.give_up(SHUTTING_DOWN)
 
 
 def _check_tokenizer_files(directory: str) -> None:

@@ -31,6 +31,7 @@ class WorkerConfig:
     enforce_eager: bool = _DEFAULT["enforce_eager"]         # no CUDA graphs
     attention_backend: str = _DEFAULT["attention_backend"]
     kv_cache_dtype: str = _DEFAULT["kv_cache_dtype"]        # fp8: e4m3 values, float32 scales
+    quantization: str = _DEFAULT["quantization"]            # fp8: quantize an unquantized checkpoint at load
     seed: int = _DEFAULT["seed"]
     step_timeout: float = _DEFAULT["step_timeout"]         # a step running longer ends the process (hung)
 

@@ -14,12 +14,14 @@ import torch
 
 from nanoserve_kernels.backend import select_backend
 from nanoserve_kernels.compile_watch import warn_on_compiles
+from nanoserve_kernels.fp8_reference import FP8_DTYPE
 from nanoserve_kernels.kv_quant import bytes_per_row, is_quantized, kv_cache_dtype, scales_shape
 from nanoserve_model.checkpoint import CONFIG_FILES, weight_files
 from nanoserve_model.compiled import configure_compiler
 from nanoserve_model.config import ModelConfig, resolve_dtype
 from nanoserve_model.loader import load_model
 from nanoserve_model.parallel import broadcast_from_first_rank, tp_rank, tp_world_size
+from nanoserve_model.quantization import serving_scheme
 from nanoserve_model.registry import read_model_config
 from nanoserve_model.sampler import Sampler
 from nanoserve_model.step_context import step_context
@@ -48,12 +50,13 @@ log = logging.getLogger("nanoserve.worker")
 PREFILL_GRAPH_MAX_TOKENS = 8192
 
 
-def model_fingerprint(path: Path, dtype: torch.dtype, kv_dtype: torch.dtype, load_format: str) -> str:
+def model_fingerprint(path: Path, dtype: torch.dtype, kv_dtype: torch.dtype, load_format: str,
+                      quantization: str = "") -> str:
     """Equal on ranks that serve the same checkpoint (or the same dummy weights) in the same dtypes."""
     digest = hashlib.sha256((path / "config.json").read_bytes())
     for file in sorted(path.glob("*.safetensors")) if load_format != "dummy" else ():
         digest.update(f"{file.name}:{file.stat().st_size}".encode())
-    digest.update(f"{dtype} kv={kv_dtype} dummy={load_format == 'dummy'}".encode())
+    digest.update(f"{dtype} kv={kv_dtype} dummy={load_format == 'dummy'} quantization={quantization}".encode())
     return digest.hexdigest()[:16]
 
 
@@ -96,9 +99,12 @@ class ModelRunner:
         if is_quantized(self.kv_dtype) and self.backend.name == "triton":
             log.info("rank %d: FP8 KV cache: attention runs on the triton backend (flash-attn cannot read FP8)",
                      config.rank)
-        self.model = load_model(path, self.model_config, self.dtype, self.device, config.load_format)
+        self.quantization = serving_scheme(config.quantization, self.model_config.quantization)
+        self.model = load_model(path, self.model_config, self.dtype, self.device, config.load_format,
+                                self.quantization)
         self.sampler = Sampler(self.device, config.seed)
-        self.fingerprint = model_fingerprint(path, self.dtype, self.kv_dtype, config.load_format)
+        self.fingerprint = model_fingerprint(path, self.dtype, self.kv_dtype, config.load_format,
+                                             self._quantization_name())
         self.clock = StepClock(self.device)
         self.kv_cache: torch.Tensor | None = None  # [K/V, layer, block, offset, kv head, dim]
         self.kv_scales: torch.Tensor | None = None  # FP8 only: [K/V, layer, block, kv head, offset] float32
@@ -108,9 +114,22 @@ class ModelRunner:
         self.buffers = StepBuffers(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
                                    config.block_size, self.device)
         self.max_kv_blocks = self._max_kv_blocks()
-        log.info("rank %d: %s (%s%s) in %s, %s attention, room for %d KV blocks of %d tokens in %s", config.rank,
-                 config.model, self.model_config.architecture, ", dummy weights" if config.load_format == "dummy" else "",
-                 self.dtype, self.backend.name, self.max_kv_blocks, config.block_size, self.kv_dtype)
+        log.info("rank %d: %s (%s%s) in %s, weights in %s%s, %s attention, room for %d KV blocks of %d tokens in %s",
+                 config.rank, config.model, self.model_config.architecture,
+                 ", dummy weights" if config.load_format == "dummy" else "", self.dtype, self._weight_dtype(),
+                 f" ({self._quantization_name()})" if self.quantization else "", self.backend.name,
+                 self.max_kv_blocks, config.block_size, self.kv_dtype)
+
+    def _weight_dtype(self) -> str:
+        """The linear layers' weights as held: e4m3, or (unquantized, or dequantized at load) the model dtype."""
+        dtypes = {param.dtype for param in self.model.parameters()}
+        return str(FP8_DTYPE if FP8_DTYPE in dtypes else self.dtype).removeprefix("torch.")
+
+    def _quantization_name(self) -> str:
+        if self.quantization is None:
+            return ""
+        dequantized = self._weight_dtype() != "float8_e4m3fn"
+        return self.quantization.describe() + (", dequantized at load" if dequantized else "")
 
     def _kv_block_bytes(self) -> int:
         attn = self.model.attention_layers()[0]
@@ -190,7 +209,8 @@ class ModelRunner:
             max_model_len=self.max_model_len, eos_token_ids=self.model_config.eos_token_ids,
             attention_backend=self.backend.name, device=str(self.device),
             max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
-            model_fingerprint=self.fingerprint, sampling_defaults=self._sampling_defaults(), step_format=STEP_FORMAT)
+            model_fingerprint=self.fingerprint, sampling_defaults=self._sampling_defaults(), step_format=STEP_FORMAT,
+            weight_dtype=self._weight_dtype(), quantization=self._quantization_name())
 
     def _sampling_defaults(self) -> worker_pb2.SamplingDefaults:
         """generation_config.json's values, the ones it sets (unset fields stay unset on the wire)."""

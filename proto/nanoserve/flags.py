@@ -136,6 +136,9 @@ FLAGS = (
     Flag("--kv-cache-dtype", "auto", "KV cache storage: auto = the model's dtype; fp8 = e4m3 with a scale per token "
          "and KV head, computed as it is stored: about twice the KV blocks (on GPU attention runs on the triton "
          "backend: flash-attn cannot read FP8)", WORKER, ("auto", "fp8")),
+    Flag("--quantization", "auto", "weights: auto = as the checkpoint stores them (FP8 checkpoints: Qwen's block "
+         "fp8 and compressed-tensors); fp8 = quantize an unquantized checkpoint's linear layers to e4m3 as they "
+         "load, a scale per output channel (docs/fp8.md)", WORKER, ("auto", "fp8")),
     Flag("--block-size", 256, "tokens per KV block (flash-attn needs a multiple of 256)", WORKER),
     Flag("--gpu-memory-utilization", 0.9, "fraction of GPU memory the worker may use; the KV pool gets "
          "what the model and a warm-up leave", WORKER),
@@ -196,6 +199,9 @@ FLAGS = (
     Flag("--port", OPENAI_PORT, "port the HTTP API listens on", ("gateway",), limits=PORTS),
     Flag("--served-model-name", "", "model id the HTTP API lists and answers to; empty = the model directory's "
          "name", ("gateway", "up")),
+    Flag("--vllm-metric-names", False, "/metrics also serves the model-server gauges under vLLM's names "
+         "(vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc and its older "
+         "vllm:gpu_cache_usage_perc, vllm:cache_config_info) for routers that hard-code them", ("gateway", "up")),
     Flag("--log-level", "info", "the gateway's log level (uvicorn's included)", ("gateway",),
          ("critical", "error", "warning", "info", "debug")),
     # One Python event loop turns every streamed message into an event: past ~15k streamed tokens/s it is

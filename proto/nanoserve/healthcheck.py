@@ -16,6 +16,9 @@ from nanoserve.flags import defaults, parse
 from nanoserve.tls import TLSConfigError, TLSFiles, open_channel, tls_files
 
 SERVING = health_pb2.HealthCheckResponse.ServingStatus.Name(health_pb2.HealthCheckResponse.SERVING)
+# The scheduler's health service for liveness probes: SERVING from the moment it listens until it
+# exits, while "" (the whole server) is NOT_SERVING during start-up, a worker recovery or a drain.
+LIVENESS = "liveness"
 
 
 def serving_status(address: str, service: str = "", timeout: float = defaults("healthcheck")["timeout"],

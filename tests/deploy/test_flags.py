@@ -97,6 +97,7 @@ def test_up_hands_each_child_exactly_the_flags_both_commands_take(tmp_path):
         "up", "--model", str(tmp_path), "--port", "6000", "--host", "127.0.0.2", "--worker-base-port", "7000",
         "--tensor-parallel-size", "2", "--max-num-seqs", "3", "--max-num-batched-tokens", "64", "--max-model-len", "99",
         "--dtype", "bfloat16", "--device", "cpu", "--attention-backend", "torch", "--kv-cache-dtype", "fp8",
+        "--quantization", "fp8",
         "--block-size", "16",
         "--gpu-memory-utilization", "0.5", "--num-kv-blocks", "11", "--cpu-kv-cache-gb", "0.25", "--enforce-eager",
         "--seed", "5", "--tokenizer", "/tok", "--max-waiting", "8", "--no-enable-prefix-caching",

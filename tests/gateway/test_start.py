@@ -111,4 +111,4 @@ def test_up_hands_the_gateway_its_flags_and_the_scheduler_it_starts(monkeypatch,
     assert (args.served_model_name, args.api_server_count, args.shutdown_timeout) == ("tiny", 3, 7)
     # the tokenizer is the scheduler's alone (Chat, Tokenize, Detokenize)
     assert {f.dest for f in flags.shared("up", "gateway")} == {"served_model_name", "api_server_count",
-                                                               "shutdown_timeout"}
+                                                               "shutdown_timeout", "vllm_metric_names"}

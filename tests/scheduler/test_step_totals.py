@@ -1,8 +1,8 @@
-"""GetStats' step counters (engine.Totals): each step's rank-0 timings are added to its kind."""
+"""GetStats' step counters (step_totals.Totals): each step's rank-0 timings are added to its kind."""
 from nanoserve.v1 import worker_pb2
-from scheduler_svc.engine import Totals
 from scheduler_svc.sequence import SamplingOptions, Sequence
 from scheduler_svc.step_plan import StepPlan
+from scheduler_svc.step_totals import Totals
 
 
 def _sequence(seq_id: int, prompt_len: int) -> Sequence:

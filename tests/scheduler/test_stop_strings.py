@@ -9,7 +9,7 @@ from nanoserve.v1 import llm_pb2
 from nanoserve_cli.cache import cache_dir
 from nanoserve_cli.demo_model import fetch_qwen3_tokenizer
 from scheduler_svc.completions import CompletionOutput
-from scheduler_svc.engine import RequestStream
+from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.sequence import SamplingOptions, Sequence
 from scheduler_svc.stop_strings import StopStrings
 from scheduler_svc.tokenizer import TextTokenizer

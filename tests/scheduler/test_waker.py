@@ -3,7 +3,8 @@ event loop (the engine's own callbacks) runs between slices instead of after all
 import asyncio
 import time
 
-from scheduler_svc.engine import RequestStream, Waker
+from scheduler_svc.engine import Waker
+from scheduler_svc.request_stream import RequestStream
 from scheduler_svc.sequence import SamplingOptions, Sequence
 
 

@@ -7,7 +7,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tests.services.processes import ENV, free_port
+from nanoserve.healthcheck import LIVENESS, serving_status
+from tests.services.processes import ENV, free_port, start_scheduler, wait_answering
 
 Status = health_pb2.HealthCheckResponse
 
@@ -60,3 +61,19 @@ def test_nothing_listening_fails_fast():
     result = probe("--address", f"127.0.0.1:{free_port()}", "--timeout", "1")
     assert result.returncode == 1
     assert "did not answer: UNAVAILABLE" in result.stderr
+
+
+def test_scheduler_is_alive_while_it_is_not_serving(tmp_path):
+    """A scheduler still waiting for its workers is NOT_SERVING, yet its liveness service (what a
+    Kubernetes liveness probe asks) says SERVING: a probe must not restart it and lose the requests
+    it would hold through a worker recovery."""
+    address = f"127.0.0.1:{free_port()}"
+    scheduler = start_scheduler([f"127.0.0.1:{free_port()}"], int(address.rsplit(":", 1)[1]),
+                                "--worker-connect-timeout", "60", log=tmp_path / "scheduler.log")
+    try:
+        assert wait_answering(address) == "NOT_SERVING", (tmp_path / "scheduler.log").read_text()
+        assert serving_status(address, LIVENESS) == "SERVING"
+        assert probe("--address", address, "--service", LIVENESS).returncode == 0
+    finally:
+        scheduler.kill()
+        scheduler.wait()

@@ -37,8 +37,8 @@ def test_the_checkpoint_dtype_is_dtype_or_the_older_torch_dtype(tmp_path):
     (dict(architectures=["GPT2LMHeadModel"]), r"config\.json: `architectures` 'GPT2LMHeadModel' is not supported: one "
                                               r"of LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"),
     (dict(architectures=...), r"config\.json: `architectures` is \[\]; expected one model class name"),
-    (dict(quantization_config={"quant_method": "awq", "bits": 4}), r"config\.json: `quantization_config` \(awq\) is "
-                                                                   r"not supported"),
+    (dict(quantization_config={"quant_method": "awq", "bits": 4}), r"config\.json: `quantization_config` quant_method "
+                                                                   r"'awq' is not supported: nanoserve reads fp8"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), r"config\.json: `rope_scaling` rope_type 'yarn' is not "
                                                               r"supported: one of default, llama3"),
     (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4}), r"`rope_parameters` rope_type 'dynamic'"),
