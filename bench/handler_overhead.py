@@ -37,8 +37,7 @@ class FakeEngine:
 def main():
     stop = "--stop" in sys.argv
     tok = TextTokenizer(cache_dir() / "tokenizer-qwen3")
-    # an older checkout (REPO) has no Shutdown to give
-    service = srv.LLMService(10**6, *([srv.Shutdown(0)] if hasattr(srv, "Shutdown") else []))
+    service = srv.LLMService(max_waiting=10**6)
     service.tokenizer, service.engine = tok, FakeEngine()
     service.info = llm_pb2.ModelInfo(vocab_size=151936, max_model_len=4096)
     if hasattr(srv, "RequestLimits"):

@@ -108,6 +108,8 @@ def sampling_options(params: llm_pb2.SamplingParams, limits: RequestLimits,
     min_tokens = params.min_tokens if params.HasField("min_tokens") else 0
     if max_tokens is not None and min_tokens > max_tokens:
         raise _invalid(f"min_tokens must be in [0, max_tokens = {max_tokens}], got {min_tokens}")
+    if min_tokens and params.HasField("structured_outputs"):
+        raise _invalid("min_tokens cannot be combined with structured_outputs: the grammar says where the output ends")
     for token_id, bias in params.logit_bias.items():
         _token_id("logit_bias", token_id, vocab_size)
         if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:  # NaN fails too

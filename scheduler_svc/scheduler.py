@@ -107,7 +107,7 @@ class Scheduler:
         if sampling.max_tokens is not None:
             seq.length_limit = min(seq.length_limit, seq.num_prompt_tokens + sampling.max_tokens)
         seq.stop_ids = frozenset(sampling.stop_token_ids)
-        if not sampling.ignore_eos:
+        if not sampling.ignore_eos or sampling.grammar:
             seq.stop_ids |= self.eos_token_ids
 
     def schedule(self) -> StepPlan | None:

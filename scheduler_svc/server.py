@@ -3,6 +3,7 @@ import argparse
 import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -12,11 +13,12 @@ from grpc_reflection.v1alpha import reflection
 
 from nanoserve.checkpoint import TOKENIZER_FILE, CheckpointError, check_files
 from nanoserve.gc_freeze import freeze_start_up_objects
+from nanoserve.grammar_tokenizer import GrammarTokenizer
 from nanoserve.healthcheck import LIVENESS
 from nanoserve.hub import ModelNotFound
 from nanoserve.listen import ListenError, check_port_free, listen
 from nanoserve.mathutil import cdiv
-from nanoserve.stopping import DRAINING, SHUTTING_DOWN
+from nanoserve.stopping import SHUTTING_DOWN
 from nanoserve.tls import TLSConfigError, tls_files
 from nanoserve.v1 import llm_pb2, llm_pb2_grpc, worker_pb2
 from nanoserve.wire import SERVER_OPTIONS
@@ -30,7 +32,8 @@ from scheduler_svc.request_validation import (BadRequest, RequestLimits, check_r
                                               sampling_options)
 from scheduler_svc.scheduler import AdmissionError
 from scheduler_svc.sequence import SamplingOptions
-from scheduler_svc.shutdown import Shutdown, Stopped
+from scheduler_svc.shutdown import DrainGuard, Shutdown, Stopped
+from scheduler_svc.structured_outputs import ConstraintError, GrammarCompiler, constraint_key
 from scheduler_svc.tokenizer import TextTokenizer
 from scheduler_svc.worker_group import WorkerGroup, WorkerUnavailable
 
@@ -40,18 +43,17 @@ log = logging.getLogger("nanoserve.scheduler")
 class LLMService(llm_pb2_grpc.LLMServicer):
     """nanoserve.v1.LLM over one engine. Until the workers have shaken hands every call answers
     UNAVAILABLE; while a failed group is rebuilt, requests are taken and held (recovery.py), and
-    once the engine gives up waiting for it, UNAVAILABLE again until a group is back. Once stopping
-    (shutdown.py), new generation calls are refused UNAVAILABLE while those in flight finish."""
+    once the engine gives up waiting for it, UNAVAILABLE again until a group is back."""
 
-    def __init__(self, max_waiting: int, shutdown: Shutdown):
+    def __init__(self, max_waiting: int):
         self.max_waiting = max_waiting
-        self.shutdown = shutdown
         self.engine: Engine | None = None
         self.tokenizer: TextTokenizer | None = None
         self.chat_template: ChatTemplate | None = None
         self.info: llm_pb2.ModelInfo | None = None
         self.limits: RequestLimits | None = None
         self.sampling_defaults = worker_pb2.SamplingDefaults()  # the model's, from its workers
+        self.grammars: GrammarCompiler | None = None
         # Text is tokenized here, off the event loop: a long prompt must not stall the engine's steps.
         self.tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
 
@@ -66,12 +68,6 @@ class LLMService(llm_pb2_grpc.LLMServicer):
                                 f"no worker group can serve: {self.engine.requests.failure}")
         return self.engine
 
-    async def _accepting_engine(self, context) -> Engine:
-        """The engine, for a new generation call: refused while the server drains."""
-        if self.shutdown.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
-        return await self._ready_engine(context)
-
     async def Generate(self, request: llm_pb2.GenerateRequest, context):
         """Streams the completions of one prompt. The request is checked (INVALID_ARGUMENT) and
         queued (RESOURCE_EXHAUSTED when the waiting queue is full or it could never fit); then each
@@ -82,31 +78,43 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         writes its messages, not an async generator: gRPC would wrap a generator in a loop of its
         own, which costs every streamed message a few microseconds more."""
         timer = RequestTimer()
-        with self.shutdown.call():
-            engine = await self._accepting_engine(context)
-            try:
-                if request.WhichOneof("prompt") == "text":
-                    ids = await self._off_loop(prompt_ids, request, self.tokenizer, self.limits)
-                else:
-                    ids = prompt_ids(request, self.tokenizer, self.limits)
-                options = sampling_options(request.sampling, self.limits, self.sampling_defaults)
-                check_room(len(ids), options.max_tokens, self.limits.max_model_len)
-            except BadRequest as err:
-                await context.abort(err.code, str(err))
-            await self._stream(engine, ids, options, request.request_id, timer, context)
+        engine = await self._ready_engine(context)
+        try:
+            if request.WhichOneof("prompt") == "text":
+                ids = await self._off_loop(prompt_ids, request, self.tokenizer, self.limits)
+            else:
+                ids = prompt_ids(request, self.tokenizer, self.limits)
+            options = await self._options(request.sampling, len(ids))
+        except BadRequest as err:
+            await context.abort(err.code, str(err))
+        await self._stream(engine, ids, options, request.request_id, timer, context)
+
+    async def _options(self, sampling: llm_pb2.SamplingParams, num_prompt_tokens: int,
+                       thinking: str = "") -> SamplingOptions:
+        """The request's checked sampling options, its constraint compiled (off the event loop; `thinking`
+        as ChatTemplate.thinking says), or BadRequest."""
+        options = sampling_options(sampling, self.limits, self.sampling_defaults)
+        check_room(num_prompt_tokens, options.max_tokens, self.limits.max_model_len)
+        constraint = constraint_key(sampling.structured_outputs)
+        if constraint is None:
+            return options
+        try:
+            grammar = await self._off_loop(self.grammars.compile, *constraint, thinking)
+        except ConstraintError as err:
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+        return replace(options, grammar=grammar)
 
     async def Chat(self, request: llm_pb2.ChatRequest, context):
         """Generate on the conversation as the model's chat template writes it out."""
         timer = RequestTimer()
-        with self.shutdown.call():
-            engine = await self._accepting_engine(context)
-            try:
-                ids = checked_length(await self._off_loop(self._conversation_ids, request), self.limits)
-                options = sampling_options(request.sampling, self.limits, self.sampling_defaults)
-                check_room(len(ids), options.max_tokens, self.limits.max_model_len)
-            except BadRequest as err:
-                await context.abort(err.code, str(err))
-            await self._stream(engine, ids, options, request.request_id, timer, context)
+        engine = await self._ready_engine(context)
+        try:
+            text = await self._off_loop(self._conversation_text, request)
+            ids = checked_length(await self._off_loop(self.tokenizer.encode, text, False), self.limits)
+            options = await self._options(request.sampling, len(ids), self.chat_template.thinking(text))
+        except BadRequest as err:
+            await context.abort(err.code, str(err))
+        await self._stream(engine, ids, options, request.request_id, timer, context)
 
     async def _stream(self, engine: Engine, ids: list[int], options: SamplingOptions, request_id: str,
                       timer: RequestTimer, context):
@@ -143,19 +151,21 @@ class LLMService(llm_pb2_grpc.LLMServicer):
                     engine.requests.abort(output.seq.seq_id)
                 engine.metrics.request_finished(request_id, output.seq, timer)
 
-    def _conversation_ids(self, request: llm_pb2.ChatRequest | llm_pb2.TokenizeRequest) -> list[int]:
+    def _conversation_ids(self, request: llm_pb2.TokenizeRequest) -> list[int]:
         """The prompt ids of a request's conversation, through the chat template."""
+        return self.tokenizer.encode(self._conversation_text(request), add_bos=False)  # the template writes any BOS
+
+    def _conversation_text(self, request: llm_pb2.ChatRequest | llm_pb2.TokenizeRequest) -> str:
         if not request.messages:
             raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, "messages is empty: send at least one message")
         messages = [{"role": message.role, "content": message.content} for message in request.messages]
         add_generation_prompt = (request.add_generation_prompt if request.HasField("add_generation_prompt")
                                  else True)
         try:
-            text = self.chat_template.render(messages, add_generation_prompt,
+            return self.chat_template.render(messages, add_generation_prompt,
                                              MessageToDict(request.chat_template_kwargs))
         except ChatTemplateError as err:
             raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
-        return self.tokenizer.encode(text, add_bos=False)  # the template writes any BOS itself
 
     async def Tokenize(self, request: llm_pb2.TokenizeRequest, context) -> llm_pb2.TokenizeResponse:
         await self._ready_engine(context)
@@ -256,7 +266,9 @@ def _model_info(config: SchedulerConfig, group: WorkerGroup, limits: RequestLimi
 
 async def _serve(args: argparse.Namespace) -> int:
     worker_tls = tls_files(args, "worker_tls")
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RequestBytesGuard(args.max_request_bytes)])
+    shutdown = Shutdown(args.shutdown_timeout)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RequestBytesGuard(args.max_request_bytes),
+                                                                   DrainGuard(shutdown)])
     try:  # what can fail at once, before any waiting
         if args.metrics_port:
             check_port_free(args.host, args.metrics_port, "the scheduler's --metrics-port")
@@ -267,9 +279,8 @@ async def _serve(args: argparse.Namespace) -> int:
     except (ListenError, CheckpointError, TLSConfigError) as err:
         log.error("cannot start: %s", err)
         return 1
-    shutdown = Shutdown(args.shutdown_timeout)
     shutdown.listen()
-    service = LLMService(args.max_waiting, shutdown)
+    service = LLMService(args.max_waiting)
     llm_pb2_grpc.add_LLMServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -308,6 +319,8 @@ async def _serve(args: argparse.Namespace) -> int:
                                    min(args.max_logprobs, group.infos[0].vocab_size))
     service.info = _model_info(config, group, service.limits)
     service.sampling_defaults = group.infos[0].sampling_defaults
+    service.grammars = GrammarCompiler(GrammarTokenizer(service.tokenizer.directory / TOKENIZER_FILE,
+                                                        group.infos[0].vocab_size, config.eos_token_ids))
     engine = Engine(group, config, args.worker_restart_timeout)
     engine.requests.on_health_change = lambda healthy: asyncio.get_running_loop().create_task(set_health(healthy))
     engine.start()

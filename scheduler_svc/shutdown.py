@@ -1,8 +1,9 @@
 """How the scheduler stops: the first SIGINT or SIGTERM drains it, a second stops it at once.
 
 Draining, the scheduler reports NOT_SERVING and refuses new Generate and Chat calls (UNAVAILABLE,
-nanoserve.stopping.DRAINING, so a router retries them elsewhere) while the calls in flight finish,
-for up to --shutdown-timeout seconds; what is left then ends UNAVAILABLE (SHUTTING_DOWN).
+nanoserve.stopping.DRAINING, so a router retries them elsewhere: DrainGuard) while the calls in
+flight finish, for up to --shutdown-timeout seconds; what is left then ends UNAVAILABLE
+(SHUTTING_DOWN).
 """
 import asyncio
 import contextlib
@@ -10,7 +11,12 @@ import signal
 from collections.abc import Awaitable, Iterator
 from typing import TypeVar
 
+import grpc
+
+from nanoserve.stopping import DRAINING
+
 T = TypeVar("T")
+_GENERATION = frozenset({"/nanoserve.v1.LLM/Generate", "/nanoserve.v1.LLM/Chat"})  # the calls a drain waits for
 
 
 class Stopped(Exception):
@@ -76,3 +82,26 @@ class Shutdown:
             for wait in waits:
                 wait.cancel()
         return self.idle.is_set()
+
+
+class DrainGuard(grpc.aio.ServerInterceptor):
+    """In front of Generate and Chat: refuses a new call while the server drains, counts it in flight
+    otherwise (the other calls are cheap and keep answering: a drain is watched with GetStats)."""
+
+    def __init__(self, shutdown: Shutdown):
+        self.shutdown = shutdown
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or details.method not in _GENERATION:
+            return handler
+        shutdown, behavior = self.shutdown, handler.unary_stream
+
+        async def counted(request, context) -> None:
+            if shutdown.draining:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
+            with shutdown.call():
+                await behavior(request, context)
+
+        return grpc.unary_stream_rpc_method_handler(counted, handler.request_deserializer,
+                                                    handler.response_serializer)

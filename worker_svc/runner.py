@@ -25,6 +25,8 @@ from nanoserve_model.quantization import serving_scheme
 from nanoserve_model.registry import read_model_config
 from nanoserve_model.sampler import Sampler
 from nanoserve_model.step_context import step_context
+from nanoserve.checkpoint import TOKENIZER_FILE
+from nanoserve.grammar_tokenizer import GrammarTokenizer
 from nanoserve.hub import resolve_model_dir
 from nanoserve.mathutil import cdiv
 from nanoserve.step_rows import StepEntry, num_rows, pack_step
@@ -33,6 +35,7 @@ from nanoserve.wire import STEP_FORMAT
 from worker_svc.config import WorkerConfig
 from worker_svc.cuda_graphs import StepGraphs, batch_buckets
 from worker_svc.distributed import uses_cuda
+from worker_svc.grammar_masks import GrammarMasks
 from worker_svc.launched_step import LaunchedStep, StepClock
 from worker_svc.prefill_graphs import token_buckets
 from worker_svc.sampling_extras import SamplingExtras
@@ -103,6 +106,9 @@ class ModelRunner:
         self.model = load_model(path, self.model_config, self.dtype, self.device, config.load_format,
                                 self.quantization)
         self.sampler = Sampler(self.device, config.seed)
+        # Rank 0's grammar engine reads the checkpoint's tokenizer, once the first constrained request comes.
+        self.grammar_tokenizer = GrammarTokenizer(path / TOKENIZER_FILE, self.model_config.vocab_size,
+                                                  tuple(self.model_config.eos_token_ids))
         self.fingerprint = model_fingerprint(path, self.dtype, self.kv_dtype, config.load_format,
                                              self._quantization_name())
         self.clock = StepClock(self.device)
@@ -290,8 +296,11 @@ class ModelRunner:
             layer.bind_kv_cache(self.kv_cache[0, i], self.kv_cache[1, i], *scales)
         self.seqs = SequenceTable(self.config.max_num_seqs, num_blocks, self.config.block_size,
                                   self.model_config.vocab_size, self.max_model_len)
+        samples = tp_rank() == 0
         self.extras = SamplingExtras(self.config.max_num_seqs, self.model_config.vocab_size,
-                                     tuple(self.model_config.eos_token_ids), self.device, samples=tp_rank() == 0)
+                                     tuple(self.model_config.eos_token_ids), self.device, samples,
+                                     GrammarMasks(self.config.max_num_seqs, self.grammar_tokenizer, self.device)
+                                     if samples else None)
         self.last_tokens = torch.zeros(self.config.max_num_seqs, dtype=torch.int64, device=self.device)
 
     def _bind_device(self) -> None:

@@ -117,6 +117,8 @@ def sampling_params(**fields) -> llm_pb2.SamplingParams:
             continue
         if name == "logit_bias":
             params.logit_bias.update(value)
+        elif name == "structured_outputs":
+            params.structured_outputs.CopyFrom(value)
         elif isinstance(value, (list, tuple)):
             getattr(params, name).extend(value)
         else:

@@ -23,6 +23,7 @@ from nanoserve.wire import MAX_MESSAGE_BYTES
 SCHEDULER_PORT = 50051  # the public nanoserve.v1.LLM API
 WORKER_PORT = 50061     # the internal nanoserve.v1.Worker API
 OPENAI_PORT = 8000      # the gateway's OpenAI-compatible HTTP API
+GATEWAY_TITLE = "nanoserve OpenAI-compatible gateway"  # its /openapi.json title: how the CLI recognises it
 
 COMMANDS = {  # command -> what it does (`python -m nanoserve.healthcheck` runs the last one)
     "worker": "serve one tensor-parallel rank of a model",

@@ -100,20 +100,22 @@ class StepRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., forget_seq_ids: _Optional[_Iterable[int]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[_Iterable[int]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[bytes] = ..., sample: _Optional[_Iterable[bool]] = ..., num_generated: _Optional[_Iterable[int]] = ..., extras: _Optional[_Iterable[_Union[EntryExtras, _Mapping]]] = ...) -> None: ...
 
 class EntryExtras(_message.Message):
-    __slots__ = ("entry", "new_block_ids", "reset", "sampling", "prompt_logprob_targets", "history_token_ids")
+    __slots__ = ("entry", "new_block_ids", "reset", "sampling", "prompt_logprob_targets", "history_token_ids", "grammar")
     ENTRY_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROB_TARGETS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     entry: int
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     reset: bool
     sampling: _llm_pb2.SamplingParams
     prompt_logprob_targets: _containers.RepeatedScalarFieldContainer[int]
     history_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, entry: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ..., sampling: _Optional[_Union[_llm_pb2.SamplingParams, _Mapping]] = ..., prompt_logprob_targets: _Optional[_Iterable[int]] = ..., history_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    grammar: str
+    def __init__(self, entry: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ..., sampling: _Optional[_Union[_llm_pb2.SamplingParams, _Mapping]] = ..., prompt_logprob_targets: _Optional[_Iterable[int]] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("step_id", "token_ids", "error", "busy_seconds", "idle_seconds", "host_seconds", "sampled_logprobs", "prompt_logprobs")
