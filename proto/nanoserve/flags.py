@@ -175,6 +175,9 @@ FLAGS = (
          limits=(0.0, 24 * 3600.0)),
     Flag("--metrics-port", 0, "port serving Prometheus metrics at /metrics; 0 = off", SCHEDULER,
          limits=(0, PORTS[1])),
+    Flag("--kv-events-config", "", "KV cache events for prefix-aware routers, as vLLM's JSON KVEventsConfig, e.g. "
+         "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' "
+         "(ZMQ PUB of msgpack batches, vLLM's wire format; needs pyzmq and msgpack); empty = off", SCHEDULER),
     Flag("--max-n", 16, "most completions one request may ask for (n)", SCHEDULER, limits=(1, 2**32 - 1)),
     Flag("--max-logprobs", 20, "most alternatives per token a request may ask for (logprobs, prompt_logprobs)",
          SCHEDULER, limits=(0, 2**32 - 1)),

@@ -282,6 +282,8 @@ def test_a_leader_worker_set_group_is_one_tensor_parallel_replica():
         assert worker.dist_init_addr == f"{POD_ENV['LWS_LEADER_ADDRESS']}:{VALUES['leaderWorkerSet']['distInitPort']}"
         assert worker.host == "0.0.0.0"  # reached from the leader's pod
     assert container_port(leader, "worker", "dist-init") == VALUES["leaderWorkerSet"]["distInitPort"]
+    for pod in (leader, worker_pod):  # the profile picks the interface the ranks talk over
+        assert {"name": "NCCL_SOCKET_IFNAME", "value": "eth0"} in pod.container("worker")["env"]
     _, scheduler = command_line(leader.container("scheduler"), size)
     port = command_line(leader.container("worker"), size, 0)[1].port
     expected = [f"{name}-{group}.{name}.{NAMESPACE}:{port}"] + [

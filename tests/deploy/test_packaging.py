@@ -28,11 +28,13 @@ def pinned(path: Path) -> set[str]:
 def test_the_server_distribution_declares_what_each_part_imports():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     base, extras = names(project["dependencies"]), project["optional-dependencies"]
-    # the scheduler image runs the scheduler, the CLI and client, and the gateway
-    assert base | names(extras["gateway"]) == pinned(REPO / "docker/requirements-scheduler.txt")
+    # the scheduler image runs the scheduler (with its KV events), the CLI and client, and the gateway
+    assert base | names(extras["kv-events"]) | names(extras["gateway"]) == pinned(
+        REPO / "docker/requirements-scheduler.txt")
     assert {"torch", "safetensors", "numpy"} <= names(extras["worker"])
     assert {"fastapi", "uvicorn", "jinja2"} <= names(extras["gateway"])
-    assert base | names(extras["worker"]) | names(extras["gateway"]) <= pinned(REPO / "requirements.txt") | {"torch"}
+    assert base | names(extras["worker"]) | names(extras["gateway"]) | names(extras["kv-events"]) <= pinned(
+        REPO / "requirements.txt") | {"torch"}
 
 
 def test_the_server_installs_only_names_of_its_own():
