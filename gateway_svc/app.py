@@ -22,6 +22,7 @@ from gateway_svc.protocol import ChatCompletionRequest, CompletionRequest, Detok
 from gateway_svc.render import add_render_routes, check_vocabulary
 from gateway_svc.responses import Echo, Reply
 from gateway_svc.scheduler_client import SchedulerClient, check_model, model_names
+from nanoserve.flags import GATEWAY_TITLE
 from nanoserve.v1 import llm_pb2
 
 T = TypeVar("T")
@@ -73,7 +74,7 @@ def create_app(config: GatewayConfig) -> HTTPMetrics:
         waiting.cancel()
         await gateway.client.close()
 
-    app = FastAPI(title="nanoserve OpenAI-compatible gateway", lifespan=lifespan)
+    app = FastAPI(title=GATEWAY_TITLE, lifespan=lifespan)
     install_handlers(app)
     add_load_routes(app, lambda: gateway.client, config.served_model_name)
     add_render_routes(app, lambda: gateway.client, config.served_model_name)

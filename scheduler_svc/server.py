@@ -6,6 +6,7 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -27,6 +28,7 @@ from scheduler_svc.chat_tools import ChatTools, ToolError, template_message
 from scheduler_svc.completions import CompletionOutput, completion_sequences
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine
+from scheduler_svc.kv_events_config import KVEventsConfig, KVEventsConfigError, parse_kv_events_config
 from scheduler_svc.request_bytes import RequestBytesGuard
 from scheduler_svc.request_stream import RequestTimer
 from scheduler_svc.request_validation import (BadRequest, RequestLimits, check_room, checked_length, prompt_ids,
@@ -37,6 +39,9 @@ from scheduler_svc.structured_outputs import ConstraintError, GrammarCompiler, c
 from scheduler_svc.tool_calls import ToolCallParser
 from scheduler_svc.tokenizer import TextTokenizer
 from scheduler_svc.worker_group import WorkerGroup, WorkerUnavailable
+
+if TYPE_CHECKING:  # type hints only: pyzmq is needed only when KV events are on
+    from scheduler_svc.kv_event_publisher import KVEventPublisher
 
 log = logging.getLogger("nanoserve.scheduler")
 
@@ -272,7 +277,7 @@ def _model_info(config: SchedulerConfig, group: WorkerGroup, limits: RequestLimi
                              num_kv_blocks=group.num_blocks, tensor_parallel_size=info.world_size,
                              attention_backend=info.attention_backend, max_logprobs=limits.max_logprobs,
                              max_n=limits.max_n, kv_cache_dtype=info.kv_cache_dtype, weight_dtype=info.weight_dtype,
-                             quantization=info.quantization)
+                             quantization=info.quantization, platform=info.platform)
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -283,9 +288,10 @@ async def _serve(args: argparse.Namespace) -> int:
             check_port_free(args.host, args.metrics_port, "the scheduler's --metrics-port")
         if args.tokenizer:
             _check_tokenizer_files(args.tokenizer)
+        kv_events_config = parse_kv_events_config(args.kv_events_config)
         worker_tls.channel_credentials()
         address = listen(server, args.host, args.port, "the scheduler's --port", tls_files(args).server_credentials())
-    except (ListenError, CheckpointError, TLSConfigError) as err:
+    except (ListenError, CheckpointError, TLSConfigError, KVEventsConfigError) as err:
         log.error("cannot start: %s", err)
         return 1
     service = LLMService(args.max_waiting)
@@ -313,6 +319,7 @@ async def _serve(args: argparse.Namespace) -> int:
         # The model's own revision applies to its tokenizer, not to another --tokenizer.
         service.tokenizer = _tokenizer(args.tokenizer or group.infos[0].model,
                                        "" if args.tokenizer else args.revision, args.download_dir)
+        kv_events = _kv_event_publisher(kv_events_config, config.block_size)
     except (WorkerUnavailable, StartupError) as err:
         log.error("cannot start: %s", err)
         await group.close()
@@ -325,7 +332,7 @@ async def _serve(args: argparse.Namespace) -> int:
     service.sampling_defaults = group.infos[0].sampling_defaults
     service.grammars = GrammarCompiler(GrammarTokenizer(service.tokenizer.directory / TOKENIZER_FILE,
                                                         group.infos[0].vocab_size, config.eos_token_ids))
-    engine = Engine(group, config, args.worker_restart_timeout)
+    engine = Engine(group, config, args.worker_restart_timeout, kv_events)
     engine.requests.on_health_change = lambda healthy: asyncio.get_running_loop().create_task(set_health(healthy))
     engine.start()
     service.engine = engine
@@ -342,6 +349,8 @@ async def _serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     stopping = loop.create_task(stop.wait())
     await asyncio.wait((stopping, engine.task), return_when=asyncio.FIRST_COMPLETED)
+    if kv_events is not None:
+        kv_events.close()
     if not stopping.done():  # the engine ended: no worker group can ever serve this scheduler
         log.error("exiting: %s", engine.requests.failure)
         await server.stop(grace=1)
@@ -349,6 +358,21 @@ async def _serve(args: argparse.Namespace) -> int:
     log.info("shutting down")
     await server.stop(grace=2)
     return 0
+
+
+def _kv_event_publisher(config: KVEventsConfig, block_size: int) -> "KVEventPublisher | None":
+    """The publisher --kv-events-config asks for (None: events off), or StartupError."""
+    if not config.enabled:
+        return None
+    try:  # pyzmq and msgpack: needed only when events are on
+        from scheduler_svc.kv_event_publisher import KVEventPublisher
+    except ImportError as err:
+        raise StartupError(f"--kv-events-config turns KV events on, which need pyzmq and msgpack ({err}); "
+                           "install them: pip install 'nanoserve[kv-events]'") from None
+    try:
+        return KVEventPublisher(config, block_size)
+    except OSError as err:
+        raise StartupError(str(err)) from None
 
 
 def _check_tokenizer_files(directory: str) -> None:

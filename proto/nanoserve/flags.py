@@ -23,6 +23,7 @@ from nanoserve.wire import MAX_MESSAGE_BYTES
 SCHEDULER_PORT = 50051  # the public nanoserve.v1.LLM API
 WORKER_PORT = 50061     # the internal nanoserve.v1.Worker API
 OPENAI_PORT = 8000      # the gateway's OpenAI-compatible HTTP API
+GATEWAY_TITLE = "nanoserve OpenAI-compatible gateway"  # its /openapi.json title: how the CLI recognises it
 
 COMMANDS = {  # command -> what it does (`python -m nanoserve.healthcheck` runs the last one)
     "worker": "serve one tensor-parallel rank of a model",
@@ -167,6 +168,9 @@ FLAGS = (
          "hung: the scheduler stops waiting for them, a worker exits, up restarts them", ENGINE),
     Flag("--metrics-port", 0, "port serving Prometheus metrics at /metrics; 0 = off", SCHEDULER,
          limits=(0, PORTS[1])),
+    Flag("--kv-events-config", "", "KV cache events for prefix-aware routers, as vLLM's JSON KVEventsConfig, e.g. "
+         "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' "
+         "(ZMQ PUB of msgpack batches, vLLM's wire format; needs pyzmq and msgpack); empty = off", SCHEDULER),
     Flag("--max-n", 16, "most completions one request may ask for (n)", SCHEDULER, limits=(1, 2**32 - 1)),
     Flag("--max-logprobs", 20, "most alternatives per token a request may ask for (logprobs, prompt_logprobs)",
          SCHEDULER, limits=(0, 2**32 - 1)),

@@ -271,7 +271,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "dtype", "block_size", "num_kv_blocks", "tensor_parallel_size", "attention_backend", "max_logprobs", "max_n", "kv_cache_dtype", "weight_dtype", "quantization")
+    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "dtype", "block_size", "num_kv_blocks", "tensor_parallel_size", "attention_backend", "max_logprobs", "max_n", "kv_cache_dtype", "weight_dtype", "quantization", "platform")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +286,7 @@ class ModelInfo(_message.Message):
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    PLATFORM_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_model_len: int
@@ -300,7 +301,8 @@ class ModelInfo(_message.Message):
     kv_cache_dtype: str
     weight_dtype: str
     quantization: str
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., max_n: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., weight_dtype: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
+    platform: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., max_n: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., weight_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., platform: _Optional[str] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
