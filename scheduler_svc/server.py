@@ -25,14 +25,14 @@ from nanoserve.v1 import llm_pb2, llm_pb2_grpc, worker_pb2
 from nanoserve.wire import SERVER_OPTIONS
 from scheduler_svc.chat_template import ChatTemplate, ChatTemplateError
 from scheduler_svc.chat_tools import ChatTools, ToolError, template_message
-from scheduler_svc.completions import CompletionOutput, completion_sequences
+from scheduler_svc.completions import CompletionOutput, ResumeError, completion_sequences
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine
 from scheduler_svc.kv_events_config import KVEventsConfig, KVEventsConfigError, parse_kv_events_config
 from scheduler_svc.request_bytes import RequestBytesGuard
 from scheduler_svc.request_stream import RequestTimer
-from scheduler_svc.request_validation import (BadRequest, RequestLimits, check_room, checked_length, prompt_ids,
-                                              sampling_options)
+from scheduler_svc.request_validation import (BadRequest, RequestLimits, check_room, checked_length,
+                                              completions_to_generate, prompt_ids, sampling_options)
 from scheduler_svc.scheduler import AdmissionError
 from scheduler_svc.sequence import SamplingOptions
 from scheduler_svc.structured_outputs import ConstraintError, GrammarCompiler, constraint_key
@@ -91,9 +91,10 @@ class LLMService(llm_pb2_grpc.LLMServicer):
             else:
                 ids = prompt_ids(request, self.tokenizer, self.limits)
             options = await self._options(request.sampling, len(ids))
+            completions = completions_to_generate(request.resume, options, len(ids), self.limits)
         except BadRequest as err:
             await context.abort(err.code, str(err))
-        await self._stream(engine, ids, options, request.request_id, timer, context)
+        await self._stream(engine, ids, options, completions, request.request_id, timer, context)
 
     async def _options(self, sampling: llm_pb2.SamplingParams, num_prompt_tokens: int,
                        thinking: str = "") -> SamplingOptions:
@@ -120,26 +121,36 @@ class LLMService(llm_pb2_grpc.LLMServicer):
             ids = checked_length(await self._off_loop(self.tokenizer.encode, text, False), self.limits)
             sampling = await self._off_loop(tools.sampling, request.sampling, self.grammars)
             options = await self._options(sampling, len(ids), self.chat_template.thinking(text))
+            completions = completions_to_generate(request.resume, options, len(ids), self.limits)
         except ToolError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except BadRequest as err:
             await context.abort(err.code, str(err))
-        await self._stream(engine, ids, options, request.request_id, timer, context, parse_tools=tools.active)
+        await self._stream(engine, ids, options, completions, request.request_id, timer, context,
+                           parse_tools=tools.active)
 
-    async def _stream(self, engine: Engine, ids: list[int], options: SamplingOptions, request_id: str,
-                      timer: RequestTimer, context, parse_tools: bool = False):
-        if engine.scheduler.num_waiting + options.n > self.max_waiting:
+    async def _stream(self, engine: Engine, ids: list[int], options: SamplingOptions,
+                      completions: list[llm_pb2.ResumedCompletion], request_id: str, timer: RequestTimer, context,
+                      parse_tools: bool = False):
+        if engine.scheduler.num_waiting + len(completions) > self.max_waiting:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{self.max_waiting} requests are already waiting; retry later")
-        seqs = completion_sequences([engine.new_seq_id() for _ in range(options.n)], ids, options)
+        seqs = completion_sequences([engine.new_seq_id() for _ in completions], ids, options, completions)
         wakeup = asyncio.Event()  # one for all the completions
         try:
             streams = [engine.submit(seq, wakeup) for seq in seqs]  # the first fails alone, or none does
         except AdmissionError as err:
             code = grpc.StatusCode.INVALID_ARGUMENT if err.kind == "invalid" else grpc.StatusCode.RESOURCE_EXHAUSTED
             await context.abort(code, str(err))
-        outputs = [CompletionOutput(stream, self.tokenizer, request_id) for stream in streams]
-        parsers = {id(output): ToolCallParser() for output in outputs} if parse_tools else {}
+        try:
+            outputs = [CompletionOutput(stream, self.tokenizer, request_id, completion.text)
+                       for stream, completion in zip(streams, completions)]
+        except ResumeError as err:
+            for stream in streams:
+                engine.requests.abort(stream.seq.seq_id)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        parsers = {id(output): ToolCallParser(completion.text)
+                   for output, completion in zip(outputs, completions)} if parse_tools else {}
         for stream in streams:
             stream.timer = timer
         live = outputs  # the completions not done yet

@@ -34,10 +34,12 @@ def parse_call(body: str) -> llm_pb2.ToolCall | None:
 
 
 class ToolCallParser:
-    def __init__(self):
+    def __init__(self, resumed_text: str = ""):
+        """`resumed_text`: a resumed completion's text, which its client has parsed already."""
         self.pending = ""     # text not handed on yet: a tag's possible start, or an open call's body
         self.in_call = False
         self.num_calls = 0
+        self.feed(resumed_text)
 
     def feed(self, text: str) -> tuple[str, list[llm_pb2.ToolCall]]:
         """The text to show and the calls completed, of `text` added to what came before."""

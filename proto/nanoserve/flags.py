@@ -191,7 +191,9 @@ FLAGS = (
     Flag("--log-level", "info", "least severe log lines written", LOGGING, ("debug", "info", "warning", "error")),
     Flag("--log-format", "text", "text lines, or one JSON object a line", LOGGING, ("text", "json")),
     # the OpenAI-compatible gateway
-    Flag("--scheduler", f"127.0.0.1:{SCHEDULER_PORT}", "host:port of the scheduler's public gRPC API", ("gateway",)),
+    Flag("--scheduler", f"127.0.0.1:{SCHEDULER_PORT}", "host:port of the scheduler's public gRPC API; more, "
+         "comma-separated, are fallbacks (other replicas of the model): a stream broken by the first going away "
+         "resumes on the next, and new requests it cannot take go there too", ("gateway",)),
     Flag("--host", "127.0.0.1", "address the HTTP API listens on", ("gateway",)),
     Flag("--port", OPENAI_PORT, "port the HTTP API listens on", ("gateway",), limits=PORTS),
     Flag("--served-model-name", "", "model id the HTTP API lists and answers to; empty = the model directory's "
