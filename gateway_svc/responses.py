@@ -159,6 +159,9 @@ class Chunks:
         return self._head + _dumps(choice) + b"]}\n\n"
 
 
+DONE = b"data: [DONE]\n\n"  # a stream's last event
+
+
 def event(payload: dict) -> bytes:
     return b"data: " + _dumps(payload) + b"\n\n"
 
