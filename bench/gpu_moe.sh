@@ -7,14 +7,8 @@
 # throughput workload (bench/throughput.py). Random routers spread tokens evenly over the experts.
 # dense: the DESIGN throughput at the dense 8B shape, to set beside the 30B-A3B figure (same machine).
 # tp (two GPUs): tests/gpu/test_moe_tensor_parallel_gpu.py.
-set -uo pipefail
+source bench/gpu_env.sh
 mode=${1:-all}
-out=${OUT:-bench/out}; mkdir -p "$out"
-export PYTHONPATH=$PWD:$PWD/proto PYTHONUNBUFFERED=1 NANOSERVE_CACHE=$PWD/.cache
-if ls .whl/*.whl >/dev/null 2>&1; then  # packages the GPU image lacks (health, reflection)
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 a3b=.cache/qwen3-30b-a3b-dummy
 python3 -m nanoserve_cli.demo_model "$a3b" --shape qwen3-30b-a3b --no-weights >/dev/null
