@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 export PYTHONPATH := $(CURDIR):$(CURDIR)/proto
-export NANOSERVE_CACHE ?= $(CURDIR)/.cache
+# The demo model and tokenizer live where `nanoserve up` keeps them: $NANOSERVE_CACHE, else ~/.cache/nanoserve.
 PROTOS := proto/nanoserve/v1/llm.proto proto/nanoserve/v1/worker.proto
 PORT ?= 50051
 
@@ -45,8 +45,12 @@ tiny-model: $(VENV)/.installed
 	$(PY) -m nanoserve_cli.demo_model
 
 # The main job: `nanoserve up` on the demo model, one real streamed request, then a clean stop.
-# (`$(VENV)/bin/nanoserve up` alone keeps serving until Ctrl-C.)
+# (`$(VENV)/bin/nanoserve up` alone keeps serving until Ctrl-C.) A server that already answers on the
+# port would answer the health loop and the request in place of ours: stop before starting.
 serve: install
+	@if $(PY) -m nanoserve.healthcheck --address 127.0.0.1:$(PORT) >/dev/null 2>&1; then \
+	  echo "make serve: a server already answers on 127.0.0.1:$(PORT) (another nanoserve up?): stop it, or serve" \
+	       "on another port: make serve PORT=50052" >&2; exit 1; fi
 	@set -e; $(VENV)/bin/nanoserve up --port $(PORT) & up=$$!; \
 	trap 'kill $$up 2>/dev/null; wait $$up' EXIT; \
 	for i in $$(seq 300); do \
@@ -62,4 +66,4 @@ bench: install
 	$(PY) bench/throughput.py
 
 clean:
-	rm -rf $(VENV) .cache tests/services/node/node_modules
+	rm -rf $(VENV) tests/services/node/node_modules

@@ -9,8 +9,10 @@ target is well under a GPU step: < 1 ms per decode or mixed round at 256 sequenc
 costs a decode round plus its prompt tokens' own work (blocks taken, hashed and freed, token ids
 encoded), which a prefill step of the same tokens costs as well. Blocks are the server's default
 size (--block-size 256); `--block-size 16` multiplies the per-block work by 16 (a stress case).
+--kv-events measures the rounds with KV events on (the scheduler's --kv-events-config): the events
+are logged and taken once per round, as the engine hands them to its publishing thread.
 
-    PYTHONPATH=.:proto python bench/scheduler.py [--block-size 256] [--out bench/out/scheduler.json]
+    PYTHONPATH=.:proto python bench/scheduler.py [--block-size 256] [--kv-events] [--out bench/out/scheduler.json]
 """
 import argparse
 import collections
@@ -21,6 +23,7 @@ import time
 from pathlib import Path
 
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.kv_event_log import KVEventLog
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import SamplingOptions, Sequence
 from scheduler_svc.step_encoder import encode_step
@@ -31,6 +34,7 @@ CONTEXT = 1000
 MIXED_BUDGET = 8192  # --max-num-batched-tokens' default
 MIXED_PROMPT = 2048  # tokens of each prompt that mixed rounds prefill
 NEVER_STOP = SamplingOptions(ignore_eos=True)
+KV_EVENTS = False  # main() sets it from --kv-events
 
 
 def _scheduler(num_seqs: int, max_tokens_per_seq: int, budget: int, max_model_len: int = 0,
@@ -39,7 +43,12 @@ def _scheduler(num_seqs: int, max_tokens_per_seq: int, budget: int, max_model_le
     config = SchedulerConfig(num_kv_blocks=num_seqs * (max_tokens_per_seq // BLOCK_SIZE + 2) + extra_blocks,
                              block_size=BLOCK_SIZE, max_model_len=max(max_model_len, max_tokens_per_seq + 1),
                              max_num_seqs=num_seqs + 64, max_num_batched_tokens=budget)
-    return Scheduler(config)
+    return Scheduler(config, KVEventLog(BLOCK_SIZE) if KV_EVENTS else None)
+
+
+def _take_events(scheduler: Scheduler) -> None:
+    if scheduler.kv_events is not None:
+        scheduler.kv_events.take()
 
 
 def _random_prompt(rng: random.Random, length: int) -> list[int]:
@@ -76,6 +85,7 @@ class Rounds:
         if len(self.in_flight) >= STEPS_IN_FLIGHT:
             done = self.in_flight.popleft()
             self.scheduler.postprocess(done, [self.rng.randrange(10000)] * len(done.sampled))
+        _take_events(self.scheduler)
         return time.thread_time() - start
 
 
@@ -116,6 +126,7 @@ def prefill_rounds(num_tokens: int, repeats: int) -> list[float]:
         plan = scheduler.schedule()
         encode_step(plan)
         scheduler.postprocess(plan, [1])
+        _take_events(scheduler)
         times.append(time.thread_time() - start)
     return times
 
@@ -132,9 +143,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=200, help="decode rounds per case")
     parser.add_argument("--block-size", type=int, default=256, help="tokens per KV block")
     parser.add_argument("--steps-in-flight", type=int, default=3, help="1: post-process each step before the next")
+    parser.add_argument("--kv-events", action="store_true", help="with KV events logged and taken every round")
     args = parser.parse_args()
-    global BLOCK_SIZE, STEPS_IN_FLIGHT
-    BLOCK_SIZE, STEPS_IN_FLIGHT = args.block_size, args.steps_in_flight
+    global BLOCK_SIZE, STEPS_IN_FLIGHT, KV_EVENTS
+    BLOCK_SIZE, STEPS_IN_FLIGHT, KV_EVENTS = args.block_size, args.steps_in_flight, args.kv_events
     results = {
         "decode_256_seqs": _summary(decode_rounds(256, args.rounds)),
         "decode_1024_seqs": _summary(decode_rounds(1024, args.rounds)),
@@ -148,7 +160,8 @@ def main() -> None:
         print(f"{case:<28}" + "".join(f"{row[key]:>{width}.3f}" for key, width in
                                       (("mean_ms", 10), ("median_ms", 11), ("min_ms", 9), ("max_ms", 9))))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"block_size": BLOCK_SIZE, "steps_in_flight": STEPS_IN_FLIGHT, "context_tokens": CONTEXT, **results}
+    report = {"block_size": BLOCK_SIZE, "steps_in_flight": STEPS_IN_FLIGHT, "kv_events": KV_EVENTS,
+              "context_tokens": CONTEXT, **results}
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
 

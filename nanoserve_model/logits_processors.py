@@ -262,10 +262,15 @@ class LogitsProcessors:
         return self._device_table
 
     def _upload(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        if self.device.type == "cuda":  # pinned, so the copy does not wait for the work queued before it
-            tensor = tensor.pin_memory()
-        return tensor.to(self.device, non_blocking=True)
+        return upload(array, self.device)
+
+
+def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on the device, the copy queued behind the work before it."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cuda":  # pinned, so the copy does not wait for the work queued before it
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def _set_row(table: np.ndarray, slot: int, values: list, pad=None) -> np.ndarray:

@@ -109,18 +109,25 @@ class BlockManager:
             return
         size, table = self.block_size, seq.block_table
         for index in range(start // size, end // size):
-            block = self.blocks[table[index]]
             prev_hash = self.blocks[table[index - 1]].hash if index else None
-            block.token_ids = seq.token_ids[index * size:(index + 1) * size]
-            block.hash = hash_block(prev_hash, block.token_ids)
-            self.hash_to_block_id[block.hash] = block.block_id
+            self._cache(self.blocks[table[index]], prev_hash, seq.token_ids[index * size:(index + 1) * size])
+
+    def _cache(self, block: Block, prev_hash: int | None, token_ids: array) -> None:
+        """Makes a full, computed block findable by the hash of its prefix."""
+        block.token_ids = token_ids
+        block.hash = hash_block(prev_hash, token_ids)
+        self.hash_to_block_id[block.hash] = block.block_id
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:  # its cached content is about to be overwritten
             if self.hash_to_block_id.get(block.hash) == block_id:
-                del self.hash_to_block_id[block.hash]
+                self._uncache(block.hash)
             block.hash, block.token_ids = None, token_array()
         block.ref_count = 1
         return block_id
+
+    def _uncache(self, block_hash: int) -> None:
+        """The block the hash finds is about to be overwritten: the hash finds nothing any more."""
+        del self.hash_to_block_id[block_hash]

@@ -22,6 +22,18 @@ class ChatTemplate:
         self.directory = Path(directory)
         self._template: jinja2.Template | None = None
         self._special_tokens: dict[str, str] = {}
+        self._thinks = False  # the template has Qwen3's enable_thinking switch
+
+    def thinking(self, prompt: str) -> str:
+        """Whether the model reasons before it answers a prompt this template wrote: "open" (it
+        will open its <think> block itself), "opened" (the prompt opened it) or "" (no reasoning:
+        the template has no switch for it, or closed an empty block because the switch is off)."""
+        end = prompt.rstrip()
+        if end.endswith("</think>"):
+            return ""
+        if end.endswith("<think>"):
+            return "opened"
+        return "open" if self._thinks else ""
 
     def render(self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict) -> str:
         """The prompt text of a conversation, as the model's own chat template writes it."""
@@ -47,6 +59,7 @@ class ChatTemplate:
                                     "or chat_template.jinja); send the prompt text to Generate instead")
         special = {name: value["content"] if isinstance(value, dict) else value
                    for name in _SPECIAL_TOKENS if (value := config.get(name)) is not None}
+        self._thinks = "enable_thinking" in source
         return _environment().from_string(source), special
 
 

@@ -10,6 +10,7 @@ late turn of this event loop.
 import asyncio
 import logging
 from collections import deque
+from typing import TYPE_CHECKING
 
 from nanoserve.v1 import worker_pb2
 from scheduler_svc.config import SchedulerConfig
@@ -23,6 +24,9 @@ from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.step_plan import StepPlan
 from scheduler_svc.step_totals import Totals
 from scheduler_svc.worker_group import WorkerGroup, WorkerUnavailable
+
+if TYPE_CHECKING:  # type hints only: pyzmq is needed only when KV events are on
+    from scheduler_svc.kv_event_publisher import KVEventPublisher
 
 log = logging.getLogger("nanoserve.scheduler")
 
@@ -71,18 +75,22 @@ class Engine:
     the tokens that come back and hands them to the request streams. Handlers submit sequences
     and abort them; both take effect between steps. When a rank fails, the requests are held
     while a fresh group connects, then recomputed (recovery.py); the loop ends only when no group
-    can ever serve."""
+    can ever serve. With a KVEventPublisher, each step's prefix-cache changes are published."""
 
-    def __init__(self, group: WorkerGroup, config: SchedulerConfig, restart_timeout: float):
+    def __init__(self, group: WorkerGroup, config: SchedulerConfig, restart_timeout: float,
+                 kv_events: "KVEventPublisher | None" = None):
         self.group = group
         self.config = config
-        self.scheduler = Scheduler(config)
+        self.kv_events = kv_events
+        self.scheduler = Scheduler(config, kv_events.log if kv_events is not None else None)
         self.requests = RequestTable(self.scheduler)
         self.totals = Totals()
         self.metrics = SchedulerMetrics()
         self.metrics.watch(self.scheduler, self.totals)
         self.recovery = GroupRecovery(self.requests, self.scheduler, self.metrics, self.totals, group.infos[0],
                                       restart_timeout)
+        if kv_events is not None:
+            self.recovery.kv_dropped = kv_events.flush
         self.next_seq_id = 0
         self.task: asyncio.Task | None = None
         self.waker = Waker()
@@ -93,6 +101,13 @@ class Engine:
         self.waker_task = loop.create_task(self.waker.run())
         self.task = loop.create_task(self._loop())
         self.task.add_done_callback(self._loop_ended)
+
+    async def close(self) -> None:
+        """Stops the loop and lets the workers go (their session ends with its step streams)."""
+        for task in (self.task, self.waker_task):
+            task.cancel()
+        await asyncio.gather(self.task, self.waker_task, return_exceptions=True)
+        await self.group.close()
 
     def _loop_ended(self, task: asyncio.Task) -> None:
         """A loop that ends (no group can ever serve, or a bug) must not leave requests hanging:
@@ -129,6 +144,8 @@ class Engine:
         in_flight: deque[StepPlan] = deque()  # sent, in step order
         delivered: list[RequestStream] = []  # streams with new tokens, woken once the next step is out
         while True:
+            if self.kv_events is not None:  # what the last round (or a recovery) did to the prefix cache
+                self.kv_events.flush()
             self.requests.apply_aborts()
             depth = self.group.max_steps_in_flight  # the group is replaced after a failure
             plan = None

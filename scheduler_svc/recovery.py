@@ -19,6 +19,7 @@ scheduler exits non-zero so that its own supervisor restarts it against what its
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from nanoserve.v1 import worker_pb2
 from scheduler_svc.metrics import SchedulerMetrics
@@ -49,6 +50,8 @@ class GroupRecovery:
         self.totals = totals
         self.first = first  # what every later group must serve: the same model
         self.restart_timeout = restart_timeout
+        # Called once the KV is dropped: KV events say so at once, not once a group is back.
+        self.kv_dropped: Callable[[], None] = lambda: None
         self.failures_in_a_row = 0
         self.steps_at_last_failure = -1
 
@@ -61,6 +64,7 @@ class GroupRecovery:
         await group.close()
         recompute = sum(seq.num_computed_tokens for seq in scheduler.running)  # KV that is gone
         scheduler.drop_kv(scheduler.num_total_blocks)
+        self.kv_dropped()
         for stream in requests.streams.values():
             # Scoring rows of dropped steps never arrived: the recompute asks for them again.
             stream.seq.num_scored_prompt_tokens = len(stream.prompt_logprobs)

@@ -21,6 +21,8 @@ from collections import deque
 
 from scheduler_svc.block_manager import Block, BlockManager
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.kv_event_log import KVEventLog
+from scheduler_svc.publishing_block_manager import PublishingBlockManager
 from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.step_plan import StepPlan
 
@@ -37,9 +39,10 @@ class Scheduler:
     """Owns the waiting and running queues and the KV block pool of one worker group. The
     engine queues sequences (enqueue), asks for steps (schedule), returns each step's sampled
     tokens (postprocess) and cancels (abort); the scheduler decides who computes what and
-    when a sequence finishes. It knows nothing of the wire: steps are plain StepPlans."""
+    when a sequence finishes. It knows nothing of the wire: steps are plain StepPlans. With a
+    KVEventLog, its prefix cache's changes are logged there as KV events."""
 
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, kv_events: KVEventLog | None = None):
         if config.max_num_batched_tokens < config.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must cover one "
                              f"decode token for each of max_num_seqs ({config.max_num_seqs}) sequences")
@@ -47,8 +50,8 @@ class Scheduler:
             raise ValueError(f"long_prefill_token_threshold ({config.long_prefill_token_threshold}) must be "
                              "0 (off) or a positive token count")
         self.config = config
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+        self.kv_events = kv_events
+        self.block_manager = self._block_manager(config.num_kv_blocks)
         # A sequence can never outgrow the pool either: past it, there is no slot for its next token.
         self.max_seq_len = min(config.max_model_len, config.num_kv_blocks * config.block_size)
         self.eos_token_ids = frozenset(config.eos_token_ids)
@@ -91,9 +94,10 @@ class Scheduler:
         if num_tokens >= limit:
             raise AdmissionError("invalid", f"prompt has {num_tokens} tokens but the model's limit is "
                                             f"{limit} for prompt and completion together")
-        num_blocks = self.block_manager.num_blocks_for(num_tokens)
+        num_blocks = self.block_manager.num_blocks_for(len(seq))  # a resumed one's tokens so far too
         if num_blocks > self.num_total_blocks:
-            raise AdmissionError("exhausted", f"prompt needs {num_blocks} KV blocks of "
+            raise AdmissionError("exhausted", f"{'resumed sequence' if seq.completion_token_ids else 'prompt'} "
+                                              f"needs {num_blocks} KV blocks of "
                                               f"{self.config.block_size} tokens but the pool has "
                                               f"{self.num_total_blocks}")
         self._set_limits(seq)
@@ -107,7 +111,7 @@ class Scheduler:
         if sampling.max_tokens is not None:
             seq.length_limit = min(seq.length_limit, seq.num_prompt_tokens + sampling.max_tokens)
         seq.stop_ids = frozenset(sampling.stop_token_ids)
-        if not sampling.ignore_eos:
+        if not sampling.ignore_eos or sampling.grammar:
             seq.stop_ids |= self.eos_token_ids
 
     def schedule(self) -> StepPlan | None:
@@ -181,7 +185,9 @@ class Scheduler:
         the waiting queue as preempted, to recompute prompt and tokens so far. Tokens of steps in
         flight are never post-processed: their plans are dropped. Returns the live sequences that
         no longer fit the new pool, finished (the caller ends their requests)."""
-        self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.block_manager = self._block_manager(num_blocks)
+        if self.kv_events is not None:
+            self.kv_events.cleared()
         self.max_seq_len = min(self.config.max_model_len, num_blocks * self.config.block_size)
         self.num_preemptions += len(self.running)
         self.waiting.extendleft(reversed(self.running))
@@ -197,6 +203,12 @@ class Scheduler:
                 self._release(seq)
                 too_long.append(seq)
         return too_long
+
+    def _block_manager(self, num_blocks: int) -> BlockManager:
+        config = self.config
+        if self.kv_events is None:
+            return BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        return PublishingBlockManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_events)
 
     def _schedule_prefill(self) -> StepPlan | None:
         """Without chunked prefill: a step of prompts only, when any can be computed."""

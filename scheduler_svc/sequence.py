@@ -34,6 +34,9 @@ class SamplingOptions:
     logprobs: int | None = None         # alternatives per generated token; None = no logprobs
     prompt_logprobs: int | None = None
     n: int = 1                          # completions of the prompt
+    # structured_outputs as the grammar rank 0 enforces (scheduler_svc/structured_outputs.py); "" = none.
+    # A constrained output ends at eos, ignore_eos or not: eos is all a complete grammar allows.
+    grammar: str = ""
 
     @property
     def has_penalties(self) -> bool:

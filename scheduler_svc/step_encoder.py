@@ -23,9 +23,11 @@ def encode_step(plan: StepPlan) -> worker_pb2.StepRequest:
         if options is not None:
             extras.reset = True
             extras.sampling.CopyFrom(encode_sampling(options))
-            if options.has_penalties:  # the workers count the tokens the penalties look at
+            # The workers count the tokens the penalties look at, and move a grammar past the generated ones.
+            if options.has_penalties or options.grammar:
                 seq = plan.seqs[index]
                 extras.history_token_ids.extend(seq.token_ids[:seq.num_prompt_tokens + plan.num_generated[index]])
+            extras.grammar = options.grammar
         count = plan.scored.get(index)
         if count:  # each position's target: the prompt token after it
             start = plan.num_computed[index] + 1

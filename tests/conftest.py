@@ -1,6 +1,6 @@
 """Session fixtures shared by every test file: the tiny Qwen3 checkpoints (untied and tied),
-built once into the cache ($NANOSERVE_CACHE, else ~/.cache/nanoserve; `make test` uses <repo>/.cache)
-and reused across runs."""
+built once into the cache ($NANOSERVE_CACHE, else ~/.cache/nanoserve, as for `nanoserve up`) and
+reused across runs."""
 from pathlib import Path
 
 import pytest

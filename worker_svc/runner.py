@@ -25,6 +25,8 @@ from nanoserve_model.quantization import serving_scheme
 from nanoserve_model.registry import read_model_config
 from nanoserve_model.sampler import Sampler
 from nanoserve_model.step_context import step_context
+from nanoserve.checkpoint import TOKENIZER_FILE
+from nanoserve.grammar_tokenizer import GrammarTokenizer
 from nanoserve.hub import resolve_model_dir
 from nanoserve.mathutil import cdiv
 from nanoserve.step_rows import StepEntry, num_rows, pack_step
@@ -33,7 +35,9 @@ from nanoserve.wire import STEP_FORMAT
 from worker_svc.config import WorkerConfig
 from worker_svc.cuda_graphs import StepGraphs, batch_buckets
 from worker_svc.distributed import uses_cuda
+from worker_svc.grammar_masks import GrammarMasks
 from worker_svc.launched_step import LaunchedStep, StepClock
+from worker_svc.platform_info import describe_platform
 from worker_svc.prefill_graphs import token_buckets
 from worker_svc.sampling_extras import SamplingExtras
 from worker_svc.sequence_table import SequenceTable, StepWork
@@ -90,6 +94,8 @@ class ModelRunner:
                              f"process is rank {tp_rank()} of {tp_world_size()} in torch.distributed")
         self.device = (torch.device("cuda", torch.cuda.current_device()) if uses_cuda(config)
                        else torch.device("cpu"))
+        self.platform = describe_platform(self.device)
+        log.info("rank %d runs on %s", config.rank, self.platform)
         path, self.model_config = fetch_checkpoint(config)
         self.dtype = resolve_dtype(config.dtype, self.model_config)
         self.max_model_len = self.model_config.context_limit(config.max_model_len)
@@ -103,6 +109,9 @@ class ModelRunner:
         self.model = load_model(path, self.model_config, self.dtype, self.device, config.load_format,
                                 self.quantization)
         self.sampler = Sampler(self.device, config.seed)
+        # Rank 0's grammar engine reads the checkpoint's tokenizer, once the first constrained request comes.
+        self.grammar_tokenizer = GrammarTokenizer(path / TOKENIZER_FILE, self.model_config.vocab_size,
+                                                  tuple(self.model_config.eos_token_ids))
         self.fingerprint = model_fingerprint(path, self.dtype, self.kv_dtype, config.load_format,
                                              self._quantization_name())
         self.clock = StepClock(self.device)
@@ -207,7 +216,7 @@ class ModelRunner:
             block_size=self.config.block_size,
             max_kv_blocks=self.max_kv_blocks, vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len, eos_token_ids=self.model_config.eos_token_ids,
-            attention_backend=self.backend.name, device=str(self.device),
+            attention_backend=self.backend.name, device=str(self.device), platform=self.platform,
             max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
             model_fingerprint=self.fingerprint, sampling_defaults=self._sampling_defaults(), step_format=STEP_FORMAT,
             weight_dtype=self._weight_dtype(), quantization=self._quantization_name())
@@ -290,8 +299,11 @@ class ModelRunner:
             layer.bind_kv_cache(self.kv_cache[0, i], self.kv_cache[1, i], *scales)
         self.seqs = SequenceTable(self.config.max_num_seqs, num_blocks, self.config.block_size,
                                   self.model_config.vocab_size, self.max_model_len)
+        samples = tp_rank() == 0
         self.extras = SamplingExtras(self.config.max_num_seqs, self.model_config.vocab_size,
-                                     tuple(self.model_config.eos_token_ids), self.device, samples=tp_rank() == 0)
+                                     tuple(self.model_config.eos_token_ids), self.device, samples,
+                                     GrammarMasks(self.config.max_num_seqs, self.grammar_tokenizer, self.device)
+                                     if samples else None)
         self.last_tokens = torch.zeros(self.config.max_num_seqs, dtype=torch.int64, device=self.device)
 
     def _bind_device(self) -> None:

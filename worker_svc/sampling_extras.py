@@ -1,6 +1,7 @@
-"""What a step's sampling does beyond the sampler's draw: the logits processors a sequence's
-SamplingParams ask for (top_p, top_k, min_p, penalties, min_tokens, logit_bias) and the log
-probabilities (logprobs, prompt_logprobs), kept per slot of the sequence table.
+"""What a step's sampling does beyond the sampler's draw: the grammar of a constrained sequence
+(grammar_masks.py), the logits processors a sequence's SamplingParams ask for (top_p, top_k, min_p,
+penalties, min_tokens, logit_bias) and the log probabilities (logprobs, prompt_logprobs), kept per
+slot of the sequence table.
 
 The runner hooks in at three points: the forward pass hands over the hidden states of the
 prompt positions a step scores (score_prompts), the sampler draws from process()'s logits, and
@@ -13,6 +14,7 @@ import torch
 from nanoserve_model.logits_processors import LogitsProcessors, ProcessorParams
 from nanoserve_model.logprobs import ScoredRows, score_tokens
 from nanoserve.v1 import llm_pb2, worker_pb2
+from worker_svc.grammar_masks import GrammarMasks
 from worker_svc.sequence_table import StepWork
 
 # Prompt positions turned into logits at once when scoring a prompt: bounds the memory
@@ -96,8 +98,10 @@ class SamplingExtras:
     hidden states into logits is a collective with tensor parallelism."""
 
     def __init__(self, capacity: int, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device,
-                 samples: bool):
+                 samples: bool, grammar: GrammarMasks | None = None):
         self.samples, self.eos_token_ids = samples, eos_token_ids
+        self.grammar = grammar  # on the sampling rank
+        self._masked = np.zeros(0, np.int64)  # the current step's constrained rows (positions in _slots)
         self.processors = LogitsProcessors(capacity, vocab_size, device)
         self.num_logprobs = np.full(capacity, -1, np.int64)  # per slot: SamplingParams.logprobs, -1 = none
         self.num_prompt_logprobs = np.zeros(capacity, np.int64)
@@ -110,6 +114,9 @@ class SamplingExtras:
         if not self.samples:
             return
         for slot, extras, num_generated in work.resets:
+            if self.grammar is not None:
+                history = extras.history_token_ids[:] if extras.grammar else []
+                self.grammar.reset(slot, extras.grammar, history[len(history) - num_generated:])
             sampling = extras.sampling
             if not asks_for_extras(sampling):
                 self.processors.clear(slot)
@@ -153,11 +160,17 @@ class SamplingExtras:
                                              target_ids[start:end], num_top))
 
     def process(self, logits: torch.Tensor, work: StepWork, device_slots: torch.Tensor) -> torch.Tensor:
-        """The logits the sampler draws from: processed when a sampled sequence asks for it."""
-        self._flags = 0
-        if not (self.processors.num_flagged or self.any_logprobs):  # no live sequence asks for anything
-            return logits
+        """The logits the sampler draws from: masked by the grammars of constrained sequences (in
+        place: the logprobs then score the masked logits, as vLLM's do), then processed when a
+        sampled sequence asks for it."""
+        self._flags, self._masked = 0, self._masked[:0]
+        if not (self.processors.num_flagged or self.any_logprobs or (self.grammar and self.grammar.num_constrained)):
+            return logits  # no live sequence asks for anything
         self._slots = work.slots[work.sampled]
+        if self.grammar is not None:
+            self._masked = self.grammar.constrained_rows(self._slots)
+            if self._masked.size:
+                self.grammar.mask(logits, self._slots, self._masked)
         self._flags = self.processors.batch_flags(self._slots)
         return self.processors(logits, self._slots, device_slots, self._flags) if self._flags else logits
 
@@ -167,6 +180,8 @@ class SamplingExtras:
         step's logprob rows, or None (also on ranks that do not sample)."""
         sampled = None
         if raw_logits is not None and tokens is not None:
+            if self._masked.size:
+                self.grammar.observe(tokens, self._slots, self._masked)
             if self._flags:
                 self.processors.observe(tokens, self._slots, device_slots, self._flags)
             sampled = self._score_sampled(raw_logits, tokens)

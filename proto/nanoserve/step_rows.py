@@ -22,6 +22,7 @@ class StepEntry:
     new_block_ids: Sequence[int] = field(default_factory=list)
     prompt_logprob_targets: list[int] = field(default_factory=list)
     history_token_ids: list[int] = field(default_factory=list)
+    grammar: str = ""  # on a reset of a constrained sequence
 
 
 def num_rows(num_token_ids: list[int]) -> int:
@@ -42,7 +43,7 @@ def pack_step(step_id: int, entries: Iterable[StepEntry], forget_seq_ids: Iterab
         if entry.reset or entry.new_block_ids or entry.prompt_logprob_targets or entry.history_token_ids:
             extras = request.extras.add(entry=index, new_block_ids=entry.new_block_ids, reset=entry.reset,
                                         prompt_logprob_targets=entry.prompt_logprob_targets,
-                                        history_token_ids=entry.history_token_ids)
+                                        history_token_ids=entry.history_token_ids, grammar=entry.grammar)
             if entry.sampling is not None:
                 extras.sampling.CopyFrom(entry.sampling)
     request.token_ids = pack_token_ids(token_ids)
@@ -64,5 +65,6 @@ def unpack_step(request: worker_pb2.StepRequest) -> list[StepEntry]:
             entry.sampling = item.sampling if item.HasField("sampling") else None
             entry.prompt_logprob_targets = list(item.prompt_logprob_targets)
             entry.history_token_ids = list(item.history_token_ids)
+            entry.grammar = item.grammar
         entries.append(entry)
     return entries

@@ -24,11 +24,12 @@ CHART = REPO / "deploy" / "helm" / "nanoserve"
 PROFILES = CHART / "profiles"
 CRDS = Path(__file__).resolve().parent / "crds"
 RELEASE, NAMESPACE = "demo", "serving"
+FULLNAME = f"{RELEASE}-nanoserve"  # the chart's resources are named after it
 NO_HELM = "no helm binary: `make install` puts one in .venv/bin (deploy/helm/install-helm.sh)"
 # The environment the kubelet and the LeaderWorkerSet controller give a container, for expanding
-# $(VAR) in its arguments as the kubelet does: a second group's rank 1.
-POD_ENV = {"LWS_LEADER_ADDRESS": f"{RELEASE}-nanoserve-1.{RELEASE}-nanoserve.{NAMESPACE}",
-           "LWS_GROUP_SIZE": None, "LWS_WORKER_INDEX": "1", "GROUP_INDEX": "1", "NAMESPACE": NAMESPACE}
+# $(VAR) in its arguments as the kubelet does: in the second group (and its rank and size, below).
+POD_ENV = {"LWS_LEADER_ADDRESS": f"{FULLNAME}-1.{FULLNAME}.{NAMESPACE}",
+           "GROUP_INDEX": "1", "NAMESPACE": NAMESPACE}
 
 
 def helm() -> str:
@@ -135,15 +136,26 @@ class Pod:
         return [c["name"] for c in self.spec["containers"]]
 
 
-def pods(docs: list[dict]) -> list[Pod]:
-    out = [Pod("Deployment", d["spec"]["template"]["metadata"]["labels"], d["spec"]["template"]["spec"])
-           for d in of_kind(docs, "Deployment") if "nanoserve" in d["spec"]["template"]["metadata"]["labels"].get(
-               "app.kubernetes.io/name", "")]
+def component(template: dict) -> str:
+    return template["metadata"]["labels"].get("app.kubernetes.io/component", "")
+
+
+def pod_templates(docs: list[dict]) -> list[Pod]:
+    """Every pod template of the output: Deployments' (the origin names the component) and the
+    LeaderWorkerSet's leader and worker templates."""
+    out = [Pod(component(d["spec"]["template"]) if component(d["spec"]["template"]) != "server" else "Deployment",
+               d["spec"]["template"]["metadata"]["labels"], d["spec"]["template"]["spec"])
+           for d in of_kind(docs, "Deployment")]
     for lws in of_kind(docs, "LeaderWorkerSet"):
         template = lws["spec"]["leaderWorkerTemplate"]
         out += [Pod(origin, template[key]["metadata"]["labels"], template[key]["spec"])
                 for origin, key in (("leader", "leaderTemplate"), ("worker", "workerTemplate"))]
     return out
+
+
+def pods(docs: list[dict]) -> list[Pod]:
+    """The replicas' pod templates (not the routers')."""
+    return [pod for pod in pod_templates(docs) if pod.origin in ("Deployment", "leader", "worker")]
 
 
 def expand(word: str, env: dict[str, str]) -> str:
@@ -155,10 +167,10 @@ class BadCommandLine(ValueError):
     """A container's arguments that nanoserve's own parser refuses."""
 
 
-def command_line(container: dict, group_size: int = 1):
-    """(command, the argparse namespace nanoserve's own parser makes of the container's arguments),
-    or BadCommandLine: a flag the command does not take, or a bad value."""
-    env = {**POD_ENV, "LWS_GROUP_SIZE": str(group_size)}
+def command_line(container: dict, group_size: int = 1, rank: int = 1):
+    """(command, the argparse namespace nanoserve's own parser makes of the container's arguments in
+    a pod of rank `rank` of a group), or BadCommandLine: a flag the command does not take, a bad value."""
+    env = {**POD_ENV, "LWS_GROUP_SIZE": str(group_size), "LWS_WORKER_INDEX": str(rank)}
     args = [expand(str(word), env) for word in container["args"]]
     command, argv = args[0], args[1:]
     try:

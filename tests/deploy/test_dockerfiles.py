@@ -81,7 +81,7 @@ def test_scheduler_pins_are_the_projects_own():
     scheduler = pins(REPO / "docker/requirements-scheduler.txt")
     assert set(scheduler) == {"grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf",
                               "xxhash", "tokenizers", "prometheus-client", "fastapi", "uvicorn", "jinja2",
-                              "huggingface-hub"}
+                              "huggingface-hub", "llguidance", "pyzmq", "msgpack"}
     assert all(scheduler[name] == project[name] and scheduler[name].startswith("==") for name in scheduler)
 
 

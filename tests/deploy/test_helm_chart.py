@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from nanoserve import flags
-from tests.deploy.chart_model import (CHART, PROFILES, BadCommandLine, Pod, command_line, lint, of_kind, one, pods,
-                                      port_of, render, schema_errors)
+from tests.deploy.chart_model import (CHART, FULLNAME, NAMESPACE, POD_ENV, PROFILES, BadCommandLine, Pod, command_line,
+                                      lint, of_kind, one, pod_templates, pods, port_of, render, schema_errors)
 from tests.services.processes import ENV, free_port, start_scheduler, wait_answering
 
 ALL_PROFILES = [None, *sorted(PROFILES.glob("*.yaml"))]
@@ -75,7 +75,7 @@ def test_a_deployment_pod_is_one_whole_replica():
         assert (args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len) == tuple(ENGINE.values())
     # the scheduler waits for its workers as long as the kubelet lets them load
     assert scheduler.worker_connect_timeout == VALUES["worker"]["startupSeconds"]
-    assert one(docs, "Deployment")["spec"]["replicas"] == VALUES["replicas"]
+    assert one(docs, "Deployment", FULLNAME)["spec"]["replicas"] == VALUES["replicas"]
 
 
 def test_probes_ask_the_ports_the_services_listen_on():
@@ -123,20 +123,27 @@ def container_port(pod: Pod, container: str, name: str) -> int:
 @pytest.mark.parametrize("profile", ALL_PROFILES, ids=profile_id)
 def test_services_and_disruption_budget_select_the_pods(profile):
     docs = rendered(profile)
-    servers = server_pods(docs)
-    assert servers
+    templates = pod_templates(docs)
     for service in of_kind(docs, "Service"):
         selector = service["spec"]["selector"]
-        if not selector.get("app.kubernetes.io/name") == "nanoserve":
-            continue
-        for pod in servers:
-            assert selector.items() <= pod.labels.items(), service["metadata"]["name"]
+        matched = [pod for pod in templates if selector.items() <= pod.labels.items()]
+        assert matched, f"Service {service['metadata']['name']} selects no pod"
+        for pod in matched:
             for port in service["spec"]["ports"]:
                 assert any(port["targetPort"] in {p["name"] for p in c.get("ports", [])}
-                           for c in pod.spec["containers"]), port
+                           for c in pod.spec["containers"]), (service["metadata"]["name"], port)
+        if service["metadata"]["name"] in (f"{FULLNAME}-openai", f"{FULLNAME}-grpc"):
+            assert {pod.origin for pod in matched} <= {"Deployment", "leader"}  # the pods that serve the APIs
     for pdb in of_kind(docs, "PodDisruptionBudget"):
+        selector = pdb["spec"]["selector"]
+        [components] = [e["values"] for e in selector["matchExpressions"] if e["key"] == "app.kubernetes.io/component"]
         for pod in pods(docs):
-            assert pdb["spec"]["selector"]["matchLabels"].items() <= pod.labels.items()
+            assert selector["matchLabels"].items() <= pod.labels.items()
+            assert pod.labels["app.kubernetes.io/component"] in components
+        for router in of_kind(docs, "Deployment"):
+            labels = router["spec"]["template"]["metadata"]["labels"]
+            if labels["app.kubernetes.io/component"] == "router":
+                assert labels["app.kubernetes.io/component"] not in components
 
 
 def test_openai_and_grpc_services_reach_the_gateway_and_the_scheduler():
@@ -144,8 +151,8 @@ def test_openai_and_grpc_services_reach_the_gateway_and_the_scheduler():
     [pod] = pods(docs)
     _, scheduler = command_line(pod.container("scheduler"))
     _, gateway = command_line(pod.container("gateway"))
-    openai = one(docs, "Service", "demo-nanoserve-openai")["spec"]["ports"]
-    grpc = one(docs, "Service", "demo-nanoserve-grpc")["spec"]["ports"]
+    openai = one(docs, "Service", f"{FULLNAME}-openai")["spec"]["ports"]
+    grpc = one(docs, "Service", f"{FULLNAME}-grpc")["spec"]["ports"]
     assert [container_port(pod, "gateway", p["targetPort"]) for p in openai] == [gateway.port]
     assert [container_port(pod, "scheduler", p["targetPort"]) for p in grpc] == [scheduler.port]
 
@@ -238,7 +245,7 @@ def test_bad_values_fail_lint(case):
 
 def test_validators_refuse_broken_manifests():
     """The checks above can fail: kubernetes-validate refuses a wrong type and an unknown field."""
-    deployment = one(rendered(None), "Deployment")
+    deployment = one(rendered(None), "Deployment", FULLNAME)
     wrong_type = {**deployment, "spec": {**deployment["spec"], "replicas": "2"}}
     unknown_field = {**deployment, "spec": {**deployment["spec"], "replica": 2}}
     no_containers = yaml.safe_load(yaml.safe_dump(deployment))
@@ -253,3 +260,65 @@ def test_flag_check_refuses_a_flag_of_another_command():
     [pod] = pods(render(**{"worker.flags": {"maxRequestBytes": 1024}}))
     with pytest.raises(BadCommandLine, match="max-request-bytes"):
         command_line(pod.container("worker"))
+
+
+def test_a_leader_worker_set_group_is_one_tensor_parallel_replica():
+    """Each rank gets its rank, the group's size and the leader's address from the variables the
+    LeaderWorkerSet controller sets; the leader's scheduler dials every rank at the DNS name its pod
+    has (<set>-<group>-<rank>.<set>.<namespace>, the leader <set>-<group>), in rank order."""
+    size = 4
+    docs = render(PROFILES / "multi-host.yaml", **{"leaderWorkerSet.size": size})
+    lws = one(docs, "LeaderWorkerSet")
+    name, group = lws["metadata"]["name"], POD_ENV["GROUP_INDEX"]
+    spec = lws["spec"]
+    assert spec["leaderWorkerTemplate"]["size"] == size
+    assert spec["leaderWorkerTemplate"]["restartPolicy"] == "None"
+    assert spec["startupPolicy"] == "LeaderCreated"  # LeaderReady would wait forever: ready needs the ranks
+    leader, worker_pod = pods(docs)
+    assert (leader.names(), worker_pod.names()) == (["worker", "scheduler", "gateway"], ["worker"])
+    for pod, rank in ((leader, 0), (worker_pod, 3)):
+        _, worker = command_line(pod.container("worker"), size, rank)
+        assert (worker.rank, worker.tensor_parallel_size) == (rank, size)
+        assert worker.dist_init_addr == f"{POD_ENV['LWS_LEADER_ADDRESS']}:{VALUES['leaderWorkerSet']['distInitPort']}"
+        assert worker.host == "0.0.0.0"  # reached from the leader's pod
+    assert container_port(leader, "worker", "dist-init") == VALUES["leaderWorkerSet"]["distInitPort"]
+    for pod in (leader, worker_pod):  # the profile picks the interface the ranks talk over
+        assert {"name": "NCCL_SOCKET_IFNAME", "value": "eth0"} in pod.container("worker")["env"]
+    _, scheduler = command_line(leader.container("scheduler"), size)
+    port = command_line(leader.container("worker"), size, 0)[1].port
+    expected = [f"{name}-{group}.{name}.{NAMESPACE}:{port}"] + [
+        f"{name}-{group}-{rank}.{name}.{NAMESPACE}:{port}" for rank in range(1, size)]
+    assert scheduler.workers.split(",") == expected
+    assert POD_ENV["LWS_LEADER_ADDRESS"] == f"{name}-{group}.{name}.{NAMESPACE}"
+    group_env = {env["name"]: env["valueFrom"]["fieldRef"]["fieldPath"] for env in leader.container("scheduler")["env"]
+                 if "fieldRef" in env.get("valueFrom", {})}
+    assert group_env == {"GROUP_INDEX": "metadata.labels['leaderworkerset.sigs.k8s.io/group-index']",
+                         "NAMESPACE": "metadata.namespace"}
+    # only the leader serves the APIs: the Services and routers select it, not the ranks
+    assert leader.labels["app.kubernetes.io/component"] == "server"
+    assert worker_pod.labels["app.kubernetes.io/component"] == "rank"
+
+
+@pytest.mark.parametrize("policy", ["None", "RecreateGroupOnPodRestart", "RecreateGroupAfterStart"])
+def test_group_restart_policy_is_chosen_by_value(policy):
+    docs = render(PROFILES / "multi-host.yaml", **{"leaderWorkerSet.restartPolicy": policy})
+    lws = one(docs, "LeaderWorkerSet")
+    assert lws["spec"]["leaderWorkerTemplate"]["restartPolicy"] == policy
+    assert schema_errors(lws, KUBERNETES[-1]) == ""
+
+
+def test_crd_schemas_refuse_broken_leader_worker_sets():
+    lws = one(render(PROFILES / "multi-host.yaml"), "LeaderWorkerSet")
+    template = lws["spec"]["leaderWorkerTemplate"]
+    broken = {
+        "size as text": {**template, "size": "two"},
+        "an unknown restart policy": {**template, "restartPolicy": "Sometimes"},
+        "a misspelt field": {**template, "sizes": 2},
+        "no worker template": {key: value for key, value in template.items() if key != "workerTemplate"},
+    }
+    for case, bad in broken.items():
+        assert schema_errors({**lws, "spec": {**lws["spec"], "leaderWorkerTemplate": bad}}, KUBERNETES[-1]), case
+    containers = yaml.safe_load(yaml.safe_dump(lws))
+    containers["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["ports"][0][
+        "containerPort"] = "fifty"
+    assert schema_errors(containers, KUBERNETES[-1]), "a port as text inside the pod template"

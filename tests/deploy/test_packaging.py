@@ -28,11 +28,13 @@ def pinned(path: Path) -> set[str]:
 def test_the_server_distribution_declares_what_each_part_imports():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     base, extras = names(project["dependencies"]), project["optional-dependencies"]
-    # the scheduler image runs the scheduler, the CLI and client, and the gateway
-    assert base | names(extras["gateway"]) == pinned(REPO / "docker/requirements-scheduler.txt")
+    # the scheduler image runs the scheduler (with its KV events), the CLI and client, and the gateway
+    assert base | names(extras["kv-events"]) | names(extras["gateway"]) == pinned(
+        REPO / "docker/requirements-scheduler.txt")
     assert {"torch", "safetensors", "numpy"} <= names(extras["worker"])
     assert {"fastapi", "uvicorn", "jinja2"} <= names(extras["gateway"])
-    assert base | names(extras["worker"]) | names(extras["gateway"]) <= pinned(REPO / "requirements.txt") | {"torch"}
+    assert base | names(extras["worker"]) | names(extras["gateway"]) | names(extras["kv-events"]) <= pinned(
+        REPO / "requirements.txt") | {"torch"}
 
 
 def test_the_server_installs_only_names_of_its_own():
@@ -44,11 +46,19 @@ def test_the_server_installs_only_names_of_its_own():
     assert all(top.startswith("nanoserve") or top.endswith("_svc") for top in tops), tops
 
 
+def files_below(folder: Path) -> set[Path]:
+    return {path.relative_to(folder) for path in folder.rglob("*")}
+
+
 def client_wheel(tmp_path: Path) -> Path:
+    """`pip wheel ./proto` (what `pip install ./proto` builds), on a copy of proto/, which it must leave
+    as it was: no build/ or *.egg-info behind."""
     source = tmp_path / "src"
-    shutil.copytree(REPO / "proto", source, ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
+    shutil.copytree(REPO / "proto", source, ignore=shutil.ignore_patterns("__pycache__"))
+    before = files_below(source)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                     str(tmp_path / "dist"), str(source)], check=True, capture_output=True, timeout=300)
+    assert files_below(source) == before
     (wheel,) = (tmp_path / "dist").glob("nanoserve_client-*.whl")
     return wheel
 
@@ -72,6 +82,7 @@ def test_the_client_installs_alone_with_grpcio_and_protobuf(tmp_path: Path):
         meta = archive.read(next(f for f in files if f.endswith(".dist-info/METADATA"))).decode()
         archive.extractall(tmp_path / "site")
     assert {f.split("/")[0] for f in files} == {"nanoserve", wheel.name.split("-py3")[0] + ".dist-info"}
+    assert {"nanoserve/v1/llm.proto", "nanoserve/v1/llm_pb2.pyi", "nanoserve/client.py"} <= set(files)
     requires = [line.removeprefix("Requires-Dist: ") for line in meta.splitlines() if line.startswith("Requires-Dist")]
     assert names([r for r in requires if "extra ==" not in r]) == {"grpcio", "protobuf"}
 

@@ -9,9 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from nanoserve.client import Client
-from tests.services.processes import CLI, ENV, free_port, wait_serving
+from tests.services.processes import CLI, ENV, REPO, free_port, wait_serving
 
 PROMPT = [(i * 7919) % 150000 for i in range(1, 20)]
 
@@ -45,8 +46,15 @@ def greedy(address: str) -> list[int]:
 def test_info_stats_and_tokenize_print_json(up):
     info = json.loads(cli("info", "--address", up["address"]).stdout)
     assert (info["block_size"], info["num_kv_blocks"], info["max_model_len"]) == (16, 64, 64 * 16)
+    assert (info["platform"], info["attention_backend"]) == (f"torch {torch.__version__}, CPU", "torch")
+    greedy(up["address"])  # counters above 0
+    with Client(up["address"]) as client:
+        expected_stats = client.stats()
     stats = json.loads(cli("stats", "--address", up["address"]).stdout)
     assert stats["kv_blocks_total"] == 64 and stats["num_running"] == 0
+    # every field as the message holds it: the uint64 counters as JSON numbers, not protobuf's strings
+    assert stats == {field.name: getattr(expected_stats, field.name) for field in expected_stats.DESCRIPTOR.fields}
+    assert stats["generated_tokens_total"] >= 12
     with Client(up["address"]) as client:
         expected = client.tokenize("Hello, world")
     assert json.loads(cli("tokenize", "Hello, world", "--address", up["address"]).stdout) == expected
@@ -80,6 +88,18 @@ def test_a_second_up_on_the_same_ports_fails_fast_and_the_first_keeps_serving(up
     assert f"cannot listen on {up['address']} (the scheduler's --port): the port is in use" in second.stderr
     assert "loading" not in second.stderr  # no child was started, no model loaded
     assert greedy(up["address"]) == before
+    assert up["launcher"].poll() is None
+
+
+def test_make_serve_stops_where_another_server_holds_the_port(up):
+    port = up["address"].rsplit(":", 1)[1]
+    # -o install: the environment is in place (make test installed it); serve's own recipe runs
+    serve = subprocess.run(["make", "--no-print-directory", "-o", "install", "serve", f"PORT={port}"], cwd=REPO,
+                           env=ENV, capture_output=True, text=True, timeout=120)
+    assert serve.returncode != 0
+    assert (f"make serve: a server already answers on {up['address']} (another nanoserve up?): stop it, or serve on "
+            "another port: make serve PORT=50052") in serve.stderr
+    assert serve.stdout == ""  # no request went to the other server
     assert up["launcher"].poll() is None
 
 

@@ -1,11 +1,13 @@
 """Errors in OpenAI's shape and status, as the official client sees them."""
+import subprocess
+
 import httpx
 import openai
 import pytest
 
 from tests.gateway.conftest import BLOCK_SIZE, NUM_KV_BLOCKS
 from tests.gateway.gateway_process import running_gateway
-from tests.services.processes import free_port
+from tests.services.processes import CLI, ENV, free_port
 
 
 def error_of(raised: pytest.ExceptionInfo) -> dict:
@@ -60,8 +62,7 @@ def test_bad_values_are_400_naming_the_parameter(oai, model_name, params, param,
     ({"top_logprobs": 3}, "top_logprobs", "`top_logprobs` needs `logprobs` set to true"),
     ({"max_completion_tokens": 3, "extra_body": {"min_tokens": 4}}, "min_tokens", "min_tokens must be in [0, max"),
     ({"stop": "x", "n": 17}, "n", "n must be in [1, 16]"), ({"top_p": 0}, "top_p", "top_p must be in (0, 1]"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ({"response_format": {"type": "xml"}}, "response_format", "must be text, json_object or json_schema"),
     ({"n": 2, "extra_body": {"best_of": 3}}, "best_of", "`best_of` must equal `n` (2)"),
     ({"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs", "not available when `stream`"),
     ({"extra_body": {"echo": True}}, "echo", "not supported"),
@@ -111,6 +112,37 @@ def test_malformed_body_is_400_not_422(gateway):
     response = httpx.post(gateway + "/v1/completions", json={"max_tokens": 3}, timeout=10)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "prompt"
+
+
+def test_a_body_that_is_not_json_is_400_naming_no_parameter(gateway):
+    response = httpx.post(gateway + "/v1/completions", content=b'{"model": x}',
+                          headers={"content-type": "application/json"}, timeout=10)
+    assert response.status_code == 400
+    assert response.json()["error"] == {"message": "the request body is not valid JSON: Expecting value (at character 10)",
+                                        "type": "invalid_request_error", "param": None, "code": "invalid_json"}
+
+
+def test_unknown_paths_and_methods_are_openai_errors(gateway, oai):
+    response = httpx.post(gateway + "/v1/complete", json={}, timeout=10)
+    assert response.status_code == 404
+    assert response.json()["error"] == {"message": "Invalid URL (POST /v1/complete): the OpenAI API is under /v1 "
+                                                   "(/v1/completions, /v1/chat/completions, /v1/models)",
+                                        "type": "not_found_error", "param": None, "code": None}
+    with pytest.raises(openai.NotFoundError) as raised:  # the official client reads it as an API error
+        oai.post("/complete", body={}, cast_to=object)
+    assert error_of(raised)["message"].startswith("Invalid URL (POST /v1/complete)")
+    response = httpx.get(gateway + "/v1/completions", timeout=10)
+    assert response.status_code == 405 and response.headers["allow"] == "POST"
+    assert response.json()["error"] == {"message": "Invalid method for URL (GET /v1/completions): use POST",
+                                        "type": "invalid_request_error", "param": None, "code": None}
+
+
+def test_a_grpc_client_pointed_at_the_gateway_is_told_so(gateway):
+    address = gateway.removeprefix("http://")
+    out = subprocess.run(CLI + ["info", "--address", address], env=ENV, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert out.stderr.strip() == (f"error: {address} is the OpenAI HTTP gateway ({gateway}/v1), not the gRPC API: "
+                                  "point --address at the scheduler (port 50051 unless it was given another)")
 
 
 def test_without_a_scheduler_health_and_requests_are_503(tmp_path):

@@ -12,10 +12,11 @@ if not torch.cuda.is_available():
 
 from nanoserve_kernels import flash_attn_backend, race_sampling, triton_decode  # noqa: E402
 from nanoserve_kernels import triton_kv_store, triton_prefill, triton_rotary, triton_sampling  # noqa: E402
+from nanoserve_kernels import triton_token_bitmask  # noqa: E402
 from nanoserve_model import qwen3  # noqa: E402
 from tests.worker.test_triton_kernels import (  # noqa: E402
     Case, check_decode, check_fused_gemv, check_gate_up_silu, check_prefill, check_rotary, check_rotary_store,
-    check_sampling, check_silu_and_mul, check_store, make_paged_batch)
+    check_sampling, check_silu_and_mul, check_store, check_token_bitmask, make_paged_batch)
 
 BF16 = dict(head_dim=128, dtype=torch.bfloat16)
 STORE_CASES = [Case(new_lens=(700,), context_lens=(1500,), heads=16, kv_heads=8, block_size=256, **BF16),
@@ -140,6 +141,10 @@ def test_qwen3_qk_norm_rotary_on_cuda_agrees_with_the_cpu_path() -> None:
 
 def test_triton_sampling() -> None:
     check_sampling(triton_sampling.race_sample, "cuda")
+
+
+def test_triton_token_bitmask() -> None:
+    check_token_bitmask(triton_token_bitmask.apply_token_bitmask, "cuda")
 
 
 @pytest.mark.parametrize("rows", [1, 7, 256])

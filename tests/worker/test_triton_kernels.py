@@ -1,4 +1,4 @@
-"""Triton KV-store, paged prefill, paged decode and sampling kernels vs the plain-torch reference, and
+"""Triton KV-store, paged prefill, paged decode, sampling and grammar-mask kernels vs the plain-torch reference, and
 the rotary kernel vs transformers (and, storing K/V as it rotates, vs itself then the KV store), on CPU
 through Triton's interpreter.
 
@@ -447,6 +447,29 @@ def check_gate_up_silu(device: str, dtype: torch.dtype, shapes: tuple[tuple[int,
                 assert_nearly_same(got, separate, differ, what)
 
 
+def check_token_bitmask(apply_token_bitmask: Callable, device: str) -> None:
+    """Masked rows keep exactly the tokens llguidance's own numpy mask keeps (the torch reference too);
+    other rows are untouched. A vocabulary that is not a multiple of 32, in float32 and bfloat16."""
+    import numpy as np
+    from llguidance.numpy import apply_token_bitmask_inplace
+
+    from nanoserve_kernels.token_bitmask import apply_token_bitmask as reference, bitmask_words
+
+    generator = torch.Generator().manual_seed(0)
+    for vocab_size, dtype in ((5_003, torch.float32), (151_936, torch.bfloat16)):
+        logits = torch.randn(5, vocab_size, generator=generator).to(dtype)
+        rows = torch.tensor([4, 0, 2])
+        words = torch.randint(-2**31, 2**31 - 1, (len(rows), bitmask_words(vocab_size)), dtype=torch.int64,
+                              generator=generator).to(torch.int32)
+        expected = logits.float().numpy().copy()
+        for i, row in enumerate(rows.tolist()):
+            apply_token_bitmask_inplace(expected[row], words[i].numpy())
+        for apply in (reference, apply_token_bitmask):
+            got = logits.to(device)
+            apply(got, words.to(device), rows.to(device))
+            assert np.array_equal(got.float().cpu().numpy(), expected), (apply, vocab_size, dtype)
+
+
 def assert_nearly_same(got: torch.Tensor, expected: torch.Tensor, share: float, what: object) -> None:
     """Equal but for at most `share` of the elements, which are within a few steps of the dtype (a last
     bit of the inverse RMS goes through two roundings)."""
@@ -462,6 +485,10 @@ def run_interpreted_cases(kernel: str) -> None:
         from nanoserve_kernels.triton_sampling import num_splits, race_sample
         check_sampling(race_sample, "cpu")
         assert num_splits(2, 70_001, torch.device("cpu")) > 1 and num_splits(9, 5, torch.device("cpu")) == 1
+        return
+    if kernel == "token_bitmask":
+        from nanoserve_kernels.triton_token_bitmask import apply_token_bitmask
+        check_token_bitmask(apply_token_bitmask, "cpu")
         return
     if kernel == "rotary":
         from nanoserve_kernels.triton_rotary import rotate_qk_
@@ -644,7 +671,7 @@ def _stand_in_for_libdevice() -> None:
 
 
 @pytest.mark.parametrize("kernel", ["store", "prefill", "decode", "sampling", "rotary", "rotary_store", "gemv",
-                                    "activation", "gate_up"])
+                                    "activation", "gate_up", "token_bitmask"])
 def test_triton_kernel_matches_reference_in_interpreter(kernel: str) -> None:
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath}

@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "rank", "world_size", "dtype", "block_size", "max_kv_blocks", "vocab_size", "max_model_len", "eos_token_ids", "attention_backend", "device", "max_num_seqs", "max_num_batched_tokens", "model_fingerprint", "max_steps_in_flight", "sampling_defaults", "kv_cache_dtype", "step_format", "weight_dtype", "quantization")
+    __slots__ = ("model", "rank", "world_size", "dtype", "block_size", "max_kv_blocks", "vocab_size", "max_model_len", "eos_token_ids", "attention_backend", "device", "max_num_seqs", "max_num_batched_tokens", "model_fingerprint", "max_steps_in_flight", "sampling_defaults", "kv_cache_dtype", "step_format", "weight_dtype", "quantization", "platform")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class WorkerInfo(_message.Message):
     STEP_FORMAT_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    PLATFORM_FIELD_NUMBER: _ClassVar[int]
     model: str
     rank: int
     world_size: int
@@ -53,7 +54,8 @@ class WorkerInfo(_message.Message):
     step_format: int
     weight_dtype: str
     quantization: str
-    def __init__(self, model: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_kv_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_steps_in_flight: _Optional[int] = ..., sampling_defaults: _Optional[_Union[SamplingDefaults, _Mapping]] = ..., kv_cache_dtype: _Optional[str] = ..., step_format: _Optional[int] = ..., weight_dtype: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
+    platform: str
+    def __init__(self, model: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_kv_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_steps_in_flight: _Optional[int] = ..., sampling_defaults: _Optional[_Union[SamplingDefaults, _Mapping]] = ..., kv_cache_dtype: _Optional[str] = ..., step_format: _Optional[int] = ..., weight_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., platform: _Optional[str] = ...) -> None: ...
 
 class SamplingDefaults(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k")
@@ -100,20 +102,22 @@ class StepRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., forget_seq_ids: _Optional[_Iterable[int]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_computed: _Optional[_Iterable[int]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[bytes] = ..., sample: _Optional[_Iterable[bool]] = ..., num_generated: _Optional[_Iterable[int]] = ..., extras: _Optional[_Iterable[_Union[EntryExtras, _Mapping]]] = ...) -> None: ...
 
 class EntryExtras(_message.Message):
-    __slots__ = ("entry", "new_block_ids", "reset", "sampling", "prompt_logprob_targets", "history_token_ids")
+    __slots__ = ("entry", "new_block_ids", "reset", "sampling", "prompt_logprob_targets", "history_token_ids", "grammar")
     ENTRY_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROB_TARGETS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     entry: int
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     reset: bool
     sampling: _llm_pb2.SamplingParams
     prompt_logprob_targets: _containers.RepeatedScalarFieldContainer[int]
     history_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, entry: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ..., sampling: _Optional[_Union[_llm_pb2.SamplingParams, _Mapping]] = ..., prompt_logprob_targets: _Optional[_Iterable[int]] = ..., history_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    grammar: str
+    def __init__(self, entry: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ..., sampling: _Optional[_Union[_llm_pb2.SamplingParams, _Mapping]] = ..., prompt_logprob_targets: _Optional[_Iterable[int]] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("step_id", "token_ids", "error", "busy_seconds", "idle_seconds", "host_seconds", "sampled_logprobs", "prompt_logprobs")

@@ -107,6 +107,9 @@ grpc:
     {{- end }}
   env:
     {{- include "nanoserve.workerTokenEnv" $root | nindent 4 }}
+    {{- with $values.worker.env }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
   ports:
     - name: worker
       containerPort: {{ include "nanoserve.workerPort" $root }}

@@ -68,6 +68,8 @@ llm-d.ai/engine-type: nanoserve
 {{- define "nanoserve.workerPort" -}}50061{{- end -}}
 {{- define "nanoserve.schedulerPort" -}}50051{{- end -}}
 {{- define "nanoserve.openaiPort" -}}8000{{- end -}}
+{{/* llm-d's endpoint picker: the ext-proc gRPC port gateways call. */}}
+{{- define "nanoserve.eppPort" -}}9002{{- end -}}
 
 {{/* Maps of flags as command-line words, one list item a word: {maxNumSeqs: 64, enforceEager: true}
      gives --max-num-seqs 64 --enforce-eager; false gives --no-<flag>. Keys come out sorted. */}}

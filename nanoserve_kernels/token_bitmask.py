@@ -1,0 +1,25 @@
+"""Grammar masks on logits, in plain torch: the CPU path, and the oracle for the Triton kernel
+(nanoserve_kernels/triton_token_bitmask.py).
+
+A mask row is the grammar engine's bitmask (llguidance's and xgrammar's layout): int32 words, bit j of
+word w allowing token 32 w + j. Tokens a row's mask leaves out get -inf, in place, before any other
+logits processor and the draw, so neither temperature nor top-k/top-p can bring them back."""
+import torch
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words in one mask row."""
+    return (vocab_size + 31) // 32
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """logits [batch, vocab]: row rows[i] keeps only the tokens bitmask[i] allows (bitmask
+    [len(rows), bitmask_words(vocab)] int32, rows int64, both on the logits' device)."""
+    vocab_size = logits.shape[1]
+    # Little-endian words: byte k of a row holds tokens 8k .. 8k + 7, lowest bit first.
+    allowed = _BYTE_BITS.to(logits.device)[bitmask.view(torch.uint8).long()].reshape(len(rows), -1)
+    logits[rows] = logits[rows].masked_fill(~allowed[:, :vocab_size], float("-inf"))
+
+
+# Each byte value's 8 bits, lowest first.
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()

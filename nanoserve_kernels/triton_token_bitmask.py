@@ -1,0 +1,30 @@
+"""nanoserve_kernels/token_bitmask.py's apply_token_bitmask in one Triton launch: a program per (masked
+row, vocabulary range) reads its range's mask words once and writes -inf only where a token is
+refused, so a mostly-open row (free text inside a JSON string) costs a read of its logits and little else."""
+import torch
+import triton
+import triton.language as tl
+
+# Vocabulary entries per program: [256, 151,936] is 256 x 75 programs.
+BLOCK = 2048
+
+
+@triton.jit(do_not_specialize=["vocab_size", "words"])
+def _bitmask_kernel(logits, stride_row, bitmask, rows, vocab_size, words, BLOCK: tl.constexpr):
+    index = tl.program_id(0)
+    entries = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.load(rows + index)
+    inside = entries < vocab_size
+    word = tl.load(bitmask + index.to(tl.int64) * words + entries // 32, mask=inside, other=0)
+    refused = ((word >> (entries % 32)) & 1) == 0
+    tl.store(logits + row * stride_row + entries, tl.full([BLOCK], float("-inf"), tl.float32).to(logits.dtype.element_ty),
+             mask=inside & refused)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """nanoserve_kernels.token_bitmask.apply_token_bitmask, in one launch."""
+    vocab_size = logits.shape[1]
+    assert logits.stride(1) == 1 and bitmask.is_contiguous()
+    if len(rows):
+        _bitmask_kernel[(len(rows), triton.cdiv(vocab_size, BLOCK))](logits, logits.stride(0), bitmask, rows,
+                                                                    vocab_size, bitmask.shape[1], BLOCK=BLOCK)

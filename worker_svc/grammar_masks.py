@@ -1,0 +1,115 @@
+"""Grammar-constrained sampling on the sampling rank: per slot of the sequence table, the llguidance
+matcher of a constrained sequence, beside the penalty state SamplingExtras keeps, so no mask ever
+crosses the wire.
+
+A step that samples constrained rows asks each row's matcher for its mask (filled on the host by
+llguidance's own threads while the step's forward pass runs on the device), uploads the rows and masks
+the logits in one launch before every other logits processor. The matcher then moves on by the token
+the row drew: the draw stays on the device, so its copy home is queued after the step and read by the
+next step that masks (or resets a slot). Only steps with constrained rows wait for the previous step's
+tokens; steps without any keep the pipeline as deep as it is.
+
+A grammar is compiled once per text (a template matcher, cached; each sequence takes a copy) on a
+thread of its own, off the step loop: a reset submits the work and the sequence's first masked step
+picks it up, by which time its prompt is usually being computed. A reset also replays the generated
+tokens the scheduler sends, so a recomputed sequence (preemption, a worker restart) resumes its
+grammar where it was."""
+import functools
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+from llguidance import LLExecutor, LLMatcher
+from llguidance.numpy import fill_next_token_bitmask_par
+
+from nanoserve.grammar_tokenizer import GrammarTokenizer
+from nanoserve_kernels.token_bitmask import apply_token_bitmask, bitmask_words
+from nanoserve_model.logits_processors import upload
+
+log = logging.getLogger("nanoserve.worker")
+
+# Distinct grammars whose compiled template is kept.
+TEMPLATE_CACHE_SIZE = 256
+# llguidance's threads filling a step's masks (one row each at a time; its default takes 80% of the cores).
+MASK_THREADS = 4
+
+
+class GrammarMasks:
+    def __init__(self, capacity: int, tokenizer: GrammarTokenizer, device: torch.device):
+        self.tokenizer, self.device = tokenizer, device
+        self.words = bitmask_words(tokenizer.vocab_size)
+        self.matchers: list[Future | None] = [None] * capacity  # per slot; its result an LLMatcher, or None
+        self.num_constrained = 0  # slots holding a matcher: while 0, no batch is looked at
+        self.pending: list[tuple[np.ndarray, torch.Tensor, object]] = []  # (slots, tokens home, their event)
+        self.compiler = ThreadPoolExecutor(2, thread_name_prefix="grammar")
+        self.executor: LLExecutor | None = None
+        self.template = functools.lru_cache(TEMPLATE_CACHE_SIZE)(self._template)
+        self._apply = apply_token_bitmask
+        if device.type == "cuda":
+            from nanoserve_kernels.triton_token_bitmask import apply_token_bitmask as apply_on_gpu
+            self._apply = apply_on_gpu
+
+    def reset(self, slot: int, grammar: str, generated: list[int]) -> None:
+        """A new sequence in `slot`, constrained by `grammar` ("" = not constrained), which has
+        already drawn `generated`."""
+        self.advance()  # a token still on its way home belongs to the slot's previous sequence
+        self.num_constrained += bool(grammar) - (self.matchers[slot] is not None)
+        self.matchers[slot] = self.compiler.submit(self._start, grammar, generated) if grammar else None
+
+    def _template(self, grammar: str) -> LLMatcher:
+        return LLMatcher(self.tokenizer.get(), grammar)
+
+    def _start(self, grammar: str, generated: list[int]) -> LLMatcher | None:
+        try:
+            matcher = self.template(grammar).deep_copy()
+        except Exception as err:  # no tokenizer file: the sequence can only end
+            log.error("cannot compile a grammar: %s", err)
+            return None
+        if not matcher.consume_tokens(generated) and not matcher.is_stopped():
+            log.warning("a resumed sequence's tokens do not follow its grammar: %s", matcher.get_error())
+        return matcher
+
+    def constrained_rows(self, slots: np.ndarray) -> np.ndarray:
+        """Positions in `slots` (a step's sampled slots) of constrained sequences."""
+        if not self.num_constrained:
+            return np.zeros(0, np.int64)
+        return np.flatnonzero([self.matchers[slot] is not None for slot in slots.tolist()])
+
+    def mask(self, logits: torch.Tensor, slots: np.ndarray, rows: np.ndarray) -> None:
+        """Masks, in place, the logits rows `rows` (constrained_rows of `slots`) by their grammars."""
+        self.advance()
+        matchers = [self.matchers[slot].result() for slot in slots[rows].tolist()]
+        bitmask = np.zeros((len(rows), self.words), np.int32)
+        live = [(matcher, i) for i, matcher in enumerate(matchers) if matcher is not None]
+        if live:
+            if self.executor is None:
+                self.executor = LLExecutor(MASK_THREADS)
+            fill_next_token_bitmask_par(self.executor, live, bitmask)
+        for i in np.flatnonzero([matcher is None for matcher in matchers]):  # failed to compile: it can only end
+            for eos in self.tokenizer.eos_token_ids:
+                bitmask.view(np.uint32)[i, eos // 32] |= np.uint32(1 << (eos % 32))
+        self._apply(logits, upload(bitmask, self.device), upload(rows, self.device))
+
+    def observe(self, tokens: torch.Tensor, slots: np.ndarray, rows: np.ndarray) -> None:
+        """The tokens just drawn (device, one per sampled slot): the masked rows' go home, for the
+        matchers to consume before they mask again."""
+        drawn = tokens[upload(rows, self.device)] if len(rows) < len(tokens) else tokens
+        event = None
+        if drawn.is_cuda:
+            drawn = torch.empty(drawn.shape, dtype=drawn.dtype, pin_memory=True).copy_(drawn, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self.pending.append((slots[rows], drawn, event))
+
+    def advance(self) -> None:
+        """Feeds the tokens that have come home to their matchers, in step order."""
+        for slots, drawn, event in self.pending:
+            if event is not None:
+                event.synchronize()
+            for slot, token in zip(slots.tolist(), drawn.tolist()):
+                matcher = self.matchers[slot].result() if self.matchers[slot] is not None else None
+                if matcher is not None:
+                    matcher.consume_token(token)  # a refused token leaves it in error: it then allows only eos
+        self.pending.clear()
+
