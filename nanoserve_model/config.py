@@ -1,6 +1,6 @@
 """The hyper-parameters a worker needs, read from a checkpoint's config.json and generation_config.json
 (no transformers). Every family reads the same fields; what a family reads differently (its sliding
-window) it says itself (nanoserve_model.registry passes it in). Anything nanoserve cannot run is an error here,
+window, its experts) it says itself (nanoserve_model.registry passes it in). Anything nanoserve cannot run is an error here,
 naming the file and the field, before any weight is read."""
 import json
 import math
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from nanoserve_model.moe_config import MoeConfig
 from nanoserve_model.quantization import Fp8Scheme, QuantizationError, read_quantization
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,11 +59,13 @@ class ModelConfig:
     attention_bias: bool = False    # config.json's switch; each family says which projections it biases
     mlp_bias: bool = False
     sliding_window: int | None = None  # attention window in tokens; None: full attention
+    moe: MoeConfig | None = None       # a mixture-of-experts family's experts; None: dense
     sampling_defaults: SamplingDefaults = SamplingDefaults()
     quantization: Fp8Scheme | None = None  # config.json's `quantization_config`: FP8 weights
 
     @classmethod
-    def from_dir(cls, path: str | Path, sliding_window: int | None = None) -> "ModelConfig":
+    def from_dir(cls, path: str | Path, sliding_window: int | None = None, moe: MoeConfig | None = None
+                 ) -> "ModelConfig":
         path = Path(path)
         raw = read_config_json(path)
         where = f"{path / 'config.json'}"
@@ -97,6 +100,7 @@ class ModelConfig:
             attention_bias=raw.get("attention_bias", False),
             mlp_bias=raw.get("mlp_bias", False),
             sliding_window=sliding_window,
+            moe=moe,
             sampling_defaults=_sampling_defaults(path),
             quantization=quantization,
         )

@@ -17,6 +17,7 @@ from nanoserve_model.attention import Attention
 from nanoserve_model.config import ModelConfig
 from nanoserve_model.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve_model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanoserve_model.moe_config import MoeConfig
 from nanoserve_model.norm import RMSNorm
 from nanoserve_model.rotary import RotaryEmbedding, rotary_qk
 from nanoserve_model.row_fusion import norm_project, norm_project_silu_mul
@@ -59,12 +60,20 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias)
 
     def forward(self, activation: torch.Tensor) -> torch.Tensor:
-        """The MLP from silu(gate) * up, which the layer makes (fused with its norm and projection)."""
+        """The MLP from silu(gate) * up, which after_norm makes (fused with the norm and projection)."""
         return self.down_proj(activation)
+
+    def after_norm(self, norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP of norm(hidden + residual), hidden + residual)."""
+        activation, residual = norm_project_silu_mul(norm, self.gate_up_proj, hidden, residual)
+        return self(activation), residual
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, self_attn: DecoderAttention, mlp: GatedMLP):
+    def __init__(self, config: ModelConfig, self_attn: DecoderAttention, mlp: nn.Module):
+        """`mlp`: a GatedMLP, or a family's own block with the same after_norm() (experts:
+        nanoserve_model.moe)."""
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
@@ -76,18 +85,16 @@ class DecoderLayer(nn.Module):
         """Returns the block's output and the residual stream it has not yet been added to."""
         qkv, residual = norm_project(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
         hidden = self.self_attn(positions, qkv)
-        activation, residual = norm_project_silu_mul(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden,
-                                                     residual)
-        return self.mlp(activation), residual
+        return self.mlp.after_norm(self.post_attention_layernorm, hidden, residual)
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, make_layer: Callable[[RotaryEmbedding], DecoderLayer]):
+    def __init__(self, config: ModelConfig, make_layer: Callable[[RotaryEmbedding, int], DecoderLayer]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin table shared by every layer (it is large for long-context models).
         rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
-        self.layers = nn.ModuleList(make_layer(rotary_emb) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(make_layer(rotary_emb, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -99,8 +106,8 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """The shared skeleton, without biases; a family overrides attention(), mlp() and sliding_window()
-    where its checkpoints differ."""
+    """The shared skeleton, without biases; a family overrides attention(), mlp(), sliding_window() and
+    moe_config() where its checkpoints differ."""
     # checkpoint module name -> (our packed module, shard id in it)
     packed_modules = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -110,8 +117,8 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, lambda rotary_emb: DecoderLayer(
-            config, self.attention(config, rotary_emb), self.mlp(config)))
+        self.model = DecoderModel(config, lambda rotary_emb, layer: DecoderLayer(
+            config, self.attention(config, rotary_emb), self.mlp(config, layer)))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -119,12 +126,18 @@ class DecoderForCausalLM(nn.Module):
     def attention(self, config: ModelConfig, rotary_emb: RotaryEmbedding) -> DecoderAttention:
         return DecoderAttention(config, rotary_emb)
 
-    def mlp(self, config: ModelConfig) -> GatedMLP:
+    def mlp(self, config: ModelConfig, layer: int) -> nn.Module:
+        """Decoder layer `layer`'s MLP."""
         return GatedMLP(config)
 
     @classmethod
     def sliding_window(cls, raw_config: dict) -> int | None:
         """The attention window (tokens) config.json sets for this family; None: full attention."""
+        return None
+
+    @classmethod
+    def moe_config(cls, raw_config: dict, where: str) -> MoeConfig | None:
+        """The experts config.json sets for this family; None: a dense model."""
         return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -9,5 +9,5 @@ class LlamaForCausalLM(DecoderForCausalLM):
     def attention(self, config: ModelConfig, rotary_emb: RotaryEmbedding) -> DecoderAttention:
         return DecoderAttention(config, rotary_emb, qkv_bias=config.attention_bias, o_bias=config.attention_bias)
 
-    def mlp(self, config: ModelConfig) -> GatedMLP:
+    def mlp(self, config: ModelConfig, layer: int) -> GatedMLP:
         return GatedMLP(config, bias=config.mlp_bias)

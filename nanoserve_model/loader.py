@@ -87,9 +87,13 @@ def load_model(path: str | Path, config: ModelConfig, dtype: torch.dtype, device
 
 def expected_tensors(model: DecoderForCausalLM) -> dict[str, Target]:
     """Checkpoint tensor name -> where it loads (q/k/v and gate/up are separate tensors in the
-    checkpoint, packed matrices and biases in the model)."""
+    checkpoint, packed matrices and biases in the model; each expert's are stacked per layer)."""
     expected = {}
     for name, param in model.named_parameters():
+        if stacked := getattr(param, "checkpoint_names", None):  # e.g. a layer's experts
+            module = name.rpartition(".")[0]
+            expected |= {f"{module}.{tensor}": Target(param, shard_id) for tensor, shard_id in stacked.items()}
+            continue
         if name.endswith(".weight_scale"):  # an FP8 layer's scales: read with its weight (Fp8Plan)
             continue
         packed = [(source, target, shard_id) for source, (target, shard_id) in model.packed_modules.items()

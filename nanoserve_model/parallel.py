@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-ShardId = int | str | None  # which checkpoint tensor of a packed parameter (None: the parameter's only one)
+# Which checkpoint tensor of a packed parameter (None: the parameter's only one); stacked experts: (expert, part)
+ShardId = int | str | tuple[int, int] | None
 
 
 def tp_rank() -> int:
@@ -52,4 +53,11 @@ def set_weight_loader(param: nn.Parameter, loader: Callable[..., None],
     model loader checks every shape against these before it reads any weight."""
     param.weight_loader = loader
     param.checkpoint_shapes = {shard_id: tuple(shape) for shard_id, shape in checkpoint_shapes.items()}
+    return param
+
+
+def stack_checkpoint_tensors(param: nn.Parameter, names: dict[str, ShardId]) -> nn.Parameter:
+    """Marks a parameter that stacks many checkpoint tensors (a layer's experts): `names` maps each
+    tensor's name, relative to the parameter's module, to its shard id for the weight loader."""
+    param.checkpoint_names = names
     return param

@@ -7,12 +7,14 @@ from nanoserve_model.llama import LlamaForCausalLM
 from nanoserve_model.mistral import MistralForCausalLM
 from nanoserve_model.qwen2 import Qwen2ForCausalLM
 from nanoserve_model.qwen3 import Qwen3ForCausalLM
+from nanoserve_model.qwen3_moe import Qwen3MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
@@ -24,8 +26,9 @@ def model_class(name: str, where: str = "config.json") -> type[DecoderForCausalL
 
 def read_model_config(path: str | Path) -> ModelConfig:
     """The checkpoint's config, once its architecture is known to be one nanoserve implements (the
-    family says how its config.json sets a sliding window)."""
+    family says how its config.json sets a sliding window and experts)."""
     path = Path(path)
     raw = read_config_json(path)
-    family = model_class(architecture(raw, str(path / "config.json")), str(path / "config.json"))
-    return ModelConfig.from_dir(path, sliding_window=family.sliding_window(raw))
+    where = str(path / "config.json")
+    family = model_class(architecture(raw, where), where)
+    return ModelConfig.from_dir(path, sliding_window=family.sliding_window(raw), moe=family.moe_config(raw, where))

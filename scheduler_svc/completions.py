@@ -29,16 +29,36 @@ def completion_options(options: SamplingOptions, index: int) -> SamplingOptions:
     return dataclasses.replace(options, seed=seed, prompt_logprobs=None)
 
 
-def completion_sequences(seq_ids: list[int], prompt_ids: list[int], options: SamplingOptions) -> list[Sequence]:
-    leader = Sequence(seq_ids[0], prompt_ids, options)
-    return [leader] + [Sequence(seq_id, prompt_ids, completion_options(options, index), index, leader)
-                       for index, seq_id in enumerate(seq_ids[1:], start=1)]
+def completion_sequences(seq_ids: list[int], prompt_ids: list[int], options: SamplingOptions,
+                         completions: list[llm_pb2.ResumedCompletion]) -> list[Sequence]:
+    """A sequence for each completion to generate, in index order, with the tokens its client has
+    already (from a stream that broke; none for a new request). Those tokens are the sequence's
+    own, as a preempted sequence's are: the scheduler recomputes them with the prompt and continues
+    after them, the seeded sampler keyed on their positions."""
+    seqs: list[Sequence] = []
+    leader = None
+    for seq_id, completion in zip(seq_ids, completions):
+        index = completion.index
+        seq_options = completion_options(options, index)
+        if completion.token_ids:  # its first message carried the prompt's logprobs already
+            seq_options = dataclasses.replace(seq_options, prompt_logprobs=None)
+        seq = Sequence(seq_id, prompt_ids, seq_options, index, leader)
+        for token_id in completion.token_ids:
+            seq.append_token(token_id)
+        if index == 0:
+            leader = seq
+        seqs.append(seq)
+    return seqs
+
+
+class ResumeError(Exception):
+    """A resumed completion cannot go on (its tokens had ended it, its text is not theirs); the message says why."""
 
 
 class CompletionOutput:
     """One completion's side of the stream: next_message() turns what arrived into a message."""
 
-    def __init__(self, stream: RequestStream, tokenizer: TextTokenizer, request_id: str):
+    def __init__(self, stream: RequestStream, tokenizer: TextTokenizer, request_id: str, received_text: str = ""):
         self.stream, self.seq, self.tokenizer = stream, stream.seq, tokenizer
         self.request_id = request_id
         self.detokenizer = tokenizer.new_detokenizer()
@@ -50,6 +70,27 @@ class CompletionOutput:
         self.prompt_logprobs_sent = False
         self.has_extras = (self.seq.index > 0 or options.logprobs is not None
                            or options.prompt_logprobs is not None)
+        self.owed_text = ""  # a resumed completion's text its client has not had yet
+        if self.seq.completion_token_ids:
+            self._replay(list(self.seq.completion_token_ids), received_text)
+
+    def _replay(self, received: list[int], received_text: str) -> None:
+        """A resumed completion's tokens, which its client has with `received_text`: through the
+        detokenizer (and stop strings) token by token, unsent, so that what the broken stream held
+        back (a stop string that may still complete, an unfinished character) comes out here, first.
+        ResumeError if they had ended it with a stop string, or decode to other text."""
+        if self.stops is None:
+            text = "".join(self.detokenizer.push([token_id]) for token_id in received)
+        else:
+            _, text = self._through_stop_strings(received, finished=False)
+            if self.stop_string is not None:
+                raise ResumeError(f"resume: completion {self.seq.index} had finished: its tokens complete the stop "
+                                  f"string {self.stop_string!r}; leave finished completions out")
+        if not text.startswith(received_text):
+            raise ResumeError(f"resume: completion {self.seq.index}'s text is not what its tokens decode to: send the "
+                              "text its messages carried, unchanged")
+        self.owed_text = text[len(received_text):]
+        self.num_sent = len(received)
 
     def next_message(self) -> llm_pb2.GenerateResponse | None:
         """The message with everything delivered since the last one (None when nothing was);
@@ -67,6 +108,8 @@ class CompletionOutput:
             tokens, text = self._through_stop_strings(tokens, finished)
             finished = finished or self.stop_string is not None
         self.done = finished
+        if self.owed_text:
+            text, self.owed_text = self.owed_text + text, ""
         if not tokens and not finished:
             return None
         self.num_sent += len(tokens)

@@ -141,3 +141,30 @@ def check_room(num_prompt_tokens: int, max_tokens: int | None, max_model_len: in
         raise _invalid(f"the prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}, "
                        f"{num_prompt_tokens + max_tokens} in all, but the model's length limit is {max_model_len}: "
                        f"ask for at most {max_model_len - num_prompt_tokens} tokens, or leave max_tokens unset")
+
+
+def completions_to_generate(resume: list[llm_pb2.ResumedCompletion], options: SamplingOptions,
+                            num_prompt_tokens: int, limits: RequestLimits) -> list[llm_pb2.ResumedCompletion]:
+    """The completions to generate, in index order, each with what its client has already: a new
+    request's all, with nothing; a resumed one's (GenerateRequest.resume) those it lists."""
+    if not resume:
+        return [llm_pb2.ResumedCompletion(index=index) for index in range(options.n)]
+    listed: dict[int, llm_pb2.ResumedCompletion] = {}
+    for completion in resume:
+        index, tokens = completion.index, completion.token_ids
+        where = f"resume: completion {index}"
+        if index >= options.n:
+            raise _invalid(f"{where} does not exist: the request asks for n = {options.n} (indices 0..{options.n - 1})")
+        if index in listed:
+            raise _invalid(f"{where} is listed twice")
+        if tokens and max(tokens) >= limits.vocab_size:
+            bad = next(t for t in tokens if t >= limits.vocab_size)
+            raise _invalid(f"{where}: token id {bad} is outside the vocabulary (0..{limits.vocab_size - 1})")
+        if options.max_tokens is not None and len(tokens) >= options.max_tokens:
+            raise _invalid(f"{where} carries {len(tokens)} tokens and max_tokens is {options.max_tokens}: it had "
+                           "finished; leave finished completions out")
+        if num_prompt_tokens + len(tokens) >= limits.max_model_len:
+            raise _invalid(f"{where} carries {len(tokens)} tokens after a prompt of {num_prompt_tokens}: it had "
+                           f"reached the model's length limit ({limits.max_model_len}); leave finished completions out")
+        listed[index] = completion
+    return [listed[index] for index in sorted(listed)]

@@ -94,9 +94,10 @@ class Scheduler:
         if num_tokens >= limit:
             raise AdmissionError("invalid", f"prompt has {num_tokens} tokens but the model's limit is "
                                             f"{limit} for prompt and completion together")
-        num_blocks = self.block_manager.num_blocks_for(num_tokens)
+        num_blocks = self.block_manager.num_blocks_for(len(seq))  # a resumed one's tokens so far too
         if num_blocks > self.num_total_blocks:
-            raise AdmissionError("exhausted", f"prompt needs {num_blocks} KV blocks of "
+            raise AdmissionError("exhausted", f"{'resumed sequence' if seq.completion_token_ids else 'prompt'} "
+                                              f"needs {num_blocks} KV blocks of "
                                               f"{self.config.block_size} tokens but the pool has "
                                               f"{self.num_total_blocks}")
         self._set_limits(seq)

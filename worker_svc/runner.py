@@ -37,6 +37,7 @@ from worker_svc.cuda_graphs import StepGraphs, batch_buckets
 from worker_svc.distributed import uses_cuda
 from worker_svc.grammar_masks import GrammarMasks
 from worker_svc.launched_step import LaunchedStep, StepClock
+from worker_svc.platform_info import describe_platform
 from worker_svc.prefill_graphs import token_buckets
 from worker_svc.sampling_extras import SamplingExtras
 from worker_svc.sequence_table import SequenceTable, StepWork
@@ -93,6 +94,8 @@ class ModelRunner:
                              f"process is rank {tp_rank()} of {tp_world_size()} in torch.distributed")
         self.device = (torch.device("cuda", torch.cuda.current_device()) if uses_cuda(config)
                        else torch.device("cpu"))
+        self.platform = describe_platform(self.device)
+        log.info("rank %d runs on %s", config.rank, self.platform)
         path, self.model_config = fetch_checkpoint(config)
         self.dtype = resolve_dtype(config.dtype, self.model_config)
         self.max_model_len = self.model_config.context_limit(config.max_model_len)
@@ -213,7 +216,7 @@ class ModelRunner:
             block_size=self.config.block_size,
             max_kv_blocks=self.max_kv_blocks, vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len, eos_token_ids=self.model_config.eos_token_ids,
-            attention_backend=self.backend.name, device=str(self.device),
+            attention_backend=self.backend.name, device=str(self.device), platform=self.platform,
             max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
             model_fingerprint=self.fingerprint, sampling_defaults=self._sampling_defaults(), step_format=STEP_FORMAT,
             weight_dtype=self._weight_dtype(), quantization=self._quantization_name())

@@ -1,7 +1,8 @@
 """A thin typed Python client for the public nanoserve.v1.LLM API."""
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator
 
+from nanoserve.failover import Failover, ResumingStream
 from nanoserve.flags import SCHEDULER_PORT, defaults
 from nanoserve.tls import TLSFiles, open_channel
 from nanoserve.v1 import llm_pb2, llm_pb2_grpc
@@ -28,12 +29,14 @@ class Completion:
     usage: llm_pb2.Usage | None = None
     logprobs: list[llm_pb2.TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[llm_pb2.TokenLogprob] = field(default_factory=list)
+    tool_calls: list[llm_pb2.ToolCall] = field(default_factory=list)  # Chat with tools
 
     def add(self, msg: llm_pb2.GenerateResponse) -> None:
         self.token_ids.extend(msg.token_ids)
         self.text += msg.text
         self.logprobs.extend(msg.logprobs)
         self.prompt_logprobs.extend(msg.prompt_logprobs)
+        self.tool_calls.extend(msg.tool_calls)
         if msg.finish_reason:
             self.finish_reason = llm_pb2.FinishReason.Name(msg.finish_reason)
             self.usage = msg.usage
@@ -50,15 +53,32 @@ def gather(messages: Iterator[llm_pb2.GenerateResponse]) -> list[Completion]:
 
 
 class Client:
-    """The public API of the server at `address` (host[:port]); `tls` for a server that serves TLS."""
+    """The public API of the server at `address` (host[:port]); `tls` for a server that serves TLS.
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, tls: TLSFiles = TLSFiles()):
-        self.address = with_default_port(address)
-        self.channel = open_channel(self.address, tls)
-        self.stub = llm_pb2_grpc.LLMStub(self.channel)
+    Several replicas of one model (a list, or comma-separated): calls go to the replica that served
+    last (the first, to begin with), and a stream that breaks with UNAVAILABLE resumes on the next
+    (failover.py): the caller sees one stream, `on_failover` (and a warning in the log) that it moved."""
+
+    def __init__(self, address: str | Sequence[str] = DEFAULT_ADDRESS, tls: TLSFiles = TLSFiles(),
+                 on_failover: Callable[[Failover], None] | None = None):
+        replicas = address.split(",") if isinstance(address, str) else address
+        self.addresses = [with_default_port(replica.strip()) for replica in replicas]
+        self.channels = [open_channel(replica, tls) for replica in self.addresses]
+        self.stubs = [llm_pb2_grpc.LLMStub(channel) for channel in self.channels]
+        self.current = 0  # the replica calls go to
+        self.on_failover = on_failover
+
+    @property
+    def address(self) -> str:
+        return self.addresses[self.current]
+
+    @property
+    def stub(self) -> llm_pb2_grpc.LLMStub:
+        return self.stubs[self.current]
 
     def close(self) -> None:
-        self.channel.close()
+        for channel in self.channels:
+            channel.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -70,7 +90,7 @@ class Client:
                **sampling) -> Iterator[llm_pb2.GenerateResponse]:
         """Yields the server's messages as they arrive; raises grpc.RpcError on failure.
         `sampling`: SamplingParams fields by name (max_tokens, temperature, top_p, stop, n, ...)."""
-        return self.stub.Generate(make_request(prompt, request_id=request_id, **sampling), timeout=timeout)
+        return self._stream("Generate", make_request(prompt, request_id=request_id, **sampling), timeout)
 
     def generate(self, prompt: str | list[int], **kwargs) -> Completion:
         """Runs one Generate to the end and gathers it (one completion: n > 1 is generate_n's)."""
@@ -82,15 +102,31 @@ class Client:
         """Runs one Generate to the end; its completions in index order."""
         return gather(self.stream(prompt, **kwargs))
 
-    def chat_stream(self, messages: list[dict[str, str]], *, request_id: str = "", timeout: float | None = None,
+    def chat_stream(self, messages: list[dict], *, request_id: str = "", timeout: float | None = None,
                     add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+                    tools: list[llm_pb2.Tool] = (), tool_choice: llm_pb2.ToolChoice | None = None,
                     **sampling) -> Iterator[llm_pb2.GenerateResponse]:
-        """Chat: `messages` as [{"role": ..., "content": ...}], through the model's chat template."""
+        """Chat: `messages` as [{"role": ..., "content": ...}] (ChatMessage fields), through the model's
+        chat template, with the `tools` it may call as `tool_choice` says."""
         request = llm_pb2.ChatRequest(request_id=request_id, sampling=sampling_params(**sampling),
                                       add_generation_prompt=add_generation_prompt,
-                                      messages=[llm_pb2.ChatMessage(**message) for message in messages])
+                                      messages=[llm_pb2.ChatMessage(**message) for message in messages],
+                                      tools=tools, tool_choice=tool_choice)
         request.chat_template_kwargs.update(chat_template_kwargs or {})
-        return self.stub.Chat(request, timeout=timeout)
+        return self._stream("Chat", request, timeout)
+
+    def _stream(self, method: str, request: llm_pb2.GenerateRequest | llm_pb2.ChatRequest,
+                timeout: float | None) -> Iterator[llm_pb2.GenerateResponse]:
+        """The call itself on one replica; across several, a stream that resumes on the next."""
+        if len(self.stubs) == 1:
+            return getattr(self.stub, method)(request, timeout=timeout)
+        return ResumingStream([getattr(stub, method) for stub in self.stubs], self.addresses, self.current, request,
+                              timeout, self._moved)
+
+    def _moved(self, event: Failover) -> None:
+        self.current = self.addresses.index(event.to_address)  # later calls too: the broken replica may be gone
+        if self.on_failover is not None:
+            self.on_failover(event)
 
     def chat(self, messages: list[dict[str, str]], **kwargs) -> Completion:
         return gather(self.chat_stream(messages, **kwargs))[0]

@@ -42,6 +42,7 @@ WORKER = ("worker", "up")
 SCHEDULER = ("scheduler", "up")
 SERVERS = ("worker", "scheduler")                          # each serves its own gRPC port
 LOGGING = ("worker", "scheduler", "up")
+STOPPING = ("worker", "scheduler", "gateway", "up")  # servers that drain when stopped, and their launcher
 CLIENTS = ("generate", "chat", "info", "stats", "tokenize", "healthcheck")  # ask a server over gRPC
 GENERATE = ("generate", "chat")  # the client commands that generate
 PORTS = (1, 65535)
@@ -166,6 +167,12 @@ FLAGS = (
          "worker group; past it they end UNAVAILABLE", SCHEDULER),
     Flag("--step-timeout", 300.0, "seconds a step may take before the ranks that have not answered count as "
          "hung: the scheduler stops waiting for them, a worker exits, up restarts them", ENGINE),
+    # Kubernetes' default terminationGracePeriodSeconds is 30: a pod's grace period must exceed this.
+    Flag("--shutdown-timeout", 25.0, "seconds a stopping server (SIGTERM, Ctrl-C) lets its requests in flight "
+         "finish while it reports NOT_SERVING and refuses new ones (UNAVAILABLE / 503: the server is draining); "
+         "then the rest end UNAVAILABLE (the server is shutting down) and it exits 0. A second signal stops at "
+         "once. A worker waits this long (and a few seconds more) for its scheduler to let go", STOPPING,
+         limits=(0.0, 24 * 3600.0)),
     Flag("--metrics-port", 0, "port serving Prometheus metrics at /metrics; 0 = off", SCHEDULER,
          limits=(0, PORTS[1])),
     Flag("--kv-events-config", "", "KV cache events for prefix-aware routers, as vLLM's JSON KVEventsConfig, e.g. "
@@ -191,7 +198,9 @@ FLAGS = (
     Flag("--log-level", "info", "least severe log lines written", LOGGING, ("debug", "info", "warning", "error")),
     Flag("--log-format", "text", "text lines, or one JSON object a line", LOGGING, ("text", "json")),
     # the OpenAI-compatible gateway
-    Flag("--scheduler", f"127.0.0.1:{SCHEDULER_PORT}", "host:port of the scheduler's public gRPC API", ("gateway",)),
+    Flag("--scheduler", f"127.0.0.1:{SCHEDULER_PORT}", "host:port of the scheduler's public gRPC API; more, "
+         "comma-separated, are fallbacks (other replicas of the model): a stream broken by the first going away "
+         "resumes on the next, and new requests it cannot take go there too", ("gateway",)),
     Flag("--host", "127.0.0.1", "address the HTTP API listens on", ("gateway",)),
     Flag("--port", OPENAI_PORT, "port the HTTP API listens on", ("gateway",), limits=PORTS),
     Flag("--served-model-name", "", "model id the HTTP API lists and answers to; empty = the model directory's "

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from nanoserve.client import Client
 from tests.services.processes import CLI, ENV, REPO, free_port, wait_serving
@@ -45,6 +46,7 @@ def greedy(address: str) -> list[int]:
 def test_info_stats_and_tokenize_print_json(up):
     info = json.loads(cli("info", "--address", up["address"]).stdout)
     assert (info["block_size"], info["num_kv_blocks"], info["max_model_len"]) == (16, 64, 64 * 16)
+    assert (info["platform"], info["attention_backend"]) == (f"torch {torch.__version__}, CPU", "torch")
     greedy(up["address"])  # counters above 0
     with Client(up["address"]) as client:
         expected_stats = client.stats()

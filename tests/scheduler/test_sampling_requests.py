@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from nanoserve.v1 import llm_pb2
 from scheduler_svc.completions import completion_sequences
 from scheduler_svc.sequence import SamplingOptions, SequenceStatus
 from tests.scheduler.test_scheduler_edges import EOS, add, make_scheduler, run_to_end, step
@@ -14,10 +15,15 @@ from tests.scheduler.test_scheduler_edges import EOS, add, make_scheduler, run_t
 PROMPT = list(range(100, 111))  # 11 tokens: two full blocks of 4, then 3
 
 
+def new_request(n: int) -> list[llm_pb2.ResumedCompletion]:
+    """The completions of a request that resumes nothing: all of them, none begun."""
+    return [llm_pb2.ResumedCompletion(index=index) for index in range(n)]
+
+
 @pytest.mark.parametrize("chunked", [False, True])
 def test_later_completions_wait_for_the_first_then_take_its_prompt_blocks(chunked):
     scheduler = make_scheduler(enable_chunked_prefill=chunked)
-    seqs = completion_sequences([1, 2, 3], PROMPT, SamplingOptions(max_tokens=3, seed=5, n=3))
+    seqs = completion_sequences([1, 2, 3], PROMPT, SamplingOptions(max_tokens=3, seed=5, n=3), new_request(3))
     for seq in seqs:
         scheduler.enqueue(seq)
     first = step(scheduler)
@@ -40,7 +46,7 @@ def test_later_completions_wait_for_the_first_then_take_its_prompt_blocks(chunke
 
 def test_a_later_completion_goes_on_when_the_first_ends_without_a_token():
     scheduler = make_scheduler()
-    seqs = completion_sequences([1, 2], PROMPT, SamplingOptions(max_tokens=2, n=2))
+    seqs = completion_sequences([1, 2], PROMPT, SamplingOptions(max_tokens=2, n=2), new_request(2))
     for seq in seqs:
         scheduler.enqueue(seq)
     scheduler.abort(1)

@@ -35,26 +35,33 @@ def test_batched_prefill_matches_transformers(family):
         assert_close(row, hf_logits(hf, prompt)[-1])
 
 
-def test_decode_steps_and_chunked_prefill_match_transformers(family):
-    """A sequence decodes 20 steps (a new block every fourth) while a 23-token prompt is prefilled in
-    chunks of 7, 7 and 9 beside its first three decodes; logits compared at every step."""
-    path, hf = family
-    short, long_prompt = random_prompt(6, 10), random_prompt(23, 11)
-    full = hf.generate(torch.tensor([short]), max_new_tokens=21, min_new_tokens=21, do_sample=False)[0].tolist()
-    reference = hf_logits(hf, full)
+def assert_decodes_beside_chunked_prefill(path, full: list[int], prompt_len: int, long_prompt: list[int],
+                                          reference: torch.Tensor, long_reference: torch.Tensor) -> None:
+    """Sequence 1 (its prompt: full's first prompt_len tokens) decodes 20 steps (a new block every
+    fourth) fed full's next tokens, while the 23-token long_prompt is prefilled in chunks of 7, 7 and 9
+    beside its first three decodes; logits compared with `reference` (transformers' over full) at every
+    step and with `long_reference` (over long_prompt) after the last chunk."""
     runner, writer = cpu_runner(path, BLOCK_SIZE), StepWriter(BLOCK_SIZE)
-    logits = runner.step_logits(writer.request(writer.entry(1, short, reset=True)))
+    logits = runner.step_logits(writer.request(writer.entry(1, full[:prompt_len], reset=True)))
     chunks = [(0, 7), (7, 14), (14, 23)]
     for step in range(20):
-        assert_close(logits[0], reference[len(short) - 1 + step])
-        entries = [writer.entry(1, [full[len(short) + step]], len(short) + step)]
+        assert_close(logits[0], reference[prompt_len - 1 + step])
+        entries = [writer.entry(1, [full[prompt_len + step]], prompt_len + step)]
         if step < len(chunks):
             start, end = chunks[step]
             entries.append(writer.entry(2, long_prompt[start:end], start, reset=start == 0,
                                         sample=end == len(long_prompt)))
         logits = runner.step_logits(writer.request(*entries))
         if step == len(chunks) - 1:
-            assert_close(logits[1], hf_logits(hf, long_prompt)[-1])
+            assert_close(logits[1], long_reference)
+
+
+def test_decode_steps_and_chunked_prefill_match_transformers(family):
+    path, hf = family
+    short, long_prompt = random_prompt(6, 10), random_prompt(23, 11)
+    full = hf.generate(torch.tensor([short]), max_new_tokens=21, min_new_tokens=21, do_sample=False)[0].tolist()
+    assert_decodes_beside_chunked_prefill(path, full, len(short), long_prompt, hf_logits(hf, full),
+                                          hf_logits(hf, long_prompt)[-1])
 
 
 def test_greedy_generation_equals_transformers_generate(family):

@@ -35,7 +35,8 @@ def test_the_checkpoint_dtype_is_dtype_or_the_older_torch_dtype(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     (dict(architectures=["GPT2LMHeadModel"]), r"config\.json: `architectures` 'GPT2LMHeadModel' is not supported: one "
-                                              r"of LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"),
+                                              r"of LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                                              r"Qwen3MoeForCausalLM"),
     (dict(architectures=...), r"config\.json: `architectures` is \[\]; expected one model class name"),
     (dict(quantization_config={"quant_method": "awq", "bits": 4}), r"config\.json: `quantization_config` quant_method "
                                                                    r"'awq' is not supported: nanoserve reads fp8"),

@@ -1,14 +1,16 @@
 // A Node.js client of nanoserve that knows nothing but the .proto contract: proof that any
 // language with gRPC can stream from the server.
 //
-//   node generate.mjs ADDRESS [--max-tokens N] [--prompt-ids 785,9396,374] [--timeout-s S]
+//   node generate.mjs ADDRESS[,ADDRESS...] [--max-tokens N] [--prompt-ids 785,9396,374] [--timeout-s S]
 //                     [--temperature T --seed S --top-k K --top-p P]
 //
 // Asks GetModelInfo, streams one Generate of exactly N tokens (ignore_eos; greedy unless a
 // temperature is given, with the sampling controls given), checks the stream, and prints one JSON line:
 //   {"model", "prompt_token_ids", "token_ids", "text", "usage", "finish_reason"}
-// Any failure (bad arguments, an RPC error, a wrong stream, the timeout) exits non-zero with a
-// message on stderr.
+// Several addresses are replicas of one model: a stream that breaks with UNAVAILABLE is sent to the
+// next with the tokens received so far (GenerateRequest.resume) and goes on where it broke, saying
+// so on stderr. Any failure (bad arguments, an RPC error, a wrong stream, the timeout) exits
+// non-zero with a message on stderr.
 import { fileURLToPath } from 'node:url';
 import { parseArgs } from 'node:util';
 import grpc from '@grpc/grpc-js';
@@ -33,7 +35,7 @@ function parseCommandLine(argv) {
       'top-p': { type: 'string' },
     },
   });
-  if (positionals.length !== 1) throw new Error('expected exactly one ADDRESS (host:port)');
+  if (positionals.length !== 1) throw new Error('expected exactly one ADDRESS (host:port, or several comma-separated)');
   const promptIds = values['prompt-ids'].split(',').map((id) => naturalNumber(id, 'a prompt id'));
   // Sampling controls: optional fields, sent only when given (the server's defaults otherwise).
   const sampling = { temperature: number(values.temperature, '--temperature') };
@@ -41,7 +43,7 @@ function parseCommandLine(argv) {
   if (values['top-k'] !== undefined) sampling.top_k = naturalNumber(values['top-k'], '--top-k');
   if (values['top-p'] !== undefined) sampling.top_p = number(values['top-p'], '--top-p');
   return {
-    address: positionals[0],
+    addresses: positionals[0].split(','),
     promptIds,
     maxTokens: naturalNumber(values['max-tokens'], '--max-tokens', 1),
     timeoutMs: naturalNumber(values['timeout-s'], '--timeout-s', 1) * 1000,
@@ -79,14 +81,34 @@ function getModelInfo(client, deadline) {
   });
 }
 
-function generate(client, request, deadline) {
+function generate(client, request, deadline, messages) {
   return new Promise((resolve, reject) => {
-    const messages = [];
     const call = client.Generate(request, { deadline });
     call.on('data', (message) => messages.push(message));
     call.on('error', reject);
     call.on('end', () => resolve(messages));
   });
+}
+
+// The stream over replicas: after a break, the same request resuming the one completion after the
+// tokens (and text) it carried; each replica once in a row without a message before giving up.
+async function generateWithFailover(clients, addresses, request, deadline) {
+  const messages = [];
+  for (let replica = 0, failed = 0; ; replica = (replica + 1) % clients.length) {
+    const before = messages.length;
+    const token_ids = messages.flatMap((message) => message.token_ids);
+    const text = messages.map((message) => message.text).join('');
+    const resume = before ? [{ index: 0, token_ids, text }] : [];
+    try {
+      return await generate(clients[replica], { ...request, resume }, deadline, messages);
+    } catch (err) {
+      failed = messages.length > before ? 1 : failed + 1;
+      if (err.code !== grpc.status.UNAVAILABLE || failed >= clients.length) throw err;
+      const next = addresses[(replica + 1) % clients.length];
+      console.error(`generate.mjs: the stream from ${addresses[replica]} broke (${err.details}): resuming after ` +
+                    `${messages.flatMap((message) => message.token_ids).length} token(s) on ${next}`);
+    }
+  }
 }
 
 function check(condition, message) {
@@ -118,11 +140,11 @@ function collect(messages, promptIds, maxTokens) {
 }
 
 async function main() {
-  const { address, promptIds, maxTokens, timeoutMs, sampling } = parseCommandLine(process.argv.slice(2));
+  const { addresses, promptIds, maxTokens, timeoutMs, sampling } = parseCommandLine(process.argv.slice(2));
   const deadline = new Date(Date.now() + timeoutMs);
-  const client = connect(address);
+  const clients = addresses.map(connect);
   try {
-    const info = await getModelInfo(client, deadline);
+    const info = await getModelInfo(clients[0], deadline);
     const outOfVocab = promptIds.filter((id) => id >= info.vocab_size);
     check(outOfVocab.length === 0, `prompt ids ${outOfVocab} are outside the vocabulary of ${info.vocab_size}`);
     const request = {
@@ -130,10 +152,10 @@ async function main() {
       token_ids: { ids: promptIds },
       sampling: { ...sampling, max_tokens: maxTokens, ignore_eos: true },
     };
-    const messages = await generate(client, request, deadline);
+    const messages = await generateWithFailover(clients, addresses, request, deadline);
     console.log(JSON.stringify({ model: info.model, ...collect(messages, promptIds, maxTokens) }));
   } finally {
-    client.close();
+    clients.forEach((client) => client.close());
   }
 }
 
