@@ -14,9 +14,10 @@ from nanoserve.v1 import llm_pb2
 
 # Distinct constraints whose grammar is kept (a grammar is a few KB of text).
 GRAMMAR_CACHE_SIZE = 1024
-# JSON is written compactly (", " and ": " between items, no other whitespace) unless the schema's
-# "x-guidance" says otherwise: free whitespace lets a model pad its output until it runs out of tokens.
-JSON_DEFAULTS = {"whitespace_flexible": False}
+# JSON is written on one line, as Python's json.dumps writes it (", " and ": " between items, no other
+# whitespace), unless the schema's "x-guidance" says otherwise: free whitespace lets a model pad its
+# output until it runs out of tokens.
+JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # The reasoning a thinking model writes before its answer: text up to its end-of-thinking token.
 _THINKING = 'THINKING: /(.|\\n)*/\n'
 
