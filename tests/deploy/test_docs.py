@@ -50,7 +50,8 @@ def backticked_paths(markdown: str) -> list[str]:
 def script_paths(text: str) -> list[str]:
     """Repo paths a script (or a code block) names: words that start with one of the project's folders."""
     pattern = rf"(?<![\w/.$-])(?:{'|'.join(TOP_FOLDERS)})/[\w./*-]*"
-    return [path for path in re.findall(pattern, text) if not path.startswith(GENERATED)]
+    paths = [path.rstrip(".") for path in re.findall(pattern, text)]  # a sentence's full stop is not the path's
+    return [path for path in paths if not path.startswith(GENERATED)]
 
 
 def missing(paths: list[str], repo: Path = REPO) -> list[str]:
@@ -178,7 +179,7 @@ def test_the_checks_catch_what_is_gone(tmp_path):
     assert backticked_paths(text) == ["bench/RESULTS.md", "tests/test_compose.py", "proto/nanoserve/v1/*.proto",
                                       "bench/nothing.py"]
     assert missing(backticked_paths(text)) == ["bench/nothing.py", "tests/test_compose.py"]
-    script = "pytest tests/services/test_integration.py tests/test_integration.py > bench/out/x.log"
+    script = "pytest tests/services/test_integration.py tests/test_integration.py > bench/out/x.log; see tests/gpu/."
     assert missing(script_paths(script)) == ["tests/test_integration.py"]
 
     shown = ("```sh\nnanoserve up --model M --no-such-flag && make serve PORT=1\n"
