@@ -16,6 +16,7 @@ tokens the scheduler sends, so a recomputed sequence (preemption, a worker resta
 grammar where it was."""
 import functools
 import logging
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -31,8 +32,10 @@ log = logging.getLogger("nanoserve.worker")
 
 # Distinct grammars whose compiled template is kept.
 TEMPLATE_CACHE_SIZE = 256
-# llguidance's threads filling a step's masks (one row each at a time; its default takes 80% of the cores).
-MASK_THREADS = 4
+# llguidance's threads filling a step's masks, a row each at a time (~40 us a row of a JSON schema on a
+# busy 2-core machine): half the cores, at most 8, leaving the rest to the step loop, the reply thread
+# and the scheduler (llguidance's default takes 80% of them).
+MASK_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 class GrammarMasks:
