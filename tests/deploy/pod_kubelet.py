@@ -1,12 +1,14 @@
-"""A stand-in kubelet for one rendered pod: runs its containers' command lines as local processes
-(in the network namespace the test made, where the pod's fixed ports are free), probes them as the
-kubelet does (gRPC health, HTTP GET, exec), streams one completion through the gateway, then stops
-the pod the kubelet's way (SIGTERM to every container at once) and reports what happened as JSON.
+"""A stand-in kubelet for rendered pods: runs their containers' command lines as local processes (in
+the namespaces the test made, where the pods' fixed ports are free), probes them as the kubelet does
+(gRPC health, HTTP GET, exec), streams one completion through the gateway, then stops the pods the
+kubelet's way (SIGTERM to every container at once) and reports what happened as JSON.
 
-    unshare -n python -m tests.deploy.pod_kubelet SPEC.json RESULT.json
+    unshare -m -n python -m tests.deploy.pod_kubelet SPEC.json RESULT.json
 
-SPEC: {"containers": [{"name", "argv", "env", "ports": {name: port}, "startupProbe", "readinessProbe",
-"livenessProbe"}], "grace_seconds", "log_dir", "request": {...}}.
+SPEC: {"containers": [{"name", "ip", "argv", "env", "ports": {name: port}, "startupProbe",
+"readinessProbe", "livenessProbe"}], "hosts": {dns name: ip}, "grace_seconds", "log_dir",
+"request": {...}}. Each pod has an address of its own on the loopback interface (`ip`); "hosts"
+stands in for the cluster's DNS (bind-mounted over /etc/hosts, in the test's mount namespace).
 """
 import http.client
 import json
@@ -25,19 +27,20 @@ import grpc
 from nanoserve.healthcheck import SERVING, serving_status
 
 START_SECONDS = 240
+DRAIN_NOTICE_SECONDS = 5  # how soon a stopping pod must leave the Services (readiness fails)
 
 
-def probe(spec: dict, ports: dict[str, int]) -> bool:
-    """One probe attempt, as the kubelet makes it (the pod's address is loopback here)."""
+def probe(spec: dict, ip: str, ports: dict[str, int]) -> bool:
+    """One probe attempt, as the kubelet makes it, at the pod's address."""
     if "grpc" in spec:
         try:
-            return serving_status(f"127.0.0.1:{spec['grpc']['port']}", spec["grpc"].get("service", ""),
+            return serving_status(f"{ip}:{spec['grpc']['port']}", spec["grpc"].get("service", ""),
                                   timeout=spec.get("timeoutSeconds", 1)) == SERVING
         except grpc.RpcError:
             return False
     if "httpGet" in spec:
         port = spec["httpGet"]["port"]
-        url = f"http://127.0.0.1:{ports.get(port, port)}{spec['httpGet']['path']}"
+        url = f"http://{ip}:{ports.get(port, port)}{spec['httpGet']['path']}"
         try:
             with urllib.request.urlopen(url, timeout=spec.get("timeoutSeconds", 1)) as reply:
                 return 200 <= reply.status < 400
@@ -52,14 +55,14 @@ class Container:
     def __init__(self, spec: dict, log_dir: Path):
         self.spec = spec
         self.name = spec["name"]
-        self.log = log_dir / f"{self.name}.log"
+        self.log = log_dir / f"{self.name.replace('/', '-')}.log"
         self.process = subprocess.Popen([sys.executable, "-m", "nanoserve_cli", *spec["argv"]],
                                         env={**os.environ, **spec["env"]}, stdout=self.log.open("wb"),
                                         stderr=subprocess.STDOUT)
 
     def probe(self, kind: str) -> bool | None:
         """The probe's verdict, or None when the container has no such probe."""
-        return probe(self.spec[kind], self.spec["ports"]) if kind in self.spec else None
+        return probe(self.spec[kind], self.spec["ip"], self.spec["ports"]) if kind in self.spec else None
 
     def check_running(self) -> None:
         if self.process.poll() is not None:
@@ -82,9 +85,9 @@ def wait_started(containers: list[Container]) -> None:
 class Stream(threading.Thread):
     """One streamed completion through the gateway; `started` is set at its first event."""
 
-    def __init__(self, port: int, body: dict):
+    def __init__(self, ip: str, port: int, body: dict):
         super().__init__(daemon=True)
-        self.port, self.body = port, body
+        self.ip, self.port, self.body = ip, port, body
         self.started = threading.Event()
         self.events: list[dict] = []
         self.done = False
@@ -92,7 +95,7 @@ class Stream(threading.Thread):
 
     def run(self) -> None:
         try:
-            connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+            connection = http.client.HTTPConnection(self.ip, self.port, timeout=120)
             connection.request("POST", "/v1/completions", json.dumps(self.body), {"Content-Type": "application/json"})
             reply = connection.getresponse()
             if reply.status != 200:
@@ -111,22 +114,33 @@ class Stream(threading.Thread):
             self.started.set()
 
 
-def run(spec: dict) -> dict:
+def network(spec: dict) -> None:
+    """Loopback up (every 127.x.y.z address is then local: one a pod), the pods' DNS names in /etc/hosts."""
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    if spec.get("hosts"):
+        hosts = Path(spec["log_dir"]) / "hosts"
+        hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{ip} {name}\n" for name, ip in spec["hosts"].items()))
+        subprocess.run(["mount", "--bind", str(hosts), "/etc/hosts"], check=True)
+
+
+def run(spec: dict) -> dict:
+    network(spec)
     log_dir = Path(spec["log_dir"])
     containers = [Container(c, log_dir) for c in spec["containers"]]
-    by_name = {c.name: c for c in containers}
+    [gateway] = [c for c in containers if c.name.endswith("gateway")]
     result: dict = {}
     try:
         wait_started(containers)
         result["live"] = {c.name: c.probe("livenessProbe") for c in containers}
-        stream = Stream(by_name["gateway"].spec["ports"]["http"], spec["request"])
+        stream = Stream(gateway.spec["ip"], gateway.spec["ports"]["http"], spec["request"])
         stream.start()
         stream.started.wait(120)
         stopped_at = time.monotonic()
         for container in containers:  # the kubelet's SIGTERM, to every container at once
             container.process.send_signal(signal.SIGTERM)
-        time.sleep(1)
+        deadline = time.monotonic() + DRAIN_NOTICE_SECONDS
+        while gateway.probe("readinessProbe") and time.monotonic() < deadline:
+            time.sleep(0.1)
         result["draining"] = {c.name: {kind: c.probe(kind) for kind in ("readinessProbe", "livenessProbe")}
                               for c in containers if c.process.poll() is None}
         stream.join(spec["grace_seconds"])
