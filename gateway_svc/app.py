@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from gateway_svc import generation
+from gateway_svc.drain import Drain
 from gateway_svc.engine_metrics import engine_exposition
 from gateway_svc.errors import OpenAIError, bad_request, install_handlers
 from gateway_svc.failover_call import FailoverCall
@@ -35,6 +36,7 @@ class GatewayConfig:
     # host:port of the scheduler's public gRPC API; after it, comma-separated, fallbacks that take
     # over the streams it breaks (failover_call.py)
     scheduler: str
+    shutdown_timeout: float      # seconds a stopping process lets its requests finish (drain.py)
     served_model_name: str = ""  # the id /v1/models lists; default: the model directory's name
     vllm_metric_names: bool = False  # /metrics also carries the model-server gauges under vLLM's names
 
@@ -79,6 +81,7 @@ def create_app(config: GatewayConfig) -> HTTPMetrics:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        drain.listen()
         gateway.client, *gateway.fallbacks = [SchedulerClient(address.strip())
                                               for address in config.scheduler.split(",")]
         waiting = asyncio.create_task(gateway.client.wait_serving())  # the port opens at once: /health says why not
@@ -155,7 +158,8 @@ def create_app(config: GatewayConfig) -> HTTPMetrics:
         return Response(exposition(registry) + engine, media_type=CONTENT_TYPE_LATEST)
 
     paths = {route.path for route in app.routes}
-    return HTTPMetrics(app, registry, paths)
+    drain = Drain(app, config.shutdown_timeout)  # the lifespan above starts its signal handling
+    return HTTPMetrics(drain, registry, paths)
 
 
 async def _respond(request: Request, call: grpc.aio.UnaryStreamCall, reply: Reply, stream: bool,

@@ -11,11 +11,9 @@ from collections.abc import AsyncIterator
 import grpc
 
 from gateway_svc.errors import OpenAIError, from_grpc
-from gateway_svc.responses import Chunks, Reply, event
+from gateway_svc.responses import DONE, Chunks, Reply, event
 from nanoserve.client import Completion
 from nanoserve.v1 import llm_pb2
-
-_DONE = b"data: [DONE]\n\n"
 
 
 async def open_call(call: grpc.aio.UnaryStreamCall, reply: Reply) -> list[llm_pb2.GenerateResponse]:
@@ -72,9 +70,9 @@ async def stream(call: grpc.aio.UnaryStreamCall, head: list[llm_pb2.GenerateResp
                 yield data
         if include_usage:
             yield chunks.usage()
-        yield _DONE
+        yield DONE
     except grpc.aio.AioRpcError as err:  # too late for a status: the error travels as an event
         yield event(from_grpc(err, reply.param_names).body())
-        yield _DONE
+        yield DONE
     finally:
         call.cancel()  # the client went away mid-stream: the scheduler frees the request's blocks

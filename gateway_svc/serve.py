@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 
@@ -32,12 +33,18 @@ _FACTORY = "gateway_svc.serve:app_from_environment"
 
 
 def log_format(processes: int) -> str:
-    """With several processes each line names its process (uvicorn's own name theirs in brackets)."""
-    return "%(asctime)s %(name)s " + ("[%(process)d] " if processes > 1 else "") + "%(message)s"
+    """As the other services' lines, with its level; with several processes each line names its process
+    (uvicorn's own name theirs in brackets)."""
+    return "%(asctime)s %(levelname)s %(name)s " + ("[%(process)d] " if processes > 1 else "") + "%(message)s"
 
 
 def serve(args: argparse.Namespace) -> None:
-    """Serves until SIGINT / SIGTERM (every process stopped by then)."""
+    """Serves until SIGINT / SIGTERM (every process stopped by then; drain.py)."""
+    # uvicorn raises the signal that stopped it again once stopped, to the handlers it found: a deliberate
+    # stop ends here, with status 0 and no KeyboardInterrupt (a Python handler, unlike SIG_IGN, is not
+    # inherited by the processes of --api-server-count).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _stopped)
     for flag in flags_of("gateway"):  # what each process parses (its own, with one process)
         os.environ[flag.env] = str(getattr(args, flag.dest))
     with _metrics_dir(args.api_server_count):
@@ -48,12 +55,17 @@ def serve(args: argparse.Namespace) -> None:
                     log_level=args.log_level, loop="asyncio")
 
 
+def _stopped(signum: int, frame) -> None:
+    pass
+
+
 def app_from_environment() -> HTTPMetrics:
     """The app one process serves, from the gateway's flags and their NANOSERVE_* variables."""
     args = parse("gateway", [], prog="python -m gateway_svc")
     follow_launcher()
     logging.basicConfig(level=args.log_level.upper(), format=log_format(args.api_server_count))
-    app = create_app(GatewayConfig(scheduler=args.scheduler, served_model_name=args.served_model_name,
+    app = create_app(GatewayConfig(scheduler=args.scheduler, shutdown_timeout=args.shutdown_timeout,
+                                   served_model_name=args.served_model_name,
                                    vllm_metric_names=args.vllm_metric_names))
     freeze_start_up_objects()  # the app, FastAPI's and pydantic's machinery: nothing a collection need walk
     return app

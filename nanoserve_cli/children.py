@@ -1,5 +1,7 @@
-"""The launcher's child processes: started tied to the launcher's life (nanoserve.lifeline), their
-output relayed line by line to the launcher's stderr, their last error line kept for its summary."""
+"""The launcher's child processes: started tied to the launcher's life (nanoserve.lifeline), each in
+a session of its own (a terminal's Ctrl-C reaches the launcher alone, which stops them in order:
+stopping.py), their output relayed line by line to the launcher's stderr, their last error line
+kept for its summary."""
 import os
 import re
 import subprocess
@@ -17,7 +19,7 @@ class Child(subprocess.Popen):
 
     def __init__(self, argv: list[str], env: dict[str, str] | None = None):
         env = {**(os.environ if env is None else env), LAUNCHER_PID_ENV: str(os.getpid())}
-        super().__init__(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        super().__init__(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         self.last_error = ""
         self.relay = threading.Thread(target=self._relay, name=f"relay-{self.pid}", daemon=True)
         self.relay.start()

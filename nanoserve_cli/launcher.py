@@ -6,7 +6,8 @@ Each child is the service itself (`python -m worker_svc`, `python -m scheduler_s
 flag table, as `up` parsed them, plus the ones only the launcher can know (ports, ranks, addresses)
 and, in its environment, a random --worker-token shared by this launcher's scheduler and workers.
 Busy ports and a checkpoint without its config.json or tokenizer.json fail before any child starts;
-children die with the launcher (children.py). Once serving, a worker rank that exits or hangs is
+children die with the launcher (children.py). Ctrl-C or SIGTERM stops them front to back, letting
+the requests in flight finish (stopping.py). Once serving, a worker rank that exits or hangs is
 replaced with its whole group (supervision.py) while the scheduler holds its requests; when the
 group keeps failing, or another child fails, `up` stops the others and exits 1 with that child's
 last error line.
@@ -15,7 +16,6 @@ import argparse
 import itertools
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -31,6 +31,7 @@ from nanoserve.healthcheck import SERVING, serving_status
 from nanoserve.listen import ListenError, PortReservation, check_port_free
 from nanoserve_cli.cache import demo_model_dir
 from nanoserve_cli.children import Child
+from nanoserve_cli.stopping import StopSignals, stop_in_order, stop_tier
 from nanoserve_cli.supervision import GaveUp, WorkerGroupSupervisor
 
 SERVICE_MODULES = {"worker": "worker_svc", "scheduler": "scheduler_svc", "gateway": "gateway_svc"}  # command -> module
@@ -143,23 +144,12 @@ def wait_http_ok(url: str, procs: list[subprocess.Popen], timeout: float) -> Non
 
 
 def stop_all(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt  # SIGTERM stops the group the same way Ctrl-C does
+    """Stops processes that hold no requests (a test's, a bench's): SIGTERM, killed after 10 s."""
+    stop_tier(procs, 10.0)
 
 
 def run_local(args: argparse.Namespace) -> int:
+    signals = StopSignals()
     try:
         model = Path(args.model) if args.model else demo_model()
         check_before_start(args, model)
@@ -187,7 +177,6 @@ def run_local(args: argparse.Namespace) -> int:
     others = [Child(scheduler_command(args), env)]
     if args.openai_port:  # started now: it waits for the scheduler itself, and says so
         others.append(Child(gateway_command(args), env))
-    signal.signal(signal.SIGTERM, _interrupt)
     address = f"{args.host}:{args.port}"
     try:
         wait_serving(address, workers.procs + others, args.worker_connect_timeout + 60)
@@ -208,10 +197,11 @@ def run_local(args: argparse.Namespace) -> int:
         print(f"nanoserve up failed: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("stopping nanoserve ...", flush=True)
+        print(f"stopping nanoserve: requests in flight may finish within {args.shutdown_timeout:g}s "
+              "(--shutdown-timeout); Ctrl-C again stops at once", flush=True)
         return 0
     finally:
-        stop_all(workers.procs + others)
         workers.liveness.stop()
+        stop_in_order([others, workers.procs], args.shutdown_timeout, signals)
         for held in meeting:
             held.release()

@@ -102,6 +102,13 @@ class Engine:
         self.task = loop.create_task(self._loop())
         self.task.add_done_callback(self._loop_ended)
 
+    async def close(self) -> None:
+        """Stops the loop and lets the workers go (their session ends with its step streams)."""
+        for task in (self.task, self.waker_task):
+            task.cancel()
+        await asyncio.gather(self.task, self.waker_task, return_exceptions=True)
+        await self.group.close()
+
     def _loop_ended(self, task: asyncio.Task) -> None:
         """A loop that ends (no group can ever serve, or a bug) must not leave requests hanging:
         they fail, health goes down, and the scheduler exits (server.py)."""

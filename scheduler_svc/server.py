@@ -2,7 +2,6 @@
 import argparse
 import asyncio
 import logging
-import signal
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -20,10 +19,12 @@ from nanoserve.healthcheck import LIVENESS
 from nanoserve.hub import ModelNotFound
 from nanoserve.listen import ListenError, check_port_free, listen
 from nanoserve.mathutil import cdiv
+from nanoserve.stopping import SHUTTING_DOWN
 from nanoserve.tls import TLSConfigError, tls_files
 from nanoserve.v1 import llm_pb2, llm_pb2_grpc, worker_pb2
 from nanoserve.wire import SERVER_OPTIONS
 from scheduler_svc.chat_template import ChatTemplate, ChatTemplateError
+from scheduler_svc.chat_tools import ChatTools, ToolError, template_message
 from scheduler_svc.completions import CompletionOutput, ResumeError, completion_sequences
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine
@@ -34,7 +35,9 @@ from scheduler_svc.request_validation import (BadRequest, RequestLimits, check_r
                                               completions_to_generate, prompt_ids, sampling_options)
 from scheduler_svc.scheduler import AdmissionError
 from scheduler_svc.sequence import SamplingOptions
+from scheduler_svc.shutdown import DrainGuard, Shutdown, Stopped
 from scheduler_svc.structured_outputs import ConstraintError, GrammarCompiler, constraint_key
+from scheduler_svc.tool_calls import ToolCallParser
 from scheduler_svc.tokenizer import TextTokenizer
 from scheduler_svc.worker_group import WorkerGroup, WorkerUnavailable
 
@@ -114,16 +117,22 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         timer = RequestTimer()
         engine = await self._ready_engine(context)
         try:
-            text = await self._off_loop(self._conversation_text, request)
+            tools = ChatTools(request)
+            text = await self._off_loop(self._conversation_text, request, tools)
             ids = checked_length(await self._off_loop(self.tokenizer.encode, text, False), self.limits)
-            options = await self._options(request.sampling, len(ids), self.chat_template.thinking(text))
+            sampling = await self._off_loop(tools.sampling, request.sampling, self.grammars)
+            options = await self._options(sampling, len(ids), self.chat_template.thinking(text))
             completions = completions_to_generate(request.resume, options, len(ids), self.limits)
+        except ToolError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except BadRequest as err:
             await context.abort(err.code, str(err))
-        await self._stream(engine, ids, options, completions, request.request_id, timer, context)
+        await self._stream(engine, ids, options, completions, request.request_id, timer, context,
+                           parse_tools=tools.active)
 
     async def _stream(self, engine: Engine, ids: list[int], options: SamplingOptions,
-                      completions: list[llm_pb2.ResumedCompletion], request_id: str, timer: RequestTimer, context):
+                      completions: list[llm_pb2.ResumedCompletion], request_id: str, timer: RequestTimer, context,
+                      parse_tools: bool = False):
         if engine.scheduler.num_waiting + len(completions) > self.max_waiting:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{self.max_waiting} requests are already waiting; retry later")
@@ -141,6 +150,8 @@ class LLMService(llm_pb2_grpc.LLMServicer):
             for stream in streams:
                 engine.requests.abort(stream.seq.seq_id)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        parsers = {id(output): ToolCallParser(completion.text)
+                   for output, completion in zip(outputs, completions)} if parse_tools else {}
         for stream in streams:
             stream.timer = timer
         live = outputs  # the completions not done yet
@@ -155,6 +166,8 @@ class LLMService(llm_pb2_grpc.LLMServicer):
                     if output.stop_string is not None:
                         engine.stop(output.seq)
                     if message is not None:
+                        if parsers:
+                            parsers[id(output)].apply(message)
                         await context.write(message)
                 live = [output for output in live if not output.done]
         finally:
@@ -167,15 +180,18 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         """The prompt ids of a request's conversation, through the chat template."""
         return self.tokenizer.encode(self._conversation_text(request), add_bos=False)  # the template writes any BOS
 
-    def _conversation_text(self, request: llm_pb2.ChatRequest | llm_pb2.TokenizeRequest) -> str:
+    def _conversation_text(self, request: llm_pb2.ChatRequest | llm_pb2.TokenizeRequest,
+                           tools: ChatTools | None = None) -> str:
         if not request.messages:
             raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, "messages is empty: send at least one message")
-        messages = [{"role": message.role, "content": message.content} for message in request.messages]
+        messages = [template_message(message) for message in request.messages]
         add_generation_prompt = (request.add_generation_prompt if request.HasField("add_generation_prompt")
                                  else True)
+        template_kwargs = MessageToDict(request.chat_template_kwargs)
+        if tools is not None and tools.active:
+            template_kwargs["tools"] = tools.template_tools()
         try:
-            return self.chat_template.render(messages, add_generation_prompt,
-                                             MessageToDict(request.chat_template_kwargs))
+            return self.chat_template.render(messages, add_generation_prompt, template_kwargs)
         except ChatTemplateError as err:
             raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
 
@@ -278,7 +294,9 @@ def _model_info(config: SchedulerConfig, group: WorkerGroup, limits: RequestLimi
 
 async def _serve(args: argparse.Namespace) -> int:
     worker_tls = tls_files(args, "worker_tls")
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RequestBytesGuard(args.max_request_bytes)])
+    shutdown = Shutdown(args.shutdown_timeout)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RequestBytesGuard(args.max_request_bytes),
+                                                                   DrainGuard(shutdown)])
     try:  # what can fail at once, before any waiting
         if args.metrics_port:
             check_port_free(args.host, args.metrics_port, "the scheduler's --metrics-port")
@@ -290,6 +308,7 @@ async def _serve(args: argparse.Namespace) -> int:
     except (ListenError, CheckpointError, TLSConfigError, KVEventsConfigError) as err:
         log.error("cannot start: %s", err)
         return 1
+    shutdown.listen()
     service = LLMService(args.max_waiting)
     llm_pb2_grpc.add_LLMServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
@@ -299,7 +318,8 @@ async def _serve(args: argparse.Namespace) -> int:
     await server.start()
 
     async def set_health(healthy: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if healthy else health_pb2.HealthCheckResponse.NOT_SERVING
+        serving = healthy and not shutdown.draining  # a recovered group does not bring a draining server back
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", llm_service):
             await health_servicer.set(name, status)
 
@@ -310,16 +330,19 @@ async def _serve(args: argparse.Namespace) -> int:
     group = WorkerGroup([a.strip() for a in args.workers.split(",") if a.strip()], args.worker_token, worker_tls,
                         args.step_timeout)
     try:
-        await group.connect(args.worker_connect_timeout)
+        await shutdown.unless_asked(group.connect(args.worker_connect_timeout))
         config = _scheduler_config(args, group)
         # The model's own revision applies to its tokenizer, not to another --tokenizer.
         service.tokenizer = _tokenizer(args.tokenizer or group.infos[0].model,
                                        "" if args.tokenizer else args.revision, args.download_dir)
         kv_events = _kv_event_publisher(kv_events_config, config.block_size)
-    except (WorkerUnavailable, StartupError) as err:
-        log.error("cannot start: %s", err)
+    except (WorkerUnavailable, StartupError, Stopped) as err:
         await group.close()
         await server.stop(grace=0)
+        if isinstance(err, Stopped):
+            log.info("stopped before serving")
+            return 0
+        log.error("cannot start: %s", err)
         return 1
     service.chat_template = ChatTemplate(service.tokenizer.directory)
     service.limits = RequestLimits(group.infos[0].vocab_size, config.max_model_len, args.max_n,
@@ -339,21 +362,35 @@ async def _serve(args: argparse.Namespace) -> int:
     log.info("serving %s (%d KV blocks, max model len %d)", service.info.model, config.num_kv_blocks,
              config.max_model_len)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    stopping = loop.create_task(stop.wait())
-    await asyncio.wait((stopping, engine.task), return_when=asyncio.FIRST_COMPLETED)
-    if kv_events is not None:
-        kv_events.close()
-    if not stopping.done():  # the engine ended: no worker group can ever serve this scheduler
+    asked = asyncio.ensure_future(shutdown.asked.wait())
+    await asyncio.wait((asked, engine.task), return_when=asyncio.FIRST_COMPLETED)
+    if not asked.done():  # the engine ended: no worker group can ever serve this scheduler
+        asked.cancel()
+        if kv_events is not None:
+            kv_events.close()
         log.error("exiting: %s", engine.requests.failure)
         await server.stop(grace=1)
         return 1
-    log.info("shutting down")
-    await server.stop(grace=2)
+    await _drain(shutdown, engine, set_health)
+    await server.stop(grace=2)  # the calls ended above write their status
+    await engine.close()
+    if kv_events is not None:
+        kv_events.close()
+    log.info("stopped")
     return 0
+
+
+async def _drain(shutdown: Shutdown, engine: Engine, set_health) -> None:
+    """Lets the generation calls in flight finish (new ones are refused meanwhile), within the
+    timeout; then ends the rest UNAVAILABLE."""
+    await set_health(False)
+    log.info("stopping: NOT_SERVING and refusing new requests; %d request(s) in flight may finish within %gs "
+             "(--shutdown-timeout); a second Ctrl-C or SIGTERM stops at once", shutdown.in_flight, shutdown.timeout)
+    if await shutdown.drained():
+        log.info("every request in flight finished")
+        return
+    log.info("ending %d request(s) still in flight: %s", shutdown.in_flight, SHUTTING_DOWN)
+    engine.requests.give_up(SHUTTING_DOWN)
 
 
 def _kv_event_publisher(config: KVEventsConfig, block_size: int) -> "KVEventPublisher | None":

@@ -22,7 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     from worker_svc.config import WorkerConfig
     from worker_svc.server import serve_worker
 
-    return serve_worker(WorkerConfig.from_flags(args), args.host, args.port, tls_files(args), args.worker_token)
+    return serve_worker(WorkerConfig.from_flags(args), args.host, args.port, tls_files(args), args.worker_token,
+                        args.shutdown_timeout)
 
 
 if __name__ == "__main__":

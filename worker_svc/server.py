@@ -21,6 +21,7 @@ from worker_svc.guard import WorkerGuard
 from worker_svc.launched_step import MAX_STEPS_IN_FLIGHT, LaunchedStep, RefusedStep
 from worker_svc.preflight import StartupError, check_startup
 from worker_svc.sessions import Sessions
+from worker_svc.stopping import StoppedWhileLoading, WorkerStop
 from worker_svc.watchdog import StepWatchdog
 
 log = logging.getLogger("nanoserve.worker")
@@ -133,14 +134,16 @@ _END = object()
 
 
 def serve_worker(config: WorkerConfig, host: str, port: int, tls: TLSFiles = TLSFiles(),
-                 token: str = "") -> int:
+                 token: str = "", shutdown_timeout: float = 0.0) -> int:
     """Takes the port first (a busy one fails before anything loads), answers UNAVAILABLE while the
-    model loads, then serves; returns the exit status."""
+    model loads, then serves until stopped (stopping.py); returns the exit status."""
     sys.setswitchinterval(GIL_SWITCH_SECONDS)
+    stop = WorkerStop(shutdown_timeout)
+    sessions = Sessions()
     try:
         check_startup(config)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS,
-                             interceptors=[WorkerGuard(token, Sessions())])
+                             interceptors=[WorkerGuard(token, sessions)])
         address = listen(server, host, port, f"worker rank {config.rank}'s --port", tls.server_credentials())
     except (StartupError, ListenError, TLSConfigError) as err:
         log.error("cannot start: %s", err)
@@ -154,17 +157,24 @@ def serve_worker(config: WorkerConfig, host: str, port: int, tls: TLSFiles = TLS
     log.info("rank %d listening on %s%s while it loads", config.rank, address, " (TLS)" if tls.enabled else "")
     try:
         service.runner = _load(config)
-    except StartupError as err:
-        log.error("rank %d cannot serve %s: %s", config.rank, config.model, err)
+    except (StartupError, StoppedWhileLoading) as err:
         server.stop(grace=0).wait()
+        if isinstance(err, StoppedWhileLoading):
+            log.info("rank %d stopped while loading", config.rank)
+            return 0
+        log.error("rank %d cannot serve %s: %s", config.rank, config.model, err)
         return 1
     _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
     log.info("rank %d serving on %s", config.rank, address)
-    try:
-        server.wait_for_termination()
-    except KeyboardInterrupt:
-        pass
+    stop.wait_asked()
+    _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+    if sessions.held():
+        log.info("rank %d stopping once its scheduler lets go (it drains within --shutdown-timeout %gs)",
+                 config.rank, shutdown_timeout)
+        if not stop.wait_released(sessions.held):
+            log.info("rank %d stopping with its scheduler's session still open", config.rank)
     server.stop(grace=1).wait()
+    log.info("rank %d stopped", config.rank)
     return 0
 
 

@@ -88,6 +88,11 @@ class Sessions:
             holder.streams += 1
             holder.streamed = True
 
+    def held(self) -> bool:
+        """A live session holds this worker (its scheduler may still send steps)."""
+        with self._lock:
+            return self._holder is not None and self._holder.live(self._clock())
+
     def close_stream(self, session_id: str) -> None:
         with self._lock:
             if self._holder is not None and self._holder.session_id == session_id:

@@ -42,6 +42,7 @@ WORKER = ("worker", "up")
 SCHEDULER = ("scheduler", "up")
 SERVERS = ("worker", "scheduler")                          # each serves its own gRPC port
 LOGGING = ("worker", "scheduler", "up")
+STOPPING = ("worker", "scheduler", "gateway", "up")  # servers that drain when stopped, and their launcher
 CLIENTS = ("generate", "chat", "info", "stats", "tokenize", "healthcheck")  # ask a server over gRPC
 GENERATE = ("generate", "chat")  # the client commands that generate
 PORTS = (1, 65535)
@@ -172,6 +173,12 @@ FLAGS = (
          "worker group; past it they end UNAVAILABLE", SCHEDULER),
     Flag("--step-timeout", 300.0, "seconds a step may take before the ranks that have not answered count as "
          "hung: the scheduler stops waiting for them, a worker exits, up restarts them", ENGINE),
+    # Kubernetes' default terminationGracePeriodSeconds is 30: a pod's grace period must exceed this.
+    Flag("--shutdown-timeout", 25.0, "seconds a stopping server (SIGTERM, Ctrl-C) lets its requests in flight "
+         "finish while it reports NOT_SERVING and refuses new ones (UNAVAILABLE / 503: the server is draining); "
+         "then the rest end UNAVAILABLE (the server is shutting down) and it exits 0. A second signal stops at "
+         "once. A worker waits this long (and a few seconds more) for its scheduler to let go", STOPPING,
+         limits=(0.0, 24 * 3600.0)),
     Flag("--metrics-port", 0, "port serving Prometheus metrics at /metrics; 0 = off", SCHEDULER,
          limits=(0, PORTS[1])),
     Flag("--kv-events-config", "", "KV cache events for prefix-aware routers, as vLLM's JSON KVEventsConfig, e.g. "

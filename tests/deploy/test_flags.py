@@ -104,7 +104,7 @@ def test_up_hands_each_child_exactly_the_flags_both_commands_take(tmp_path):
         "--worker-connect-timeout", "12", "--metrics-port", "9100", "--log-level", "debug", "--log-format", "json",
         "--load-format", "dummy", "--revision", "v1", "--download-dir", "/dl", "--max-n", "3", "--max-logprobs", "7",
         "--no-enable-chunked-prefill", "--long-prefill-token-threshold", "5",
-        "--max-request-bytes", "1000", "--worker-restart-timeout", "9", "--step-timeout", "8",
+        "--max-request-bytes", "1000", "--worker-restart-timeout", "9", "--step-timeout", "8", "--shutdown-timeout", "4",
         "--kv-events-config", '{"enable_kv_cache_events": true}'])
     launched = {"worker": launcher.worker_command(up, tmp_path, 1, "127.0.0.1:4000"),
                 "scheduler": launcher.scheduler_command(up)}

@@ -80,6 +80,8 @@ def test_without_its_scheduler_the_gateway_says_it_waits_and_its_probe_fails(tmp
                                env=ENV, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     try:
         wait_for_line(log, f"waiting for the scheduler: the scheduler at {nobody} does not answer", gateway, 60)
+        line = next(line for line in log.read_text().splitlines() if "waiting for the scheduler" in line)
+        assert line.split()[2:4] == ["INFO", "nanoserve.gateway"], line  # its level, as every service's line
         probe = subprocess.run(PROBE + ["--port", str(port)], env=ENV, capture_output=True, text=True, timeout=30)
         assert probe.returncode == 1
         assert probe.stderr.startswith(f"unhealthy: http://127.0.0.1:{port}/health answered 503: the scheduler "
@@ -103,10 +105,12 @@ def test_up_hands_the_gateway_its_flags_and_the_scheduler_it_starts(monkeypatch,
         monkeypatch.delenv(f.env, raising=False)
     up = build_parser().parse_args(["up", "--host", "127.0.0.2", "--port", "6000", "--openai-port", "6001",
                                     "--tokenizer", str(tmp_path), "--served-model-name", "tiny",
-                                    "--api-server-count", "3"])
+                                    "--api-server-count", "3", "--shutdown-timeout", "7"])
     command = launcher.gateway_command(up)
     assert command[:3] == [sys.executable, "-m", "gateway_svc"]
     args = flags.parse("gateway", command[3:])
     assert (args.scheduler, args.host, args.port) == ("127.0.0.2:6000", "127.0.0.2", 6001)
-    assert (args.served_model_name, args.api_server_count) == ("tiny", 3)  # the tokenizer is the scheduler's alone (Chat, Tokenize, Detokenize)
-    assert {f.dest for f in flags.shared("up", "gateway")} == {"served_model_name", "api_server_count"}
+    assert (args.served_model_name, args.api_server_count, args.shutdown_timeout) == ("tiny", 3, 7)
+    # the tokenizer is the scheduler's alone (Chat, Tokenize, Detokenize)
+    assert {f.dest for f in flags.shared("up", "gateway")} == {"served_model_name", "api_server_count",
+                                                               "shutdown_timeout", "vllm_metric_names"}
