@@ -22,7 +22,7 @@ JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_sepa
 _THINKING = 'THINKING: /(.|\\n)*/\n'
 
 
-class ConstraintError(ValueError):
+class ConstraintError(Exception):
     """A constraint that cannot be enforced; the message names the field and the problem."""
 
 
@@ -108,8 +108,6 @@ class GrammarCompiler:
         itself) or "opened" (the prompt did)."""
         try:
             grammar = _grammar(kind, value)
-        except ConstraintError:
-            raise
         except (ValueError, TypeError, AssertionError) as err:  # llguidance's own refusals
             raise ConstraintError(f"structured_outputs.{kind}: {err}") from None
         if thinking:

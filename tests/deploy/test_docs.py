@@ -84,8 +84,8 @@ def command_problems(words: list[str], make_targets: set[str]) -> list[str]:
     """Why a shown command would not run as shown ([] when it would, or is not ours to check)."""
     for start, word in enumerate(words):
         if word == "nanoserve" or word.endswith("/bin/nanoserve"):
-            try:
-                build_parser().parse_args(words[start + 1:])
+            try:  # "..." stands for flags the page leaves out
+                build_parser().parse_args([w for w in words[start + 1:] if w != "..."])
             except SystemExit as stop:
                 return [] if stop.code == 0 else [f"`{shlex.join(words[start:])}` does not parse"]
             return []

@@ -17,6 +17,8 @@ from tests.worker.moe_models import moe_model
 from tests.worker.test_moe_kernels import SMALL_TILES, check_align, check_layers, check_route, separated_logits
 from tests.worker.test_moe_vs_hf import GREEDY, GREEDY_TOKENS, sequences
 from tests.worker.worker_steps import StepWriter, generate
+from worker_svc.config import WorkerConfig
+from worker_svc.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 A3B_LAYER = dict(experts=128, top_k=8, hidden=2048, width=768)
@@ -99,3 +101,13 @@ def test_bf16_decode_graphs_give_the_eager_tokens(tmp_path, batch_size):
     graphs, runner.graphs = runner.graphs, None
     eager = generate(runner, StepWriter(runner.config.block_size), batch, 32)
     assert graphs is not None and replayed == eager
+
+
+def test_a_gpu_without_room_for_the_kv_cache_says_so_at_start(tmp_path):
+    """The weights fit but nothing is left for KV blocks: one line naming the flags, at start-up."""
+    path = write_checkpoint(tmp_path, config_json(False, SHAPE_128 | MOE_128, "bfloat16", "qwen3_moe"), None)
+    free, total = torch.cuda.mem_get_info()
+    share = (total - free) / total + 0.002  # what is taken already, and too little beside it
+    with pytest.raises(ValueError, match=r"no room for the KV cache: --gpu-memory-utilization .* raise "
+                                         r"--gpu-memory-utilization"):
+        ModelRunner(WorkerConfig(model=str(path), device="cuda", load_format="dummy", gpu_memory_utilization=share))

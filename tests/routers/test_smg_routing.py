@@ -1,4 +1,4 @@
-"""Two nanoserve replicas behind a real SMG router, as `nanoserve up --data-parallel-size 2` runs them.
+"""Two nanoserve replicas behind a real SMG router.
 
 Cache-aware routing: 8 prompt groups, each sharing a long prefix, 8 requests each, sent one group
 after another in an order that round robin spreads over both replicas; each replica's KV pool holds
@@ -16,20 +16,11 @@ import httpx
 import pytest
 
 from nanoserve.client import Client
-from tests.routers.smg_process import SMG, running_replicas, running_smg
+from tests.routers.smg_process import SMG_INSTALLED, running_smg
 
-pytestmark = pytest.mark.skipif(not SMG.exists(), reason="SMG is not installed (pip install smg, requirements-dev.txt)")
+pytestmark = pytest.mark.skipif(not SMG_INSTALLED, reason="SMG is not installed (pip install smg, requirements-dev.txt)")
 
-BLOCK_SIZE, NUM_KV_BLOCKS = 16, 72   # a prefix takes 11 blocks: a replica holds six of the eight
-GROUPS, PER_GROUP = 8, 8
-
-
-@pytest.fixture(scope="module")
-def replicas(tiny_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("smg") / "replicas.log"
-    with running_replicas(Path(tiny_model_dir), log, 2,
-                          ("--block-size", str(BLOCK_SIZE), "--num-kv-blocks", str(NUM_KV_BLOCKS))) as started:
-        yield started
+GROUPS, PER_GROUP = 8, 8  # a prefix takes 11 blocks: a replica's pool (conftest.py) holds six of the eight
 
 
 def prefixes(seed: int) -> list[str]:
@@ -78,18 +69,15 @@ def test_cache_aware_routing_keeps_prefixes_where_they_are_cached(replicas, tiny
 
 @contextlib.contextmanager
 def kept_busy(url: str, streams: int = 8):
-    """`streams` long generations sent to the replica directly, over and over, until the block ends: more
-    than its KV pool holds, so its KV stays full and requests wait."""
+    """`streams` requests sent to the replica directly, again as each ends, until the block ends: long
+    prompts (their KV fills most of the pool) and short outputs (the block ends soon after)."""
     done = threading.Event()
+    prompt = "Count slowly: " + "one two three four five " * 80
 
     def generate() -> None:
         with httpx.Client(base_url=url, timeout=120) as http:
             while not done.is_set():
-                with http.stream("POST", "/v1/completions", json={"prompt": "Count slowly:", "max_tokens": 400,
-                                                                  "ignore_eos": True, "stream": True}) as reply:
-                    for _ in reply.iter_lines():
-                        if done.is_set():
-                            break  # leaving closes the stream: the replica drops the request
+                http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 60, "ignore_eos": True})
 
     threads = [threading.Thread(target=generate, daemon=True) for _ in range(streams)]
     for thread in threads:
@@ -99,7 +87,7 @@ def kept_busy(url: str, streams: int = 8):
     finally:
         done.set()
         for thread in threads:
-            thread.join(timeout=30)
+            thread.join(timeout=60)
 
 
 def test_load_aware_routing_sends_new_requests_to_the_idle_replica(replicas, tiny_model_dir, tmp_path):

@@ -78,3 +78,13 @@ def test_a_tools_schema_that_does_not_compile_names_the_tool(compiler):
     with pytest.raises(ToolError) as raised:
         tools.sampling(llm_pb2.SamplingParams(), compiler)
     assert "tools[1] (f): parameters: structured_outputs.json: Invalid type: frobnicate" in str(raised.value)
+
+
+def test_a_structural_tag_holds_only_its_segments(compiler):
+    spec = {"structures": [{"begin": "<f=add>", "schema": {"type": "object", "properties": {
+        "a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}, "end": "</f>"}],
+        "triggers": ["<f="]}
+    grammar = compiler.compile("structural_tag", json.dumps(spec))
+    assert accepts(compiler, grammar, 'Adding now <f=add>{"a": 1}</f> and done.')
+    assert accepts(compiler, grammar, "No call at all.")
+    assert not accepts(compiler, grammar, 'Adding now <f=add>{"b": 1}</f>')
