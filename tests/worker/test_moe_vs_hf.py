@@ -7,7 +7,7 @@ the router margin (moe_models.moe_model)."""
 import pytest
 import torch
 
-from tests.worker.moe_models import VARIANTS, hf_greedy, moe_model
+from tests.worker.moe_models import MARGIN, VARIANTS, hf_greedy, hf_model, moe_model, router_margin
 from tests.worker.test_families_vs_hf import assert_decodes_beside_chunked_prefill
 from tests.worker.test_model_vs_hf import assert_close, hf_logits, random_prompt
 from tests.worker.worker_steps import StepWriter, cpu_runner, generate
@@ -97,3 +97,26 @@ def test_moe_layers_hold_every_expert_stacked(variant):
         experts = ours.model.layers[i].mlp.experts
         assert torch.equal(experts.gate_up_proj, layer.mlp.experts.gate_up_proj)
         assert torch.equal(experts.down_proj, layer.mlp.experts.down_proj)
+
+
+def test_online_fp8_quantizes_attention_and_keeps_the_experts(top2):
+    """--quantization fp8 (dequantized at load on CPU) quantizes q/k/v and o and leaves the experts and
+    router as they are: the logits are transformers' once its attention holds the same dequantized
+    weights (the routers still clear the margin on the prompt)."""
+    path, _, run = top2
+    runner, writer = cpu_runner(path, BLOCK_SIZE, quantization="fp8"), StepWriter(BLOCK_SIZE)
+    logits = runner.step_logits(writer.request(writer.entry(0, PREFILL[4], reset=True)))
+    hf = hf_model(path)
+    with torch.no_grad():
+        for ours, theirs in zip(runner.model.model.layers, hf.model.layers):
+            attention = theirs.self_attn
+            q, k, v = ours.self_attn.qkv_proj.weight.split([attention.q_proj.weight.shape[0],
+                                                            attention.k_proj.weight.shape[0],
+                                                            attention.v_proj.weight.shape[0]])
+            assert not torch.equal(q, attention.q_proj.weight)  # quantized
+            for weight, into in ((q, attention.q_proj), (k, attention.k_proj), (v, attention.v_proj),
+                                 (ours.self_attn.o_proj.weight, attention.o_proj)):
+                into.weight.copy_(weight)
+            assert torch.equal(ours.mlp.experts.gate_up_proj, theirs.mlp.experts.gate_up_proj)
+    assert router_margin(hf, PREFILL[4]) > MARGIN
+    assert_close(logits[0], hf_logits(hf, PREFILL[4])[-1])
