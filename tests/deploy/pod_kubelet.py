@@ -7,8 +7,11 @@ kubelet's way (SIGTERM to every container at once) and reports what happened as 
 
 SPEC: {"containers": [{"name", "ip", "argv", "env", "ports": {name: port}, "startupProbe",
 "readinessProbe", "livenessProbe"}], "hosts": {dns name: ip}, "grace_seconds", "log_dir",
-"request": {...}}. Each pod has an address of its own on the loopback interface (`ip`); "hosts"
-stands in for the cluster's DNS (bind-mounted over /etc/hosts, in the test's mount namespace).
+"request": {...}, "kill": a container's name, optional}. With "kill", before the stop: the request
+streamed undisturbed, then again with that container SIGKILLed at its first event and restarted (as
+the kubelet restarts any container of the pod that exits). Each pod has an address of its own on the
+loopback interface (`ip`); "hosts" stands in for the cluster's DNS (bind-mounted over /etc/hosts, in
+the test's mount namespace).
 """
 import http.client
 import json
@@ -56,8 +59,12 @@ class Container:
         self.spec = spec
         self.name = spec["name"]
         self.log = log_dir / f"{self.name.replace('/', '-')}.log"
-        self.process = subprocess.Popen([sys.executable, "-m", "nanoserve_cli", *spec["argv"]],
-                                        env={**os.environ, **spec["env"]}, stdout=self.log.open("wb"),
+        self.restarts = 0
+        self.start()
+
+    def start(self) -> None:
+        self.process = subprocess.Popen([sys.executable, "-m", "nanoserve_cli", *self.spec["argv"]],
+                                        env={**os.environ, **self.spec["env"]}, stdout=self.log.open("ab"),
                                         stderr=subprocess.STDOUT)
 
     def probe(self, kind: str) -> bool | None:
@@ -80,6 +87,22 @@ def wait_started(containers: list[Container]) -> None:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{container.name}'s {kind} never passed")
                 time.sleep(0.5)
+
+
+class Restarter(threading.Thread):
+    """The kubelet's restartPolicy Always for a pod's containers: one that exits is started again."""
+
+    def __init__(self, containers: list[Container]):
+        super().__init__(daemon=True)
+        self.containers = containers
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.wait(0.2):
+            for container in self.containers:
+                if container.process.poll() is not None:
+                    container.restarts += 1
+                    container.start()
 
 
 class Stream(threading.Thread):
@@ -113,6 +136,23 @@ class Stream(threading.Thread):
         finally:
             self.started.set()
 
+    def outcome(self) -> dict:
+        last = self.events[-1] if self.events else {}
+        return {"done": self.done, "error": self.error or last.get("error", ""),
+                "finish_reason": last.get("choices", [{}])[0].get("finish_reason"),
+                "text": "".join(event["choices"][0]["text"] for event in self.events if event.get("choices"))}
+
+
+def completion(gateway: Container, body: dict, kill: Container | None = None) -> dict:
+    """A streamed completion to its end; with `kill`, that container is SIGKILLed at the first event."""
+    stream = Stream(gateway.spec["ip"], gateway.spec["ports"]["http"], body)
+    stream.start()
+    if kill:
+        stream.started.wait(120)
+        kill.process.kill()
+    stream.join(START_SECONDS)
+    return stream.outcome()
+
 
 def network(spec: dict) -> None:
     """Loopback up (every 127.x.y.z address is then local: one a pod), the pods' DNS names in /etc/hosts."""
@@ -132,6 +172,16 @@ def run(spec: dict) -> dict:
     try:
         wait_started(containers)
         result["live"] = {c.name: c.probe("livenessProbe") for c in containers}
+        if spec.get("kill"):  # a crash in a running pod: the kubelet restarts that container alone
+            undisturbed = completion(gateway, spec["request"])
+            restarter = Restarter(containers)
+            restarter.start()
+            killed = completion(gateway, spec["request"], next(c for c in containers if c.name == spec["kill"]))
+            wait_started(containers)
+            restarter.stopping.set()
+            restarter.join()
+            result["kill"] = {"undisturbed": undisturbed, "killed": killed,
+                              "restarts": {c.name: c.restarts for c in containers}}
         stream = Stream(gateway.spec["ip"], gateway.spec["ports"]["http"], spec["request"])
         stream.start()
         stream.started.wait(120)
@@ -144,10 +194,7 @@ def run(spec: dict) -> dict:
         result["draining"] = {c.name: {kind: c.probe(kind) for kind in ("readinessProbe", "livenessProbe")}
                               for c in containers if c.process.poll() is None}
         stream.join(spec["grace_seconds"])
-        last = stream.events[-1] if stream.events else {}
-        result["stream"] = {"done": stream.done, "error": stream.error or last.get("error", ""),
-                            "events": len(stream.events),
-                            "finish_reason": last.get("choices", [{}])[0].get("finish_reason")}
+        result["stream"] = stream.outcome()
         for container in containers:
             left = spec["grace_seconds"] - (time.monotonic() - stopped_at)
             try:

@@ -17,6 +17,7 @@ from tests.deploy.chart_model import FULLNAME, NAMESPACE, PROFILES, REPO, expand
 from tests.services.processes import ENV
 
 MAX_TOKENS = 200  # still in flight when SIGTERM comes, done well within the drain on a loaded machine
+FINISHED = {"done": True, "error": "", "finish_reason": "length"}
 # The downward API's answers for the second group (the LeaderWorkerSet's group-index label).
 DOWNWARD_API = {"metadata.labels['leaderworkerset.sigs.k8s.io/group-index']": "1", "metadata.namespace": NAMESPACE}
 
@@ -49,7 +50,7 @@ def container_spec(container: dict, pod_ip: str, env: dict[str, str], secrets: d
 
 
 def run_pods(docs: list[dict], model_dir: Path, tmp_path: Path, pod_env: list[tuple[str, dict]],
-             hosts: dict[str, str]) -> tuple[dict, dict]:
+             hosts: dict[str, str], kill: str = "") -> tuple[dict, dict]:
     """Runs the replica's pods (each with its address and LeaderWorkerSet variables) under the stand-in
     kubelet, in mount and network namespaces of the test's own; (the result, the containers' logs)."""
     secrets = {secret["metadata"]["name"]: secret for secret in of_kind(docs, "Secret")}
@@ -61,7 +62,7 @@ def run_pods(docs: list[dict], model_dir: Path, tmp_path: Path, pod_env: list[tu
     spec = {"containers": containers, "hosts": hosts, "log_dir": str(tmp_path),
             "grace_seconds": pods(docs)[0].spec["terminationGracePeriodSeconds"],
             "request": {"model": model_dir.name, "prompt": "The sea", "max_tokens": MAX_TOKENS,
-                        "ignore_eos": True, "stream": True}}
+                        "ignore_eos": True, "temperature": 0, "stream": True}, "kill": kill}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     subprocess.run(["unshare", "-m", "-n", sys.executable, "-m", "tests.deploy.pod_kubelet", tmp_path / "spec.json",
                     tmp_path / "result.json"], env=ENV, cwd=REPO, check=True, timeout=400)
@@ -84,8 +85,7 @@ def assert_served_then_drained(result: dict, logs: dict, grace_seconds: int, lea
     draining = result["draining"]
     assert draining[f"{leader}/gateway"]["readinessProbe"] is False, (result, logs)
     assert draining[f"{leader}/scheduler"] == {"readinessProbe": False, "livenessProbe": True}, (result, logs)
-    assert result["stream"] == {"done": True, "error": "", "events": result["stream"]["events"],
-                                "finish_reason": "length"}, (result, logs)
+    assert result["stream"] == {**FINISHED, "text": result["stream"]["text"]}, (result, logs)
     assert set(result["exit"].values()) == {0}, (result, logs)
     assert result["stop_seconds"] < grace_seconds
 
@@ -102,8 +102,8 @@ def test_the_rendered_pod_serves_then_drains_on_sigterm(tiny_model_dir, tmp_path
 
 def test_a_leader_worker_set_group_serves_across_two_pods(tiny_model_dir, tmp_path):
     """A group of two pods, each at an address of its own, their names resolved as the cluster's DNS
-    would: the ranks meet at the leader's address, the leader's scheduler dials both by name; deleting
-    the group (SIGTERM everywhere) drains it."""
+    would: the ranks meet at the leader's address, the leader's scheduler dials both by name; a rank
+    killed mid-stream is a pause; deleting the group (SIGTERM everywhere) drains it."""
     docs = render(PROFILES / "multi-host.yaml", **small(tiny_model_dir, **{
         "worker.env": [{"name": "GLOO_SOCKET_IFNAME", "value": "lo"}]}))
     leader_name = f"{FULLNAME}-1.{FULLNAME}.{NAMESPACE}"
@@ -112,7 +112,15 @@ def test_a_leader_worker_set_group_serves_across_two_pods(tiny_model_dir, tmp_pa
     result, logs = run_pods(docs, tiny_model_dir, tmp_path,
                             [("127.0.0.2", {**lws, "LWS_WORKER_INDEX": "0"}),
                              ("127.0.0.3", {**lws, "LWS_WORKER_INDEX": "1"})],
-                            {leader_name: "127.0.0.2", rank_name: "127.0.0.3"})
+                            {leader_name: "127.0.0.2", rank_name: "127.0.0.3"}, kill="worker/worker")
     assert set(result["exit"]) == {"leader/worker", "leader/scheduler", "leader/gateway", "worker/worker"}
+    # restartPolicy None: rank 1 killed mid-stream restarts alone, rank 0 leaves the broken group and
+    # restarts in place, the scheduler holds the request: it finishes with the undisturbed run's text
+    kill = result.get("kill", {})
+    assert kill.get("undisturbed", {}).get("finish_reason") == "length", (result, logs)
+    assert kill["killed"] == kill["undisturbed"], (result, logs)
+    restarts = kill["restarts"]
+    assert restarts["worker/worker"] >= 1 and restarts["leader/worker"] >= 1, (result, logs)
+    assert restarts["leader/scheduler"] == restarts["leader/gateway"] == 0, (result, logs)
     assert_served_then_drained(result, logs, pods(docs)[0].spec["terminationGracePeriodSeconds"], "leader")
     assert "rank 1/2 loading" in (tmp_path / "worker-worker.log").read_text()

@@ -3,7 +3,9 @@ checks of tests/worker/test_fp8_kernels.py, with the launch shapes serving uses)
 through the dispatch (fp8_linear, as the tuned or default table routes it), torch's blockwise scaled_mm
 where this torch has it, and the whole model: the next-token KL of the W8A8 path over 1,024 positions
 against transformers in float32 on the dequantized weights, beside the bf16-vs-fp32 KL floor (the
-dequantized weights served unquantized in bfloat16). Run with -s to see the numbers:
+dequantized weights served unquantized in bfloat16); and serving with FP8 weights through the step
+graphs (decode and piecewise prefill, with and without an FP8 KV cache) gives the eager path's greedy
+tokens. Run with -s to see the numbers:
     PYTHONPATH=.:proto python3 -m pytest tests/gpu/test_fp8_weights_gpu.py -q -s
 """
 import json
@@ -22,7 +24,7 @@ from nanoserve_model.step_context import step_context
 from tests.worker.fp8_models import write_dequantized
 from tests.worker.test_fp8_kernels import ROWS, check_gemm, check_gemv, check_quantize, random_fp8, relative_error
 from tests.worker.test_triton_kernels import TOLERANCE
-from tests.worker.worker_steps import StepWriter
+from tests.worker.worker_steps import StepWriter, generate
 from worker_svc.config import WorkerConfig
 from worker_svc.runner import ModelRunner
 from worker_svc.step_inputs import build_step_inputs
@@ -130,3 +132,23 @@ def test_w8a8_next_token_kl_is_bounded_beside_the_bf16_floor(checkpoints):
         (Path(os.environ["OUT"]) / "fp8_kl.json").write_text(json.dumps(result, indent=2))
     assert result["positions"] >= 1000
     assert result["kl_w8a8"] < max(KL_BOUND_OVER_FLOOR * result["kl_bf16_floor"], KL_BOUND_NATS), result
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_the_step_graphs_replay_the_fp8_kernels_as_run_eagerly(checkpoints, kv_cache_dtype):
+    """Prefill of four prompts (one step of 362 tokens: W8A8) and 12 decode steps of four rows (weight-only),
+    the batch-1 decode of a fifth (the matrix-vector kernel), with graphs and without: the same tokens."""
+    rng = random.Random(1)
+    prompts = {i: [rng.randrange(151_643) for _ in range(length)] for i, length in enumerate((5, 40, 300, 17))}
+    tokens = {}
+    for eager in (True, False):
+        runner = ModelRunner(WorkerConfig(model=str(checkpoints["fp8"]), device="cuda", dtype="bfloat16",
+                                          block_size=BLOCK_SIZE, num_kv_blocks=128, max_num_seqs=8, max_model_len=512,
+                                          attention_backend="triton", enforce_eager=eager, kv_cache_dtype=kv_cache_dtype))
+        runner.allocate_kv_cache(128)
+        assert (runner.graphs is None) == eager and runner.info().weight_dtype == "float8_e4m3fn"
+        writer = StepWriter(BLOCK_SIZE)
+        tokens[eager] = generate(runner, writer, prompts, 12), generate(runner, writer, {9: prompts[1]}, 12)
+        del runner
+        torch.cuda.empty_cache()
+    assert tokens[True] == tokens[False]
