@@ -9,14 +9,8 @@
 # tensor-parallel service tests on CUDA, then throughput at 1 and 2 ranks.
 # `mixed` (issue 15, one 10-minute call): the heavy workload with and without chunked prefill, then the
 # online benchmark at 8 and 32 requests per second, on the 0.6B shape (triton).
-set -uo pipefail
+source bench/gpu_env.sh
 mode=${1:-all}
-out=${OUT:-bench/out}; mkdir -p "$out"
-export PYTHONPATH=$PWD:$PWD/proto PYTHONUNBUFFERED=1 NANOSERVE_CACHE=$PWD/.cache
-if ls .whl/*.whl >/dev/null 2>&1; then  # packages the GPU image lacks (health, reflection)
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "$mode" = mixed ]; then
   for chunked in enable no-enable; do

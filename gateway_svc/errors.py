@@ -18,7 +18,8 @@ _FROM_GRPC = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANG
               grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
               grpc.StatusCode.UNIMPLEMENTED: 501, grpc.StatusCode.UNAVAILABLE: 503,
               grpc.StatusCode.DEADLINE_EXCEEDED: 504}
-_SAMPLING_FIELDS = frozenset(llm_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
+# The request fields an INVALID_ARGUMENT message may start with: the sampling's, and Chat's tools.
+_SAMPLING_FIELDS = frozenset(llm_pb2.SamplingParams.DESCRIPTOR.fields_by_name) | {"tools", "tool_choice"}
 
 
 class OpenAIError(Exception):

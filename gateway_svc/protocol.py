@@ -2,13 +2,15 @@
 
 The body's types are checked here; the values' ranges are the scheduler's to check (its
 INVALID_ARGUMENT message names the field, and the error names the request's parameter for it).
-What the scheduler cannot do (best_of above n, tools, structured output) is refused with a 400
-naming the parameter, so a client never gets silently different output.
+What the scheduler cannot do (best_of above n, suffix, echo in chat) is refused with a 400 naming
+the parameter, so a client never gets silently different output. Structured output and tools:
+structured.py.
 """
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway_svc import structured
 from gateway_svc.errors import bad_request, unsupported
 from gateway_svc.responses import Echo, Output
 from nanoserve.v1 import llm_pb2
@@ -51,6 +53,7 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     prompt_logprobs: Count | None = None         # vLLM's: scores of the prompt's tokens (whole responses only)
     return_token_ids: bool = False               # vLLM's: each choice (and each streamed event) gives its token ids
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar, json_object, ...
 
     @property
     def include_usage(self) -> bool:
@@ -77,7 +80,13 @@ class _Sampling(BaseModel):
         for name, value in chosen.items():
             if value is not None:
                 setattr(params, name, value)
+        constraint = self.constraint()
+        if constraint is not None:
+            params.structured_outputs.CopyFrom(constraint)
         return params
+
+    def constraint(self) -> llm_pb2.StructuredOutputs | None:
+        return None if self.structured_outputs is None else structured.structured_outputs(self.structured_outputs)
 
     def _token_bias(self) -> dict[int, float]:
         """logit_bias with OpenAI's string keys as token ids (their range is the scheduler's to check)."""
@@ -144,6 +153,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Count | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     echo: bool | None = None  # vLLM's: the reply continues the conversation's last message
     # vLLM's extras for the template: e.g. {"enable_thinking": false} for Qwen3.
@@ -152,13 +162,8 @@ class ChatCompletionRequest(_Sampling):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise unsupported("tools", "`tools` (function calling) are not supported by this server")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise unsupported("tool_choice", "`tool_choice` cannot name a tool: this server has no function calling")
-        if self.response_format not in (None, {"type": "text"}):
-            raise unsupported("response_format", "`response_format` other than {\"type\": \"text\"} (JSON or "
-                                                 "structured output) is not supported by this server")
+        if self.structured_outputs is not None and structured.response_format(self.response_format) is not None:
+            raise bad_request("set either `response_format` or `structured_outputs`, not both", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("`top_logprobs` needs `logprobs` set to true", "top_logprobs")
         if self.echo:
@@ -168,12 +173,17 @@ class ChatCompletionRequest(_Sampling):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def constraint(self) -> llm_pb2.StructuredOutputs | None:
+        return super().constraint() or structured.response_format(self.response_format)
+
     def chat_request(self) -> llm_pb2.ChatRequest:
         """The scheduler's Chat call: it writes the conversation out with the model's template."""
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         request = llm_pb2.ChatRequest(messages=chat_messages(self.messages),
                                       sampling=self.sampling(limit, self.num_logprobs, self.prompt_logprobs),
-                                      add_generation_prompt=self.add_generation_prompt)
+                                      add_generation_prompt=self.add_generation_prompt,
+                                      tools=structured.tools(self.tools), tool_choice=structured.tool_choice(self.tool_choice),
+                                      parallel_tool_calls=self.parallel_tool_calls)
         request.chat_template_kwargs.update(self.chat_template_kwargs)
         return request
 
@@ -184,6 +194,8 @@ class ChatCompletionRequest(_Sampling):
     def param_names(self) -> dict[str, str]:
         """The request's parameter behind each SamplingParams field its errors may name."""
         names = {"logprobs": "top_logprobs"}
+        if self.response_format is not None:
+            names["structured_outputs"] = "response_format"
         if self.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
         return names
@@ -191,7 +203,7 @@ class ChatCompletionRequest(_Sampling):
 
 def chat_messages(messages: list[dict[str, Any]]) -> list[llm_pb2.ChatMessage]:
     """Messages as the Chat call takes them: a role each, content as one string (text parts
-    joined with newlines, as vLLM joins them)."""
+    joined with newlines, as vLLM joins them), an assistant's tool calls, a tool result's call id."""
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message.get("role"), str):
@@ -203,7 +215,9 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[llm_pb2.ChatMessage]:
             content = "\n".join(str(part.get("text", "")) for part in content)
         elif content is not None and not isinstance(content, str):
             raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        out.append(llm_pb2.ChatMessage(role=message["role"], content=content or ""))
+        out.append(llm_pb2.ChatMessage(role=message["role"], content=content or "",
+                                       tool_calls=structured.message_tool_calls(message, i),
+                                       tool_call_id=str(message.get("tool_call_id") or "")))
     return out
 
 

@@ -8,10 +8,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from gateway_svc.logprobs import CompletionLogprobs, chat_content, prompt_logprobs
+from gateway_svc.structured import tool_calls_json
 from nanoserve.client import Completion
 from nanoserve.v1 import llm_pb2
 
-FINISH_REASONS = {"FINISH_REASON_STOP": "stop", "FINISH_REASON_LENGTH": "length", "FINISH_REASON_CANCELLED": "abort"}
+FINISH_REASONS = {"FINISH_REASON_STOP": "stop", "FINISH_REASON_LENGTH": "length", "FINISH_REASON_CANCELLED": "abort",
+                  "FINISH_REASON_TOOL_CALLS": "tool_calls"}
 
 
 @dataclass(frozen=True)
@@ -74,8 +76,10 @@ class Reply:
         ids = {"token_ids": list(c.token_ids)} if self.output.token_ids else {}
         if self.chat:
             logprobs = None if num_top is None else {"content": chat_content(c.logprobs, num_top)}
-            return {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
-                    **ending, **ids}
+            message = {"role": "assistant", "content": c.text}
+            if c.tool_calls:  # OpenAI's content is null beside calls when there is no text
+                message.update(content=c.text or None, tool_calls=tool_calls_json(c.tool_calls))
+            return {"index": c.index, "message": message, "logprobs": logprobs, **ending, **ids}
         echo, text, rows = self.output.echo, c.text, c.logprobs
         if echo is not None:
             text = echo.text + text
@@ -94,6 +98,7 @@ class Chunks:
         self.num_top = reply.output.logprobs
         self.offsets: dict[int, CompletionLogprobs] = {}
         self.usages: dict[int, llm_pb2.Usage] = {}
+        self.num_calls: dict[int, int] = {}  # per choice: tool calls streamed so far
         # Events differ only in their one choice: the envelope up to `"choices":[` is serialized once
         # (about a third of an event's JSON work; the gateway's loop does this for every token).
         self._head = b"data: " + _dumps(reply.envelope(self.reply.chunk_object, [])).removesuffix(b"]}")
@@ -115,8 +120,9 @@ class Chunks:
         back, as a stop string or an unfinished character may still complete, and no logprobs or
         token ids asked for)."""
         scored, ids = self.num_top is not None, self.reply.output.token_ids
+        calls = b"".join(self._tool_call(msg.index, call) for call in msg.tool_calls)
         if not (msg.text or msg.finish_reason or (scored and msg.logprobs) or (ids and msg.token_ids)):
-            return None
+            return calls or None
         ending = {"finish_reason": None, "stop_reason": None}
         if msg.finish_reason:
             self.usages[msg.index] = msg.usage
@@ -131,7 +137,15 @@ class Chunks:
                       "logprobs": self._offsets(msg.index).block(msg.logprobs) if scored else None}
         if ids:
             choice["token_ids"] = list(msg.token_ids)
-        return self._event({**choice, **ending})
+        return calls + self._event({**choice, **ending})
+
+    def _tool_call(self, index: int, call: llm_pb2.ToolCall) -> bytes:
+        """A call as OpenAI streams one: its index, id and name, then its arguments."""
+        number = self.num_calls[index] = self.num_calls.get(index, -1) + 1
+        opening = {"index": number, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        return b"".join(self._event({"index": index, "delta": {"tool_calls": [part]}, "logprobs": None,
+                                     "finish_reason": None, "stop_reason": None})
+                        for part in (opening, {"index": number, "function": {"arguments": call.arguments}}))
 
     def usage(self) -> bytes:
         """The last event before [DONE] (stream_options.include_usage): every choice's usage."""

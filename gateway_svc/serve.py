@@ -33,8 +33,9 @@ _FACTORY = "gateway_svc.serve:app_from_environment"
 
 
 def log_format(processes: int) -> str:
-    """With several processes each line names its process (uvicorn's own name theirs in brackets)."""
-    return "%(asctime)s %(name)s " + ("[%(process)d] " if processes > 1 else "") + "%(message)s"
+    """As the other services' lines, with its level; with several processes each line names its process
+    (uvicorn's own name theirs in brackets)."""
+    return "%(asctime)s %(levelname)s %(name)s " + ("[%(process)d] " if processes > 1 else "") + "%(message)s"
 
 
 def serve(args: argparse.Namespace) -> None:

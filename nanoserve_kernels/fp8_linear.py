@@ -1,13 +1,96 @@
 """y = x @ W.T (+ bias) of an e4m3 weight W with block scales (nanoserve_kernels/fp8_reference.py), by
 batch size: one row reads W through the matrix-vector kernel, dequantizing in registers
-(triton_gemv.py); up to WEIGHT_ONLY_MAX_ROWS rows the weight-only GEMM does the same against the
-16-bit activations; larger batches and prefill quantize the activations per token and 128 columns
-and run the block-scaled W8A8 GEMM (triton_fp8_gemm.py). Off CUDA, the plain-torch reference."""
-import torch
+(triton_gemv.py); larger batches take what fp8_configs.py chose for the shape and bucket: the
+weight-only GEMM against the 16-bit activations (small decode batches), or the activations quantized
+per token and 128 columns (triton_fp8_quant.py) and the W8A8 GEMM, ours (triton_fp8_gemm.py) or torch's
+blockwise scaled_mm. Off CUDA, and for scale blocks the kernels do not tile, the plain-torch reference.
+Every path has fixed shapes for a given row count, so the step graphs capture it.
 
-from nanoserve_kernels import fp8_reference
+The projections' fusions take the same kernels: the RMSNorm before q/k/v and gate/up at one row is
+the matrix-vector kernel's prologue (triton_gemv.rms_norm_gemv with the weight's scales), and the
+SiLU-and-mul after gate/up the GEMM's epilogue (fp8_gate_up_silu). The activations' quantization is a
+pass of its own, not yet fused into the RMSNorm or the SiLU-and-mul that make them.
+"""
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve_kernels import fp8_configs, fp8_reference
+from nanoserve_kernels.fp8_configs import SCALED_MM, W8A8, Fp8Choice
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+def on_kernels(x: torch.Tensor, block: tuple[int, int]) -> bool:
+    """Whether the FP8 kernels take x [rows, K] against a weight of these scale blocks: on CUDA, 16-bit
+    activations, scale columns a power of two of at least 16 (every checkpoint's 128) or one a row."""
+    columns = block[1]
+    return (x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and x.dtype in (torch.bfloat16, torch.float16)
+            and (columns >= x.shape[1] or (columns >= 16 and columns & (columns - 1) == 0)))
+
+
+def choice(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> Fp8Choice:
+    return fp8_configs.choose(_device_name(x.device), weight.shape[0], weight.shape[1], x.shape[0], silu_mul)
+
+
+def _gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+          bias: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
+    """The GEMM of more than one row, as chosen for the shape and bucket."""
+    from nanoserve_kernels.triton_fp8_gemm import fp8_gemm
+    from nanoserve_kernels.triton_fp8_quant import quantize_activation
+    chosen = choice(x, weight, silu_mul)
+    per_row = scale.shape[1] == 1  # K within one scale block: any BLOCK_K
+    launch = chosen.launch if per_row else dict(chosen.launch, BLOCK_K=min(chosen.launch["BLOCK_K"], block[1]))
+    if chosen.mode != W8A8:
+        return fp8_gemm(x, weight, scale, block, launch, bias=bias, silu_mul=silu_mul)
+    if chosen.backend == SCALED_MM and not silu_mul and takes_scaled_mm(x, weight, block):
+        y = scaled_mm(x, weight, scale)
+        return y if bias is None else y + bias
+    x_quantized, x_scale = quantize_activation(x)
+    return fp8_gemm(x_quantized, weight, scale, block, launch, x_scale=x_scale, bias=bias, silu_mul=silu_mul,
+                    out_dtype=x.dtype)
+
+
+def takes_scaled_mm(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> bool:
+    """torch's blockwise scaled_mm (sm90, CUDA 12.9+): 128 x 128 weight blocks, whole K blocks."""
+    return block == (128, 128) and x.shape[1] % 128 == 0 and weight.shape[0] % 128 == 0
+
+
+def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ W.T through torch's blockwise scaled_mm: x quantized per token and 128 columns, its scales
+    token-minor and its rows padded to a multiple of 4, the weight scales' K blocks padded to one, as
+    cuBLAS wants them."""
+    from nanoserve_kernels.triton_fp8_quant import quantize_activation
+    rows = x.shape[0]
+    x_quantized, x_scale = quantize_activation(x, token_minor=True, padded_rows=-(-rows // 4) * 4)
+    w_scale = F.pad(scale, (0, -scale.shape[1] % 4)) if scale.shape[1] % 4 else scale
+    if hasattr(F, "scaled_mm"):  # newer torch names the scalings
+        y = F.scaled_mm(x_quantized, weight.t(), x_scale, F.ScalingType.BlockWise1x128, w_scale.t(),
+                        F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
+    else:  # older, _scaled_mm tells them from the scales' shapes
+        y = torch._scaled_mm(x_quantized, weight.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=x.dtype)
+    return y[:rows]
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    return fp8_reference.fp8_linear(x, weight, scale, block, bias)
+    if not on_kernels(x, block):
+        return fp8_reference.fp8_linear(x, weight, scale, block, bias)
+    if x.shape[0] == 1:
+        from nanoserve_kernels.triton_gemv import gemv, takes_fp8
+        if takes_fp8(weight, block):
+            return gemv(x, weight, bias, weight_scale=scale, block=block)
+    return _gemm(x, weight, scale, block, bias, silu_mul=False)
+
+
+def fp8_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                     bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """silu(gate) * up of x [rows > 1, K] times the packed (gate, up) e4m3 weight, the SiLU-and-mul in the
+    GEMM's epilogue; None where the kernels do not take x."""
+    if not on_kernels(x, block) or x.shape[0] < 2:
+        return None
+    return _gemm(x, weight, scale, block, bias, silu_mul=True)

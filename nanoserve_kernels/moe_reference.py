@@ -27,10 +27,11 @@ def experts_reference(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.T
     """sum over k of weights[:, k] * expert_{ids[:, k]}(hidden), one expert at a time over the tokens
     routed to it. Each expert's output is in the model dtype; the weighting and the sum are in float32,
     rounded once."""
-    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    accumulate = torch.promote_types(hidden.dtype, torch.float32)  # float64 for a float64 oracle
+    out = torch.zeros(hidden.shape, dtype=accumulate, device=hidden.device)
     for expert in ids.unique().tolist():
         token, slot = torch.where(ids == expert)
         gate, up = F.linear(hidden[token], gate_up[expert]).chunk(2, dim=-1)
         expert_out = F.linear(F.silu(gate) * up, down[expert])
-        out.index_add_(0, token, expert_out.float() * weights[token, slot, None])
+        out.index_add_(0, token, expert_out.to(accumulate) * weights[token, slot, None].to(accumulate))
     return out.to(hidden.dtype)

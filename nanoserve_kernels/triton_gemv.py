@@ -68,14 +68,32 @@ def _weight_tile(w_ptr, rows, row_ok, start, cols, K, stride_w):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, bias_ptr, y_ptr, N, K, stride_w, eps,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, PROLOGUE: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
+def _tile_sums(w, x, scale_ptr, rows, row_ok, start, K, stride_scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, WEIGHT_SCALE: tl.constexpr):
+    """Each row's sum of w * x over one tile; for an e4m3 weight whose scales vary along K ("block"),
+    each SCALE_BK-column group's sum times its scale (a per-row scale is applied once, at the end)."""
+    products = w.to(tl.float32) * x[None, :]
+    if WEIGHT_SCALE == "block":
+        groups = tl.arange(0, BLOCK_K // SCALE_BK)
+        sums = tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_K // SCALE_BK, SCALE_BK]), axis=2)
+        scales = tl.load(scale_ptr + (rows // SCALE_BN)[:, None] * stride_scale + (start // SCALE_BK + groups)[None, :],
+                         mask=row_ok[:, None] & (start + groups * SCALE_BK < K)[None, :], other=0.0)
+        return tl.sum(sums * scales, axis=1)
+    return tl.sum(products, axis=1)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K, stride_w,
+                 stride_scale, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
+                 WEIGHT_SCALE: tl.constexpr = "none", SCALE_BN: tl.constexpr = 1, SCALE_BK: tl.constexpr = 1):
     """PROLOGUE "none": x as given; "rms_norm": x = norm(x (+ residual)). SILU_MUL: W holds N gate
     rows then N up rows, and y = silu(gate) * up of the products, each rounded to the model dtype
     first as the unfused projection's output is. Each weight tile is loaded one iteration ahead,
     the first before the wait for the previous kernel (nanoserve_kernels/pdl.py): weights are
-    never written while serving."""
+    never written while serving. WEIGHT_SCALE "none": W in the model dtype; else W is e4m3, dequantized
+    in registers by its float32 scales [rows / SCALE_BN, K / SCALE_BK]: "row" one per row (per
+    channel), "block" per SCALE_BK columns too."""
     dtype = y_ptr.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
@@ -98,11 +116,17 @@ def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, bias_pt
                 x = (x + tl.load(residual_ptr + start + cols, mask=col_ok, other=0.0).to(tl.float32)).to(dtype)
             weight = tl.load(norm_ptr + start + cols, mask=col_ok, other=0.0).to(tl.float32)
             x = (weight * (x.to(tl.float32) * inverse_rms)).to(dtype).to(tl.float32)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        acc += _tile_sums(w, x, scale_ptr, rows, row_ok, start, K, stride_scale, BLOCK_N, BLOCK_K, SCALE_BN, SCALE_BK,
+                          WEIGHT_SCALE)
         w = _weight_tile(w_ptr, rows, row_ok, start + BLOCK_K, cols, K, stride_w)
         if SILU_MUL:
-            up_acc += tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
+            up_acc += _tile_sums(w_up, x, scale_ptr, rows + N, row_ok, start, K, stride_scale, BLOCK_N, BLOCK_K,
+                                 SCALE_BN, SCALE_BK, WEIGHT_SCALE)
             w_up = _weight_tile(w_ptr, rows + N, row_ok, start + BLOCK_K, cols, K, stride_w)
+    if WEIGHT_SCALE == "row":
+        acc *= tl.load(scale_ptr + (rows // SCALE_BN) * stride_scale, mask=row_ok, other=0.0)
+        if SILU_MUL:
+            up_acc *= tl.load(scale_ptr + ((rows + N) // SCALE_BN) * stride_scale, mask=row_ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         if SILU_MUL:
@@ -123,10 +147,28 @@ def tiles(k: int, silu_mul: bool = False) -> tuple[int, int, int]:
     return rows // 2 if silu_mul else rows, block_k, warps
 
 
+def _scale_args(weight_scale: torch.Tensor | None, block: tuple[int, int] | None, block_k: int) -> dict:
+    """The kernel's WEIGHT_SCALE mode and scale geometry for an e4m3 weight (none for a 16-bit one)."""
+    if weight_scale is None:
+        return dict(WEIGHT_SCALE="none")
+    if weight_scale.shape[1] == 1:
+        return dict(WEIGHT_SCALE="row", SCALE_BN=block[0])
+    assert block_k % block[1] == 0, (block, block_k)  # whole scale groups in a tile
+    return dict(WEIGHT_SCALE="block", SCALE_BN=block[0], SCALE_BK=block[1])
+
+
+def takes_fp8(weight: torch.Tensor, block: tuple[int, int]) -> bool:
+    """Whether this kernel reads the e4m3 weight of these scale blocks: their columns a power of two that
+    divides the tiles (every checkpoint's 128 does), or one scale a row."""
+    k = weight.shape[1]
+    return block[1] >= k or (block[1] & (block[1] - 1) == 0 and tiles(k)[1] % block[1] == 0)
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int | None = None,
             block_k: int | None = None, num_warps: int | None = None, residual: torch.Tensor | None = None,
             residual_out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-            prologue: str = "none", silu_mul: bool = False) -> torch.Tensor:
+            prologue: str = "none", silu_mul: bool = False, weight_scale: torch.Tensor | None = None,
+            block: tuple[int, int] | None = None) -> torch.Tensor:
     n, k = weight.shape
     assert x.shape == (1, k) and x.stride(1) == 1 and weight.stride(1) == 1
     chosen = tiles(k, silu_mul)
@@ -136,16 +178,19 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bl
         n //= 2
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, residual, residual_out, norm_weight, weight, bias, y, n, k, weight.stride(0), eps, BLOCK_N=block_n,
-        BLOCK_K=block_k, HAS_BIAS=bias is not None, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
-        SILU_MUL=silu_mul, num_warps=num_warps, **pdl_launch(x.device))
+        x, residual, residual_out, norm_weight, weight, weight_scale, bias, y, n, k, weight.stride(0),
+        0 if weight_scale is None else weight_scale.stride(0), eps, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul,
+        num_warps=num_warps, **_scale_args(weight_scale, block, block_k), **pdl_launch(x.device))
     return y
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
-         block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for one row x [1, K] (tiles chosen by `tiles` unless given)."""
-    return _launch(x, weight, bias, block_n, block_k, num_warps)
+         block_k: int | None = None, num_warps: int | None = None, weight_scale: torch.Tensor | None = None,
+         block: tuple[int, int] | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for one row x [1, K] (tiles chosen by `tiles` unless given); of an e4m3
+    weight given its scales and their block."""
+    return _launch(x, weight, bias, block_n, block_k, num_warps, weight_scale=weight_scale, block=block)
 
 
 def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

@@ -44,7 +44,7 @@ def scale_rows(rows, stride_scale_block, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _round_to_e4m3_grid(x):
+def round_to_e4m3_grid(x):
     """|x| <= 448 rounded to the nearest e4m3 value (ties to even), still in float32, so that the
     cast to e4m3 is exact whatever rounding it does (Triton's CPU interpreter truncates, and its
     round-to-nearest forgets the carry into the exponent). Normal values keep 3 mantissa bits;
@@ -63,7 +63,7 @@ def _round_to_e4m3_grid(x):
 def _quantize(x, row_scales, FP8_MAX: tl.constexpr):
     """x [heads, n] (float32) as e4m3 values of its heads' scales, still in float32."""
     scaled = tl.div_rn(x, row_scales[:, None])
-    return _round_to_e4m3_grid(tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX))
+    return round_to_e4m3_grid(tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX))
 
 
 @triton.jit

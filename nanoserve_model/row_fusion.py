@@ -2,8 +2,9 @@
 made in the matrix-vector kernel's loads of x (nanoserve_kernels/triton_gemv.py), and the SiLU-and-mul
 after gate/up in its output, instead of in kernels of their own: three fewer launches per layer where a
 step is ~10 small kernels per layer. At 2 to 128 rows the SiLU-and-mul is made in the gate/up GEMM's
-epilogue (nanoserve_kernels/triton_gate_up.py). Larger batches and the CPU run the separate modules,
-as does any step where FUSED lacks the fusion."""
+epilogue (nanoserve_kernels/triton_gate_up.py; for e4m3 weights, at any batch size past one row, the
+FP8 GEMM's: nanoserve_kernels/fp8_linear.py). Larger batches and the CPU run the separate modules, as
+does any step where FUSED lacks the fusion."""
 import torch
 
 from nanoserve_model.activation import silu_and_mul
@@ -14,13 +15,26 @@ from nanoserve_model.norm import RMSNorm
 FUSED = {"rms_norm", "silu_mul", "gate_up_silu"}
 
 
+def takes_weight(proj: ColumnParallelLinear) -> bool:
+    """Whether the matrix-vector kernel reads the projection's weight: 16-bit, or e4m3 in scale blocks it tiles."""
+    if proj.weight_scale is None:
+        return True
+    from nanoserve_kernels.triton_gemv import takes_fp8
+    return takes_fp8(proj.weight, proj.weight_block)
+
+
+def fp8_args(proj: ColumnParallelLinear) -> dict:
+    """The matrix-vector kernel's arguments for an e4m3 weight (none for a 16-bit one)."""
+    return {} if proj.weight_scale is None else dict(weight_scale=proj.weight_scale, block=proj.weight_block)
+
+
 def norm_project(norm: RMSNorm, proj: ColumnParallelLinear, hidden: torch.Tensor, residual: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(proj(norm(hidden + residual)), hidden + residual): the projection and the residual stream it
     has not been added to; without a residual stream yet (the first layer), of hidden alone."""
-    if "rms_norm" in FUSED and on_matvec_path(hidden) and proj.weight_scale is None:
+    if "rms_norm" in FUSED and on_matvec_path(hidden) and takes_weight(proj):
         from nanoserve_kernels.triton_gemv import rms_norm_gemv  # Triton is a GPU requirement only
-        return rms_norm_gemv(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias)
+        return rms_norm_gemv(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias, **fp8_args(proj))
     if residual is None:
         return proj(norm(hidden)), hidden
     hidden, residual = norm(hidden, residual)
@@ -30,9 +44,17 @@ def norm_project(norm: RMSNorm, proj: ColumnParallelLinear, hidden: torch.Tensor
 def norm_project_silu_mul(norm: RMSNorm, proj: ColumnParallelLinear, hidden: torch.Tensor,
                           residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(silu(gate) * up of proj(norm(hidden + residual)) packed as (gate, up), hidden + residual)."""
-    if {"rms_norm", "silu_mul"} <= FUSED and on_matvec_path(hidden) and proj.weight_scale is None:
+    if {"rms_norm", "silu_mul"} <= FUSED and on_matvec_path(hidden) and takes_weight(proj):
         from nanoserve_kernels.triton_gemv import rms_norm_gemv
-        return rms_norm_gemv(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias, silu_mul=True)
+        return rms_norm_gemv(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias, silu_mul=True,
+                             **fp8_args(proj))
+    if "gate_up_silu" in FUSED and proj.weight_scale is not None and hidden.shape[0] > 1:
+        from nanoserve_kernels.fp8_linear import fp8_gate_up_silu
+        normed, new_residual = norm(hidden, residual)
+        activation = fp8_gate_up_silu(normed, proj.weight, proj.weight_scale, proj.weight_block, proj.bias)
+        if activation is not None:
+            return activation, new_residual
+        return silu_and_mul(proj(normed)), new_residual
     if "gate_up_silu" in FUSED and hidden.is_cuda and proj.bias is None:
         from nanoserve_kernels.triton_gate_up import gate_up_silu, takes
         if takes(hidden, proj.weight):

@@ -90,18 +90,21 @@ class KVEventPublisher:
     def _run(self) -> None:
         sequence = 0
         while True:
-            if self.replay is not None and self.replay.poll(0):
-                self._answer_replay()
             try:
-                batch = self.batches.get(timeout=0.01)
-            except queue.Empty:
-                continue
-            if batch is None:
-                return
-            payload = msgpack.packb([batch[0], batch[1], DATA_PARALLEL_RANK], default=_as_list)
-            self.pub.send_multipart((self.topic, sequence.to_bytes(8, "big"), payload))
-            self.kept.append((sequence, payload))
-            sequence += 1
+                if self.replay is not None and self.replay.poll(0):
+                    self._answer_replay()
+                try:
+                    batch = self.batches.get(timeout=0.01)
+                except queue.Empty:
+                    continue
+                if batch is None:
+                    return
+                payload = msgpack.packb([batch[0], batch[1], DATA_PARALLEL_RANK], default=_as_list)
+                self.pub.send_multipart((self.topic, sequence.to_bytes(8, "big"), payload))
+                self.kept.append((sequence, payload))
+                sequence += 1
+            except Exception:  # a bug must not end the thread: the engine's batches would pile up unsent
+                log.exception("KV events: publishing failed")
 
     def _answer_replay(self) -> None:
         frames = self.replay.recv_multipart()

@@ -24,6 +24,7 @@ from nanoserve.tls import TLSConfigError, tls_files
 from nanoserve.v1 import llm_pb2, llm_pb2_grpc, worker_pb2
 from nanoserve.wire import SERVER_OPTIONS
 from scheduler_svc.chat_template import ChatTemplate, ChatTemplateError
+from scheduler_svc.chat_tools import ChatTools, ToolError, template_message
 from scheduler_svc.completions import CompletionOutput, ResumeError, completion_sequences
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine
@@ -36,6 +37,7 @@ from scheduler_svc.scheduler import AdmissionError
 from scheduler_svc.sequence import SamplingOptions
 from scheduler_svc.shutdown import DrainGuard, Shutdown, Stopped
 from scheduler_svc.structured_outputs import ConstraintError, GrammarCompiler, constraint_key
+from scheduler_svc.tool_calls import ToolCallParser
 from scheduler_svc.tokenizer import TextTokenizer
 from scheduler_svc.worker_group import WorkerGroup, WorkerUnavailable
 
@@ -115,16 +117,22 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         timer = RequestTimer()
         engine = await self._ready_engine(context)
         try:
-            text = await self._off_loop(self._conversation_text, request)
+            tools = ChatTools(request)
+            text = await self._off_loop(self._conversation_text, request, tools)
             ids = checked_length(await self._off_loop(self.tokenizer.encode, text, False), self.limits)
-            options = await self._options(request.sampling, len(ids), self.chat_template.thinking(text))
+            sampling = await self._off_loop(tools.sampling, request.sampling, self.grammars)
+            options = await self._options(sampling, len(ids), self.chat_template.thinking(text))
             completions = completions_to_generate(request.resume, options, len(ids), self.limits)
+        except ToolError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except BadRequest as err:
             await context.abort(err.code, str(err))
-        await self._stream(engine, ids, options, completions, request.request_id, timer, context)
+        await self._stream(engine, ids, options, completions, request.request_id, timer, context,
+                           parse_tools=tools.active)
 
     async def _stream(self, engine: Engine, ids: list[int], options: SamplingOptions,
-                      completions: list[llm_pb2.ResumedCompletion], request_id: str, timer: RequestTimer, context):
+                      completions: list[llm_pb2.ResumedCompletion], request_id: str, timer: RequestTimer, context,
+                      parse_tools: bool = False):
         if engine.scheduler.num_waiting + len(completions) > self.max_waiting:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{self.max_waiting} requests are already waiting; retry later")
@@ -142,6 +150,8 @@ class LLMService(llm_pb2_grpc.LLMServicer):
             for stream in streams:
                 engine.requests.abort(stream.seq.seq_id)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        parsers = {id(output): ToolCallParser(completion.text)
+                   for output, completion in zip(outputs, completions)} if parse_tools else {}
         for stream in streams:
             stream.timer = timer
         live = outputs  # the completions not done yet
@@ -156,6 +166,8 @@ class LLMService(llm_pb2_grpc.LLMServicer):
                     if output.stop_string is not None:
                         engine.stop(output.seq)
                     if message is not None:
+                        if parsers:
+                            parsers[id(output)].apply(message)
                         await context.write(message)
                 live = [output for output in live if not output.done]
         finally:
@@ -168,15 +180,18 @@ class LLMService(llm_pb2_grpc.LLMServicer):
         """The prompt ids of a request's conversation, through the chat template."""
         return self.tokenizer.encode(self._conversation_text(request), add_bos=False)  # the template writes any BOS
 
-    def _conversation_text(self, request: llm_pb2.ChatRequest | llm_pb2.TokenizeRequest) -> str:
+    def _conversation_text(self, request: llm_pb2.ChatRequest | llm_pb2.TokenizeRequest,
+                           tools: ChatTools | None = None) -> str:
         if not request.messages:
             raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, "messages is empty: send at least one message")
-        messages = [{"role": message.role, "content": message.content} for message in request.messages]
+        messages = [template_message(message) for message in request.messages]
         add_generation_prompt = (request.add_generation_prompt if request.HasField("add_generation_prompt")
                                  else True)
+        template_kwargs = MessageToDict(request.chat_template_kwargs)
+        if tools is not None and tools.active:
+            template_kwargs["tools"] = tools.template_tools()
         try:
-            return self.chat_template.render(messages, add_generation_prompt,
-                                             MessageToDict(request.chat_template_kwargs))
+            return self.chat_template.render(messages, add_generation_prompt, template_kwargs)
         except ChatTemplateError as err:
             raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
 

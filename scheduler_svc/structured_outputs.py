@@ -14,14 +14,15 @@ from nanoserve.v1 import llm_pb2
 
 # Distinct constraints whose grammar is kept (a grammar is a few KB of text).
 GRAMMAR_CACHE_SIZE = 1024
-# JSON is written compactly (", " and ": " between items, no other whitespace) unless the schema's
-# "x-guidance" says otherwise: free whitespace lets a model pad its output until it runs out of tokens.
-JSON_DEFAULTS = {"whitespace_flexible": False}
+# JSON is written on one line, as Python's json.dumps writes it (", " and ": " between items, no other
+# whitespace), unless the schema's "x-guidance" says otherwise: free whitespace lets a model pad its
+# output until it runs out of tokens.
+JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # The reasoning a thinking model writes before its answer: text up to its end-of-thinking token.
 _THINKING = 'THINKING: /(.|\\n)*/\n'
 
 
-class ConstraintError(ValueError):
+class ConstraintError(Exception):
     """A constraint that cannot be enforced; the message names the field and the problem."""
 
 
@@ -107,8 +108,6 @@ class GrammarCompiler:
         itself) or "opened" (the prompt did)."""
         try:
             grammar = _grammar(kind, value)
-        except ConstraintError:
-            raise
         except (ValueError, TypeError, AssertionError) as err:  # llguidance's own refusals
             raise ConstraintError(f"structured_outputs.{kind}: {err}") from None
         if thinking:

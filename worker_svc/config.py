@@ -21,6 +21,8 @@ class WorkerConfig:
     rank: int = _DEFAULT["rank"]
     tensor_parallel_size: int = _DEFAULT["tensor_parallel_size"]
     dist_init_addr: str = _DEFAULT["dist_init_addr"]        # torch.distributed's TCP store
+    advertise_host: str = _DEFAULT["advertise_host"]        # where peers reach this rank's gloo sockets
+    dist_socket_ifname: str = _DEFAULT["dist_socket_ifname"]  # gloo's and NCCL's network interfaces
     block_size: int = _DEFAULT["block_size"]
     max_num_seqs: int = _DEFAULT["max_num_seqs"]            # largest decode batch (CUDA graphs up to it)
     max_num_batched_tokens: int = _DEFAULT["max_num_batched_tokens"]

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from worker_svc.config import WorkerConfig
+from worker_svc.group_network import StoreUnreachable, first_line, gloo_backend, use_socket_interfaces, wait_for_store
 
 log = logging.getLogger("nanoserve.worker")
 
@@ -39,18 +40,23 @@ def init_distributed(config: WorkerConfig) -> None:
     cuda = uses_cuda(config)
     if cuda:
         torch.cuda.set_device(config.rank % torch.cuda.device_count())
-    log.info("rank %d waiting for %d ranks at %s", config.rank, config.tensor_parallel_size,
-             config.dist_init_addr)
+    use_socket_interfaces(config)
+    gloo = gloo_backend(config)
+    log.info("rank %d waiting for %d ranks at %s%s", config.rank, config.tensor_parallel_size,
+             config.dist_init_addr, f" (its gloo sockets on {config.advertise_host})" if config.advertise_host else "")
     try:
+        wait_for_store(config, GROUP_TIMEOUT)
         # device_id binds NCCL to this rank's GPU and sets its communicator up now, not inside
         # the first collective (which may be the one a CUDA graph is capturing).
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{config.dist_init_addr}",
+        dist.init_process_group("nccl" if cuda else gloo, init_method=f"tcp://{config.dist_init_addr}",
                                 rank=config.rank, world_size=config.tensor_parallel_size, timeout=GROUP_TIMEOUT,
                                 device_id=torch.device("cuda", torch.cuda.current_device()) if cuda else None)
-    except dist.DistError as err:
+    except StoreUnreachable as err:
+        raise GroupError(str(err)) from None
+    except RuntimeError as err:  # torch.distributed's errors (DistError among them), a gloo device that cannot bind
         raise GroupError(f"the {config.tensor_parallel_size} ranks did not meet at "
                          f"{config.dist_init_addr}: {_why_not_met(err, cuda)}") from None
-    _start_heartbeat(config.rank)
+    _start_heartbeat(config.rank, gloo)
     log.info("rank %d joined its group", config.rank)
 
 
@@ -58,7 +64,7 @@ def _why_not_met(err: Exception, cuda: bool) -> str:
     """NCCL's reason; for ranks on one GPU (more ranks on a host than the GPUs it shows them), what to
     change, in one line instead of NCCL's several."""
     if not (cuda and "Duplicate GPU" in str(err)):
-        return str(err)
+        return first_line(err)
     count = torch.cuda.device_count()
     return (f"its GPU (cuda:{torch.cuda.current_device()}) is another rank's too, and NCCL needs a GPU for each rank: "
             f"this process sees {count} GPU{'s' if count != 1 else ''} (CUDA_VISIBLE_DEVICES="
@@ -66,19 +72,19 @@ def _why_not_met(err: Exception, cuda: bool) -> str:
             "on this host (--tensor-parallel-size), or give each rank its own GPU")
 
 
-def _start_heartbeat(rank: int) -> None:
+def _start_heartbeat(rank: int, gloo: str) -> None:
     """A rank learns that a peer died only in its next collective, which may never come: the scheduler
     stops stepping a group it saw lose a rank, and a restarted peer would join this rank's stale
     rendezvous and look whole. So a barrier on a side group (gloo, apart from the steps' collectives)
     runs every second, and the rank exits when it fails; restarted, all ranks meet afresh."""
-    group = dist.new_group(backend="gloo", timeout=HEARTBEAT_TIMEOUT)
+    group = dist.new_group(backend=gloo, timeout=HEARTBEAT_TIMEOUT)
 
     def beat() -> None:
         while True:
             try:
                 dist.barrier(group=group)
             except RuntimeError as err:
-                exit_broken_rank(f"rank {rank} lost a peer of its tensor-parallel group: {err}")
+                exit_broken_rank(f"rank {rank} lost a peer of its tensor-parallel group: {first_line(err)}")
             time.sleep(HEARTBEAT_SECONDS)
 
     threading.Thread(target=beat, name="tp-heartbeat", daemon=True).start()

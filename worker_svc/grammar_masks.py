@@ -16,6 +16,7 @@ tokens the scheduler sends, so a recomputed sequence (preemption, a worker resta
 grammar where it was."""
 import functools
 import logging
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -31,8 +32,10 @@ log = logging.getLogger("nanoserve.worker")
 
 # Distinct grammars whose compiled template is kept.
 TEMPLATE_CACHE_SIZE = 256
-# llguidance's threads filling a step's masks (one row each at a time; its default takes 80% of the cores).
-MASK_THREADS = 4
+# llguidance's threads filling a step's masks, a row each at a time (~40 us a row of a JSON schema on a
+# busy 2-core machine): half the cores, at most 8, leaving the rest to the step loop, the reply thread
+# and the scheduler (llguidance's default takes 80% of them).
+MASK_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 class GrammarMasks:
@@ -80,7 +83,10 @@ class GrammarMasks:
         """Masks, in place, the logits rows `rows` (constrained_rows of `slots`) by their grammars."""
         self.advance()
         matchers = [self.matchers[slot].result() for slot in slots[rows].tolist()]
-        bitmask = np.zeros((len(rows), self.words), np.int32)
+        # Filled where the copy to the device starts from (pinned on CUDA: the caching host allocator
+        # hands the block out again only once its copy is done).
+        pinned = torch.zeros((len(rows), self.words), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        bitmask = pinned.numpy()
         live = [(matcher, i) for i, matcher in enumerate(matchers) if matcher is not None]
         if live:
             if self.executor is None:
@@ -89,7 +95,7 @@ class GrammarMasks:
         for i in np.flatnonzero([matcher is None for matcher in matchers]):  # failed to compile: it can only end
             for eos in self.tokenizer.eos_token_ids:
                 bitmask.view(np.uint32)[i, eos // 32] |= np.uint32(1 << (eos % 32))
-        self._apply(logits, upload(bitmask, self.device), upload(rows, self.device))
+        self._apply(logits, pinned.to(self.device, non_blocking=True), upload(rows, self.device))
 
     def observe(self, tokens: torch.Tensor, slots: np.ndarray, rows: np.ndarray) -> None:
         """The tokens just drawn (device, one per sampled slot): the masked rows' go home, for the

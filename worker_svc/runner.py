@@ -154,8 +154,15 @@ class ModelRunner:
             return int(self.config.cpu_kv_cache_gb * 2**30 // self._kv_block_bytes())
         beside = self._memory_beside_kv_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = total * self.config.gpu_memory_utilization - (total - free) - beside
-        return max(0, int(budget // self._kv_block_bytes()))
+        allowed = total * self.config.gpu_memory_utilization
+        blocks = int((allowed - (total - free) - beside) // self._kv_block_bytes())
+        if blocks <= 0:
+            raise ValueError(f"no room for the KV cache: --gpu-memory-utilization {self.config.gpu_memory_utilization} "
+                             f"allows {allowed / 2**30:.1f} GiB of this GPU's {total / 2**30:.1f}, and the weights (with "
+                             f"anything else on the GPU) hold {(total - free) / 2**30:.1f} and serving needs "
+                             f"{beside / 2**30:.1f} beside them; raise --gpu-memory-utilization, lower "
+                             "--max-num-batched-tokens, or split the model over more GPUs (--tensor-parallel-size)")
+        return blocks
 
     @torch.inference_mode()
     def _memory_beside_kv_cache(self) -> int:

@@ -29,12 +29,14 @@ class Completion:
     usage: llm_pb2.Usage | None = None
     logprobs: list[llm_pb2.TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[llm_pb2.TokenLogprob] = field(default_factory=list)
+    tool_calls: list[llm_pb2.ToolCall] = field(default_factory=list)  # Chat with tools
 
     def add(self, msg: llm_pb2.GenerateResponse) -> None:
         self.token_ids.extend(msg.token_ids)
         self.text += msg.text
         self.logprobs.extend(msg.logprobs)
         self.prompt_logprobs.extend(msg.prompt_logprobs)
+        self.tool_calls.extend(msg.tool_calls)
         if msg.finish_reason:
             self.finish_reason = llm_pb2.FinishReason.Name(msg.finish_reason)
             self.usage = msg.usage
@@ -100,13 +102,16 @@ class Client:
         """Runs one Generate to the end; its completions in index order."""
         return gather(self.stream(prompt, **kwargs))
 
-    def chat_stream(self, messages: list[dict[str, str]], *, request_id: str = "", timeout: float | None = None,
+    def chat_stream(self, messages: list[dict], *, request_id: str = "", timeout: float | None = None,
                     add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+                    tools: list[llm_pb2.Tool] = (), tool_choice: llm_pb2.ToolChoice | None = None,
                     **sampling) -> Iterator[llm_pb2.GenerateResponse]:
-        """Chat: `messages` as [{"role": ..., "content": ...}], through the model's chat template."""
+        """Chat: `messages` as [{"role": ..., "content": ...}] (ChatMessage fields), through the model's
+        chat template, with the `tools` it may call as `tool_choice` says."""
         request = llm_pb2.ChatRequest(request_id=request_id, sampling=sampling_params(**sampling),
                                       add_generation_prompt=add_generation_prompt,
-                                      messages=[llm_pb2.ChatMessage(**message) for message in messages])
+                                      messages=[llm_pb2.ChatMessage(**message) for message in messages],
+                                      tools=tools, tool_choice=tool_choice)
         request.chat_template_kwargs.update(chat_template_kwargs or {})
         return self._stream("Chat", request, timeout)
 

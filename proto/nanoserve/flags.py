@@ -128,6 +128,12 @@ FLAGS = (
     Flag("--rank", 0, "this worker's rank", ("worker",)),
     Flag("--dist-init-addr", "127.0.0.1:29500", "host:port where the ranks meet (rank 0's torch.distributed "
          "store)", ("worker",)),
+    Flag("--advertise-host", "", "address the other ranks reach this rank at: its gloo sockets (the CPU "
+         "collectives, the group's heartbeat) bind it, unlike --host, which only the gRPC port binds; empty = "
+         "what this host's name resolves to (torch's default), or --dist-socket-ifname's interface", ("worker",)),
+    Flag("--dist-socket-ifname", "", "network interface(s) of the ranks' torch.distributed traffic, comma-separated: "
+         "sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME; empty = torch's and NCCL's own choice (or those "
+         "variables)", ("worker",)),
     Flag("--tensor-parallel-size", 1, "ranks the model is split across (one process each)", WORKER),
     Flag("--dtype", "auto", "weights and activations; auto = the checkpoint's own (config.json)", WORKER,
          ("auto", "float32", "bfloat16", "float16")),

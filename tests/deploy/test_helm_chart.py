@@ -2,9 +2,6 @@
 profile, every manifest valid for Kubernetes (kubernetes-validate --strict, the CRDs in crds/), and
 the replica's wiring holds on what is rendered: each container's command line parses with
 nanoserve's own flag table, ports, probes, Services, volumes and Secrets meet."""
-import subprocess
-import sys
-import time
 from functools import cache
 from pathlib import Path
 
@@ -14,7 +11,7 @@ import yaml
 from nanoserve import flags
 from tests.deploy.chart_model import (CHART, FULLNAME, NAMESPACE, POD_ENV, PROFILES, BadCommandLine, Pod, command_line,
                                       lint, of_kind, one, pod_templates, pods, port_of, render, schema_errors)
-from tests.services.processes import ENV, free_port, start_scheduler, wait_answering
+from worker_svc.stopping import RELEASE_MARGIN_SECONDS
 
 ALL_PROFILES = [None, *sorted(PROFILES.glob("*.yaml"))]
 VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
@@ -191,33 +188,14 @@ def test_pods_get_the_model_the_token_and_gpus(profile):
 
 
 def test_drain_gets_its_grace_period():
+    """Every container drains for shutdownTimeout on SIGTERM (the worker until its scheduler lets go of
+    it, a few seconds past that); the kubelet's SIGKILL comes only after all of it."""
     [pod] = pods(render(shutdownTimeout=45, terminationMarginSeconds=10))
-    assert pod.spec["terminationGracePeriodSeconds"] == 55
-
-
-def test_worker_pre_stop_hook_waits_until_its_scheduler_is_gone(tmp_path):
-    """The worker's preStop program, run as written in the chart against a real scheduler (one still
-    waiting for its workers, so not serving): it waits while the scheduler answers, ends when it exits."""
-    [pod] = pods(rendered(None))
-    command = pod.container("worker")["lifecycle"]["preStop"]["exec"]["command"]
-    assert command[:2] == ["python", "-c"]
-    port = free_port()  # the pod's scheduler port is 50051; on this shared machine, a free one
-    scheduler = start_scheduler([f"127.0.0.1:{free_port()}"], port, "--worker-connect-timeout", "60",
-                                log=tmp_path / "scheduler.log")
-    hook = None
-    try:
-        assert wait_answering(f"127.0.0.1:{port}") == "NOT_SERVING"
-        hook = subprocess.Popen([sys.executable, "-c", command[2].replace(":50051", f":{port}")], env=ENV)
-        time.sleep(3)
-        assert hook.poll() is None, "the hook ended while the scheduler still answered"
-        scheduler.terminate()
-        scheduler.wait(timeout=30)
-        assert hook.wait(timeout=15) == 0
-    finally:
-        for process in (scheduler, hook):
-            if process and process.poll() is None:
-                process.kill()
-                process.wait()
+    for name in SERVICES:
+        assert command_line(pod.container(name))[1].shutdown_timeout == 45
+    assert pod.spec["terminationGracePeriodSeconds"] == 55 > 45 + RELEASE_MARGIN_SECONDS
+    result = lint(terminationMarginSeconds=RELEASE_MARGIN_SECONDS)
+    assert result.returncode != 0 and "at '/terminationMarginSeconds'" in result.stdout + result.stderr
 
 
 # Values that must not install: values.schema.json refuses each, naming this in its message.

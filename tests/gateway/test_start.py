@@ -80,6 +80,8 @@ def test_without_its_scheduler_the_gateway_says_it_waits_and_its_probe_fails(tmp
                                env=ENV, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     try:
         wait_for_line(log, f"waiting for the scheduler: the scheduler at {nobody} does not answer", gateway, 60)
+        line = next(line for line in log.read_text().splitlines() if "waiting for the scheduler" in line)
+        assert line.split()[2:4] == ["INFO", "nanoserve.gateway"], line  # its level, as every service's line
         probe = subprocess.run(PROBE + ["--port", str(port)], env=ENV, capture_output=True, text=True, timeout=30)
         assert probe.returncode == 1
         assert probe.stderr.startswith(f"unhealthy: http://127.0.0.1:{port}/health answered 503: the scheduler "

@@ -52,17 +52,23 @@ def dequantized_weights(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def write_dequantized(source: Path, target: Path) -> Path:
+    """An unquantized copy of the FP8 checkpoint `source`: its dequantized weights in float32 (exact:
+    e4m3 values times float32 scales), its config without the quantization_config."""
+    target.mkdir(parents=True, exist_ok=True)
+    config = json.loads((source / "config.json").read_text())
+    del config["quantization_config"]
+    for file in source.iterdir():
+        if file.suffix != ".safetensors" and file.name != "config.json":
+            shutil.copy(file, target / file.name)
+    (target / "config.json").write_text(json.dumps(config))
+    save_file(dequantized_weights(source), target / "model.safetensors", metadata={"format": "pt"})
+    return target
+
+
 def dequantized_dir(fmt: str) -> Path:
-    """An unquantized float32 checkpoint of the FP8 one's dequantized weights."""
+    """The tiny FP8 checkpoint of `fmt`, dequantized (built once into the cache)."""
     path = cache_dir() / f"tiny-qwen3-{fmt}-dequantized"
     if not (path / "model.safetensors").exists():
-        source = tiny_fp8_dir(fmt)
-        path.mkdir(parents=True, exist_ok=True)
-        config = json.loads((source / "config.json").read_text())
-        del config["quantization_config"]
-        for file in source.iterdir():
-            if file.suffix != ".safetensors" and file.name != "config.json":
-                shutil.copy(file, path / file.name)
-        (path / "config.json").write_text(json.dumps(config))
-        save_file(dequantized_weights(source), path / "model.safetensors", metadata={"format": "pt"})
+        write_dequantized(tiny_fp8_dir(fmt), path)
     return path

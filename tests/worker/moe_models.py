@@ -53,12 +53,13 @@ def _redraw_routers(weights: dict[str, torch.Tensor], seed: int) -> dict[str, to
             for name, tensor in weights.items()}
 
 
-def moe_model(variant: str, sequences: Callable[[torch.nn.Module], dict[str, list[int]]]
+def moe_model(variant: str, sequences: Callable[[torch.nn.Module], dict[str, list[int]]], shape: dict | None = None
               ) -> tuple[Path, torch.nn.Module, dict[str, list[int]]]:
     """The variant's checkpoint (cached), transformers' model of it and `sequences(hf)` (the sequences
     the tests run: prompts and transformers' continuations), routers re-drawn until every token of
-    those clears MARGIN, so no comparison rests on a lucky tie-break."""
-    shape = VARIANTS[variant]
+    those clears MARGIN, so no comparison rests on a lucky tie-break. `shape`: a variant of the caller's
+    own, named `variant`."""
+    shape = shape or VARIANTS[variant]
     for redraw in range(MAX_REDRAWS):
         path = cache_dir() / f"tiny-qwen3-moe-{variant}-r{redraw}"
         if not (path / "model.safetensors").exists():  # written last: its presence means a whole build

@@ -190,3 +190,20 @@ def test_modules_to_not_convert_stay_unquantized(tmp_path):
     assert model.model.layers[1].mlp.down_proj.weight.dtype == FP8_DTYPE
     source = load_file(demo_model_dir(tied=False) / "model.safetensors")
     assert torch.equal(model.model.layers[0].mlp.down_proj.weight, source["model.layers.0.mlp.down_proj.weight"])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_every_family_serves_its_fp8_checkpoint_as_transformers_does_its_dequantized_weights(tmp_path, family):
+    """Llama with a bias on every projection, Qwen2 with its q/k/v bias, Mistral: block FP8 copies, their
+    prefill logits on CPU (dequantized at load) against transformers on the dequantized weights."""
+    from tests.worker.families import family_model_dir, hf_model
+    from tests.worker.fp8_models import write_dequantized
+    from tests.worker.test_model_vs_hf import assert_close, hf_logits
+    from tests.worker.worker_steps import StepWriter, cpu_runner
+    from nanoserve_cli.fp8_checkpoint import write_fp8_checkpoint
+    path = write_fp8_checkpoint(family_model_dir(family), tmp_path / "fp8", "fp8", TINY_BLOCK)
+    hf = hf_model(write_dequantized(path, tmp_path / "dequantized"))
+    prompt = [(i * 7919) % 150_000 for i in range(11)]
+    writer = StepWriter(4)
+    logits = cpu_runner(path).step_logits(writer.request(writer.entry(0, prompt, reset=True)))
+    assert_close(logits[0], hf_logits(hf, prompt)[-1])

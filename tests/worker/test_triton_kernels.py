@@ -670,8 +670,10 @@ def _stand_in_for_libdevice() -> None:
     libdevice.rsqrt, libdevice.exp = (lambda x: tl.math.rsqrt(x)), (lambda x: tl.math.exp(x))
 
 
-@pytest.mark.parametrize("kernel", ["store", "prefill", "decode", "sampling", "rotary", "rotary_store", "gemv",
-                                    "activation", "gate_up", "token_bitmask"])
+@pytest.mark.parametrize("kernel", [  # each its own process: `make test` spreads them over its workers
+    pytest.param(name, marks=pytest.mark.xdist_group(f"interpreter-{name}"))
+    for name in ("store", "prefill", "decode", "sampling", "rotary", "rotary_store", "gemv", "activation", "gate_up",
+                 "token_bitmask")])
 def test_triton_kernel_matches_reference_in_interpreter(kernel: str) -> None:
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath}

@@ -86,6 +86,9 @@ grpc:
     - {{ include "nanoserve.workerPort" $root | quote }}
     - --model
     - {{ include "nanoserve.modelDir" $root | quote }}
+    # on SIGTERM the rank stays until its scheduler lets go of it (the scheduler drains meanwhile)
+    - --shutdown-timeout
+    - {{ $values.shutdownTimeout | quote }}
     {{- if .multiHost }}
     - --rank
     - $(LWS_WORKER_INDEX)
@@ -126,26 +129,6 @@ grpc:
     {{- include "nanoserve.workerProbe" $root | nindent 4 }}
     periodSeconds: 10
     failureThreshold: 3
-  lifecycle:
-    # Every container of a pod gets SIGTERM at once: the rank stays while its scheduler (beside it,
-    # or in the group's leader pod) still answers, so the requests it drains can finish; bounded by
-    # terminationGracePeriodSeconds.
-    preStop:
-      exec:
-        command:
-          - python
-          - -c
-          - |
-            import os, time, grpc
-            from nanoserve.healthcheck import LIVENESS, serving_status
-            host = os.environ.get("LWS_LEADER_ADDRESS", "127.0.0.1")
-            scheduler = f"{host}:{{ include "nanoserve.schedulerPort" $root }}"
-            while True:
-                try:
-                    serving_status(scheduler, LIVENESS)
-                except grpc.RpcError:
-                    break
-                time.sleep(2)
   resources:
     {{- toYaml $values.worker.resources | nindent 4 }}
   volumeMounts:
@@ -175,6 +158,8 @@ grpc:
     - {{ $values.worker.startupSeconds | quote }}
     - --metrics-port
     - {{ $values.scheduler.metricsPort | quote }}
+    - --shutdown-timeout
+    - {{ $values.shutdownTimeout | quote }}
     {{- if $values.tls.workerSecret }}
     - --worker-tls-ca-file
     - {{ include "nanoserve.tlsDir" $root }}/ca.crt
@@ -239,6 +224,8 @@ grpc:
     - 127.0.0.1:{{ include "nanoserve.schedulerPort" . }}
     - --served-model-name
     - {{ .Values.model.servedModelName | default .Values.model.name | quote }}
+    - --shutdown-timeout
+    - {{ .Values.shutdownTimeout | quote }}
     {{- with include "nanoserve.flagArgs" (list .Values.gateway.flags) | trim }}
     {{- . | nindent 4 }}
     {{- end }}

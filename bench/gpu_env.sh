@@ -1,0 +1,9 @@
+# Sourced by the GPU scripts (bench/gpu_*.sh), from the repo root: results under $OUT (default
+# bench/out) as $out, the repo on the path, and the wheels the GPU image lacks (health, reflection).
+set -uo pipefail
+out=${OUT:-bench/out}; mkdir -p "$out"
+export PYTHONPATH=$PWD:$PWD/proto PYTHONUNBUFFERED=1 NANOSERVE_CACHE=$PWD/.cache
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi

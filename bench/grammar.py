@@ -1,0 +1,191 @@
+"""What structured output costs (issue 40), on one `nanoserve up` per call:
+
+- DESIGN throughput (bench/throughput.py's workload: 256 requests, prompts and outputs uniform in
+  [100, 1,024], temperature 0.6, ignore_eos) with no constraint, then with every request held to a
+  JSON schema (an object with one unbounded lowercase-text string: the few tokens that close it are
+  rarely drawn from random weights, so outputs run as long as unconstrained ones; a complete object
+  ends a request early, with stop);
+- batch-1 inter-token latency, the two alternated;
+- first use of a typical schema (12 properties, nested object, enum, array, bounds), each time a new
+  one: the scheduler's check (the text to a grammar, checked against the vocabulary), the sampling
+  rank's compile and its first mask, measured in this process with the model's tokenizer;
+- every constrained output that ended with stop parsed and validated against its schema (jsonschema),
+  among them 64 requests held to a small bounded schema, which most complete.
+
+    python3 bench/grammar.py --model DIR [--extra "--load-format dummy"] [--out FILE]
+"""
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import jsonschema
+import llguidance
+import numpy as np
+from llguidance.numpy import fill_next_token_bitmask
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "proto")]
+
+from nanoserve.client import make_request  # noqa: E402
+from nanoserve.grammar_tokenizer import GrammarTokenizer  # noqa: E402
+from nanoserve.v1 import llm_pb2, llm_pb2_grpc  # noqa: E402
+from nanoserve_cli.launcher import free_port, stop_all, wait_serving  # noqa: E402
+from scheduler_svc.structured_outputs import GrammarCompiler  # noqa: E402
+from throughput import WORKLOADS, workload  # noqa: E402
+
+LONG = {"type": "object", "properties": {"notes": {"type": "string", "pattern": "^[a-z ,.]*$"}},
+        "required": ["notes"], "additionalProperties": False}
+SHORT = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                          "role": {"enum": ["admin", "user"]},
+                                          "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+         "required": ["name", "age", "role", "tags"], "additionalProperties": False}
+
+
+def typical_schema(tag: str) -> dict:
+    """An order as an API would describe it; `tag` makes each one new to every cache."""
+    item = {"type": "object", "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+                                             "quantity": {"type": "integer", "minimum": 1, "maximum": 99},
+                                             "price": {"type": "number", "minimum": 0}},
+            "required": ["sku", "quantity", "price"], "additionalProperties": False}
+    properties = {
+        f"order_id_{tag}": {"type": "string", "maxLength": 24}, "customer": {"type": "object", "properties": {
+            "name": {"type": "string", "maxLength": 64}, "email": {"type": "string", "format": "email"},
+            "vip": {"type": "boolean"}}, "required": ["name", "email"], "additionalProperties": False},
+        "status": {"enum": ["pending", "paid", "shipped", "cancelled"]},
+        "items": {"type": "array", "items": item, "minItems": 1, "maxItems": 20},
+        "currency": {"enum": ["EUR", "USD", "GBP"]}, "total": {"type": "number", "minimum": 0},
+        "coupon": {"type": ["string", "null"], "maxLength": 16}, "notes": {"type": "string", "maxLength": 500},
+        "created": {"type": "string", "format": "date-time"}, "gift": {"type": "boolean"},
+        "priority": {"type": "integer", "minimum": 0, "maximum": 5},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 5}}
+    return {"type": "object", "properties": properties, "required": list(properties)[:6],
+            "additionalProperties": False}
+
+
+def compile_times(model: Path, vocab_size: int, eos_ids: tuple[int, ...], count: int = 20) -> dict:
+    """First use of `count` new typical schemas: check, compile, first mask (ms each, p50 of each)."""
+    tokenizer = GrammarTokenizer(model / "tokenizer.json", vocab_size, eos_ids)
+    started = time.perf_counter()
+    vocabulary = tokenizer.get()
+    build_s = time.perf_counter() - started
+    compiler, bitmask = GrammarCompiler(tokenizer), np.zeros((1, (vocab_size + 31) // 32), np.int32)
+    parts: dict[str, list[float]] = {"check": [], "compile": [], "first_mask": [], "total": []}
+    for i in range(count):
+        text = json.dumps(typical_schema(f"{i}_{random.randrange(10**9)}"))
+        t0 = time.perf_counter()
+        grammar = compiler.compile("json", text)
+        t1 = time.perf_counter()
+        matcher = llguidance.LLMatcher(vocabulary, grammar)
+        t2 = time.perf_counter()
+        fill_next_token_bitmask(matcher, bitmask)
+        t3 = time.perf_counter()
+        for name, seconds in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+            parts[name].append(1e3 * seconds)
+    return {"vocabulary_build_s": build_s, **{f"{name}_p50_ms": statistics.median(v) for name, v in parts.items()},
+            "total_max_ms": max(parts["total"])}
+
+
+async def run_one(stub, prompt: list[int], max_tokens: int, constraint: dict | None, arrivals: list | None = None):
+    sampling = {"structured_outputs": llm_pb2.StructuredOutputs(json=json.dumps(constraint))} if constraint else {}
+    request = make_request(prompt, max_tokens=max_tokens, temperature=0.6, ignore_eos=True, **sampling)
+    count, text, finish = 0, "", ""
+    async for msg in stub.Generate(request):
+        count += len(msg.token_ids)
+        text += msg.text
+        if msg.finish_reason:
+            finish = llm_pb2.FinishReason.Name(msg.finish_reason)
+        if arrivals is not None:
+            arrivals.append((time.perf_counter(), len(msg.token_ids)))
+    return count, text, finish
+
+
+def invalid(results: list, schema: dict) -> tuple[int, int]:
+    """(outputs that stopped, how many of those fail to parse or validate)."""
+    stopped = [text for _, text, finish in results if finish == "FINISH_REASON_STOP"]
+    bad = 0
+    for text in stopped:
+        try:
+            jsonschema.validate(json.loads(text), schema)
+        except (json.JSONDecodeError, jsonschema.ValidationError):
+            bad += 1
+    return len(stopped), bad
+
+
+async def throughput(stub, jobs, constraint: dict | None) -> dict:
+    start = time.perf_counter()
+    results = await asyncio.gather(*(run_one(stub, p, n, constraint) for p, n in jobs))
+    seconds = time.perf_counter() - start
+    tokens = sum(count for count, _, _ in results)
+    stopped, bad = invalid(results, constraint) if constraint else (0, 0)
+    return {"output_tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds, "stopped": stopped,
+            "invalid_among_stopped": bad}
+
+
+async def itl_ms(stub, constraint: dict | None, tokens: int = 256) -> float:
+    """Median gap between streamed tokens of one request (prompt 512 random ids)."""
+    arrivals: list = []
+    await run_one(stub, [random.randint(0, 10000) for _ in range(512)], tokens, constraint, arrivals)
+    gaps = [(b - a) / n for (a, _), (b, n) in zip(arrivals, arrivals[1:]) if n]
+    return 1e3 * statistics.median(gaps)
+
+
+async def measure(address: str, repeats: int, shape: tuple[int, int, int]) -> dict:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = llm_pb2_grpc.LLMStub(channel)
+        for constraint in (None, LONG):  # warm-up: the vocabularies are built, the grammar compiled
+            await run_one(stub, [1, 2, 3, 4], 16, constraint)
+        jobs = workload(*shape)
+        out = {"plain": await throughput(stub, jobs, None), "json_schema": await throughput(stub, jobs, LONG)}
+        out["throughput_ratio"] = out["json_schema"]["tok_per_s"] / out["plain"]["tok_per_s"]
+        results = await asyncio.gather(*(run_one(stub, p, 256, SHORT) for p, _ in jobs[:64]))
+        out["short_schema_64"] = dict(zip(("stopped", "invalid_among_stopped"), invalid(results, SHORT)))
+        itl = {"plain": [], "json_schema": []}
+        for _ in range(repeats):
+            itl["plain"].append(await itl_ms(stub, None))
+            itl["json_schema"].append(await itl_ms(stub, LONG))
+        out["itl_batch1_ms"] = {name: statistics.median(values) for name, values in itl.items()}
+        out["itl_ratio"] = out["itl_batch1_ms"]["json_schema"] / out["itl_batch1_ms"]["plain"]
+        info = await stub.GetModelInfo(llm_pb2.GetModelInfoRequest())
+    out["model_info"] = {"vocab_size": info.vocab_size, "eos_token_ids": list(info.eos_token_ids)}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", required=True)
+    p.add_argument("--extra", default="", help="more `nanoserve up` flags, space separated")
+    p.add_argument("--repeats", type=int, default=3, help="batch-1 ITL pairs")
+    p.add_argument("--workload", type=int, nargs=3, default=WORKLOADS["design"], metavar=("REQUESTS", "INPUT", "OUTPUT"),
+                   help="requests, longest prompt, longest output (default: DESIGN's)")
+    p.add_argument("--out", default=str(REPO / "bench" / "out" / "grammar.json"))
+    args = p.parse_args()
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(REPO / "proto"),
+                                                                    os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "nanoserve_cli", "up", "--model", args.model, "--port", str(port),
+           "--worker-base-port", str(free_port()), "--max-model-len", "4096", *args.extra.split()]
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        wait_serving(f"127.0.0.1:{port}", [proc], timeout=900)
+        result = asyncio.run(measure(f"127.0.0.1:{port}", args.repeats, tuple(args.workload)))
+    finally:
+        stop_all([proc])
+    info = result.pop("model_info")
+    result["first_use_compile"] = compile_times(Path(args.model), info["vocab_size"], tuple(info["eos_token_ids"]))
+    result["command"] = " ".join(sys.argv)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

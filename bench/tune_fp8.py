@@ -1,0 +1,151 @@
+"""Tunes the FP8 linear layers' launch choices on this GPU and writes them into
+nanoserve_kernels/fp8_configs.json (its table for this device name), where fp8_linear reads them.
+
+For each projection of the benchmark shapes (q/k/v, o, gate/up with its SiLU-and-mul, down; Qwen3-0.6B
+and 8B, 128 x 128 weight blocks) and each batch-size bucket, every candidate is timed, its output
+checked against the plain-torch reference first:
+  - the weight-only Triton GEMM (up to 256 rows), in a few launch shapes;
+  - the W8A8 Triton GEMM, in a few launch shapes, with the activations' quantization pass;
+  - torch's blockwise scaled_mm (sm90; not for gate/up, whose SiLU-and-mul it cannot fuse), with the
+    same quantization pass.
+The fastest per (N, K, bucket) is kept. Times are CUDA-graph replays of 20 calls (what serving runs).
+
+    python3 bench/tune_fp8.py [--shapes 0.6b 8b] [--buckets 2 4 ... 8192] [--budget-s 240] [--out FILE]
+"""
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "proto")]
+
+from nanoserve_kernels import fp8_configs, fp8_reference  # noqa: E402
+from nanoserve_kernels.fp8_configs import SCALED_MM, TRITON, W8A8, WEIGHT_ONLY, Fp8Choice  # noqa: E402
+
+BLOCK = (128, 128)
+SHAPES = {  # name -> [(N, K, silu_mul)]: q/k/v, o, gate/up, down at one rank
+    "0.6b": [(4096, 1024, False), (1024, 2048, False), (6144, 1024, True), (1024, 3072, False)],
+    "8b": [(6144, 4096, False), (4096, 4096, False), (24576, 4096, True), (4096, 12288, False)],
+}
+BUCKETS = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+WEIGHT_ONLY_MAX = 256
+
+
+def launches(mode: str, rows: int) -> list[dict]:
+    """The launch shapes tried: row blocks no taller than needed, a few column blocks, warps and stages."""
+    heights = [m for m in (16, 32, 64, 128) if m <= max(16, rows)][-2:]
+    widths = (32, 64, 128) if mode == WEIGHT_ONLY else (64, 128)
+    shapes = []
+    for block_m, block_n, stages in itertools.product(heights, widths, (3, 4)):
+        warps = 8 if block_m * block_n >= 128 * 128 else 4
+        shapes.append(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, num_warps=warps,
+                           num_stages=stages))
+    return shapes
+
+
+def graph_time(fn, calls: int = 20) -> float:
+    """Seconds per call, replaying a CUDA graph of `calls` calls (after one eager call compiles)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1000 / (5 * calls)
+
+
+def candidates(x, weight, scale, silu_mul: bool):
+    """(choice, callable) pairs for this shape and batch."""
+    from nanoserve_kernels.fp8_linear import scaled_mm, takes_scaled_mm
+    from nanoserve_kernels.triton_fp8_gemm import fp8_gemm
+    from nanoserve_kernels.triton_fp8_quant import quantize_activation
+    rows = x.shape[0]
+    if rows <= WEIGHT_ONLY_MAX:
+        for launch in launches(WEIGHT_ONLY, rows):
+            yield Fp8Choice(WEIGHT_ONLY, TRITON, launch), \
+                lambda launch=launch: fp8_gemm(x, weight, scale, BLOCK, launch, silu_mul=silu_mul)
+    for launch in launches(W8A8, rows):
+        def w8a8(launch=launch):
+            q, s = quantize_activation(x)
+            return fp8_gemm(q, weight, scale, BLOCK, launch, x_scale=s, silu_mul=silu_mul, out_dtype=x.dtype)
+        yield Fp8Choice(W8A8, TRITON, launch), w8a8
+    if not silu_mul and takes_scaled_mm(x, weight, BLOCK):
+        yield Fp8Choice(W8A8, SCALED_MM, fp8_configs.default_choice(fp8_configs.bucket(rows)).launch), \
+            lambda: scaled_mm(x, weight, scale)
+
+
+def reference(x, weight, scale, mode: str, silu_mul: bool) -> torch.Tensor:
+    y = fp8_reference.fp8_linear(x, weight, scale, BLOCK, quantize_input=mode == W8A8)
+    if not silu_mul:
+        return y
+    gate, up = y.float().chunk(2, dim=1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def tune_shape(n: int, k: int, silu_mul: bool, buckets: list[int], deadline: float) -> dict:
+    weight, scale = fp8_reference.quantize_weight(torch.randn(n, k, device="cuda") * 0.02, BLOCK)
+    table = {}
+    for rows in buckets:
+        if time.monotonic() > deadline:
+            print(f"  budget spent: {n}x{k} stops before {rows} rows")
+            break
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        expected = {mode: reference(x, weight, scale, mode, silu_mul) for mode in (WEIGHT_ONLY, W8A8)}
+        best, best_time = None, float("inf")
+        for chosen, fn in candidates(x, weight, scale, silu_mul):
+            try:
+                got = fn()
+                error = float((got.float() - expected[chosen.mode].float()).norm() / expected[chosen.mode].norm())
+                if error > 2e-2:
+                    print(f"  {n}x{k} rows {rows} {chosen.mode}/{chosen.backend} {chosen.launch}: wrong ({error:.1e})")
+                    continue
+                seconds = graph_time(fn)
+            except Exception as err:  # a launch shape that does not fit, a torch without the backend
+                print(f"  {n}x{k} rows {rows} {chosen.mode}/{chosen.backend}: {type(err).__name__}: {err}"[:200])
+                continue
+            if seconds < best_time:
+                best, best_time = chosen, seconds
+        if best is not None:
+            table[str(rows)] = dict(mode=best.mode, backend=best.backend, launch=best.launch)
+            tflops = 2 * rows * n * k / best_time / 1e12
+            print(f"{n:>6}x{k:<6}{' silu' if silu_mul else '     '} rows {rows:>5}: {best_time * 1e6:8.1f} us "
+                  f"{best.mode:>11} {best.backend:>9} {tflops:6.1f} TFLOP/s {best.launch}")
+    return table
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
+    p.add_argument("--buckets", type=int, nargs="+", default=BUCKETS)
+    p.add_argument("--budget-s", type=float, default=600.0, help="stop tuning after this long (what is tuned is kept)")
+    p.add_argument("--out", type=Path, default=fp8_configs.CONFIG_FILE, help="the table to update")
+    args = p.parse_args()
+    deadline = time.monotonic() + args.budget_s
+    device = torch.cuda.get_device_name()
+    tables = json.loads(args.out.read_text()) if args.out.exists() else {}
+    table = tables.setdefault(device, {})
+    print(f"tuning FP8 linears on {device}, torch {torch.__version__}")
+    for shape in args.shapes:
+        for n, k, silu_mul in SHAPES[shape]:
+            table[fp8_configs.shape_key(n, k, silu_mul)] = {
+                **table.get(fp8_configs.shape_key(n, k, silu_mul), {}), **tune_shape(n, k, silu_mul, args.buckets,
+                                                                                     deadline)}
+    args.out.write_text(json.dumps(tables, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

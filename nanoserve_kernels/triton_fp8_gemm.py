@@ -1,0 +1,107 @@
+"""y [M, N] = x [M, K] @ W [N, K]^T of an e4m3 weight with block scales (nanoserve_kernels/fp8_reference.py),
+for batches of more than one row:
+
+  - W8A8 (x quantized per token and 128 columns by triton_fp8_quant.py): e4m3 x e4m3 tensor-core dots,
+    each BLOCK_K step's partial product scaled by its activation scales (per row) and weight scales
+    (per output column) as it is added into the float32 accumulator: prefill and large batches, where
+    the e4m3 dots run at twice the 16-bit rate;
+  - weight-only (x in the model dtype): each weight tile converted to x's dtype in registers (exact:
+    e4m3 values are bf16/fp16 values) and scaled the same way: small decode batches, whose cost is the
+    weight read, halved by e4m3, and which would not repay the activations' quantization pass.
+
+BLOCK_K divides the weight blocks' 128 columns, so one weight scale covers a step; per-channel weights
+(scales [N, 1]) are the case of one block per row. With SILU_MUL the weight holds gate rows then as many
+up rows (the MLP's packed gate/up) and the epilogue writes silu(gate) * up, as the 16-bit path fuses it
+(triton_gate_up.py), each half rounded to the output dtype first. Launch shapes come from fp8_configs.py.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve_kernels.fp8_reference import ACT_GROUP
+from nanoserve_kernels.triton_activation import silu_mul
+
+
+@triton.jit
+def _scaled_step(a, w_ptrs, w_scale_ptrs, mask_w, col_ok, a_scale, W8A8: tl.constexpr):
+    """One BLOCK_K step's product of the a tile with a weight tile, scaled to float32."""
+    w = tl.load(w_ptrs, mask=mask_w, other=0.0)
+    w_scale = tl.load(w_scale_ptrs, mask=col_ok, other=0.0)
+    if W8A8:
+        return tl.dot(a, tl.trans(w)) * (a_scale[:, None] * w_scale[None, :])
+    return tl.dot(a, tl.trans(w.to(a.dtype))) * w_scale[None, :]
+
+
+@triton.jit(do_not_specialize=["rows"])  # one compile a launch shape, whatever the batch size
+def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, rows, n_size, k_size,
+                     stride_a, stride_asm, stride_ask, stride_w, stride_wsn, stride_wsk, stride_out,
+                     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ACT_GROUP: tl.constexpr, W8A8: tl.constexpr,
+                     SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # Programs in groups of GROUP_M row blocks over each column block: the weight tiles they share
+    # are read from memory once and from L2 after.
+    pid = tl.program_id(0)
+    row_blocks, col_blocks = tl.cdiv(rows, BLOCK_M), tl.cdiv(n_size, BLOCK_N)
+    group_size = GROUP_M * col_blocks
+    first_row_block = (pid // group_size) * GROUP_M
+    group_rows = tl.minimum(row_blocks - first_row_block, GROUP_M)
+    row_block = first_row_block + (pid % group_size) % group_rows
+    col_block = (pid % group_size) // group_rows
+
+    row = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    col = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    row_ok, col_ok = row < rows, col < n_size
+    a_ptrs = a_ptr + row[:, None].to(tl.int64) * stride_a + k[None, :]
+    w_ptrs = w_ptr + col[:, None].to(tl.int64) * stride_w + k[None, :]
+    w_scale_ptrs = w_scale_ptr + (col // SCALE_BN) * stride_wsn
+    up_offset = n_size * stride_w  # SILU_MUL: the up row of each gate row
+    up_scale_offset = (n_size // SCALE_BN) * stride_wsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    a_scale = tl.zeros([BLOCK_M], tl.float32)
+    for start in range(0, k_size, BLOCK_K):
+        k_ok = start + k < k_size
+        a = tl.load(a_ptrs + start, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if W8A8:
+            a_scale = tl.load(a_scale_ptr + row * stride_asm + (start // ACT_GROUP) * stride_ask, mask=row_ok,
+                              other=0.0)
+        mask_w = col_ok[:, None] & k_ok[None, :]
+        scale_step = (start // SCALE_BK) * stride_wsk
+        acc += _scaled_step(a, w_ptrs + start, w_scale_ptrs + scale_step, mask_w, col_ok, a_scale, W8A8)
+        if SILU_MUL:
+            up_acc += _scaled_step(a, w_ptrs + up_offset + start, w_scale_ptrs + up_scale_offset + scale_step,
+                                   mask_w, col_ok, a_scale, W8A8)
+    out_dtype = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if SILU_MUL:
+            up_acc += tl.load(bias_ptr + n_size + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if SILU_MUL:  # as the unfused path: each half rounded to the output dtype, SiLU-and-mul in float32
+        acc = silu_mul(acc.to(out_dtype).to(tl.float32), up_acc.to(out_dtype).to(tl.float32))
+    tl.store(out_ptr + row[:, None].to(tl.int64) * stride_out + col[None, :], acc.to(out_dtype),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int],
+             launch: dict, x_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+             silu_mul: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) [M, N] for x [M, K]: W8A8 when x is e4m3 with its `x_scale` [M, ceil(K / 128)],
+    weight-only when x is 16-bit; with `silu_mul`, silu(gate) * up [M, N / 2] of the packed (gate, up).
+    `launch`: BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages (fp8_configs.py)."""
+    rows, k_size = x.shape
+    n_size = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    assert x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == k_size
+    assert block[1] >= k_size or block[1] % launch["BLOCK_K"] == 0, (block, launch)  # a step in one scale block
+    assert x_scale is None or ACT_GROUP % launch["BLOCK_K"] == 0, launch
+    w8a8 = x_scale is not None
+    per_row = weight_scale.shape[1] == 1  # one scale a row (per channel, or K within one block): stride 0 along K
+    out = torch.empty(rows, n_size, dtype=out_dtype or x.dtype, device=x.device)
+    grid = (triton.cdiv(rows, launch["BLOCK_M"]) * triton.cdiv(n_size, launch["BLOCK_N"]),)
+    _fp8_gemm_kernel[grid](
+        x, x_scale, weight, weight_scale, bias, out, rows, n_size, k_size, x.stride(0),
+        x_scale.stride(0) if w8a8 else 0, x_scale.stride(1) if w8a8 else 0, weight.stride(0),
+        weight_scale.stride(0), 0 if per_row else weight_scale.stride(1), out.stride(0),
+        SCALE_BN=block[0], SCALE_BK=launch["BLOCK_K"] if per_row else block[1], ACT_GROUP=ACT_GROUP, W8A8=w8a8,
+        SILU_MUL=silu_mul, HAS_BIAS=bias is not None, **launch)
+    return out

@@ -1,0 +1,55 @@
+"""Dynamic activation quantization for the W8A8 GEMM: x [M, K] (16-bit) -> e4m3 values [M, K] and a
+float32 scale per token and ACT_GROUP columns (nanoserve_kernels/fp8_reference.py's semantics: scale =
+amax / 448 of the group, values = x / scale rounded to nearest even), bit for bit: IEEE divisions, and
+the rounding made on the e4m3 grid in float32 before the (then exact) cast.
+
+One program quantizes GROUPS groups of one row (a [GROUPS, ACT_GROUP] tile, ~1-2K values): a whole row
+per program would hold 12K values of the 8B MLP in registers, a group per program would launch
+hundreds of thousands of programs for a long prefill. The scales are written through strides, so the
+caller picks their layout: torch's blockwise scaled_mm wants them token-minor ([K / 128, M] stored,
+seen as [M, K / 128]).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve_kernels.fp8_reference import ACT_GROUP, AMAX_FLOOR, FP8_DTYPE, FP8_MAX
+from nanoserve_kernels.triton_kv_store import round_to_e4m3_grid
+
+GROUPS = 8
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, rows, k_size, stride_x, stride_q, stride_sm, stride_sk,
+                            GROUP: tl.constexpr, GROUPS: tl.constexpr, FP8_MAX: tl.constexpr,
+                            AMAX_FLOOR: tl.constexpr):
+    row = tl.program_id(0)
+    group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    ok = cols < k_size
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=1), FP8_MAX), AMAX_FLOOR)
+    q = round_to_e4m3_grid(tl.clamp(tl.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX))
+    tl.store(q_ptr + row.to(tl.int64) * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(scale_ptr + row * stride_sm + group * stride_sk, scale, mask=group * GROUP < k_size)
+
+
+def quantize_activation(x: torch.Tensor, token_minor: bool = False, padded_rows: int | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [M, K], scales [M, ceil(K / ACT_GROUP)]) of x [M, K]. `token_minor` stores the scales as
+    their transpose (stride (1, rows)); `padded_rows` (>= M) sizes both outputs for that many rows, the
+    rows past M left unwritten (torch's blockwise scaled_mm wants a multiple of 4)."""
+    rows, k_size = x.shape
+    assert x.stride(1) == 1
+    padded_rows = padded_rows or rows
+    groups = triton.cdiv(k_size, ACT_GROUP)
+    q = torch.empty(padded_rows, k_size, dtype=FP8_DTYPE, device=x.device)
+    if token_minor:
+        scale = torch.empty(groups, padded_rows, dtype=torch.float32, device=x.device).t()
+    else:
+        scale = torch.empty(padded_rows, groups, dtype=torch.float32, device=x.device)
+    if rows:
+        _quantize_groups_kernel[(rows, triton.cdiv(groups, GROUPS))](
+            x, q, scale, rows, k_size, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1), GROUP=ACT_GROUP,
+            GROUPS=GROUPS, FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR)
+    return q, scale

@@ -1,0 +1,166 @@
+"""The FP8 weight kernels against the plain-torch reference (nanoserve_kernels/fp8_reference.py) on
+dequantized values: the activations' quantization (bit for bit), the W8A8 and weight-only GEMMs (with
+the SiLU-and-mul epilogue and a bias, masked tails, M = 1, 2, 7, 64, 300) and the matrix-vector kernel
+reading e4m3 (with the RMSNorm prologue), on CPU through Triton's interpreter in float32 and float16
+(its bfloat16 dots are wrong), and compiled for sm_90 in bfloat16 (the e4m3 tensor-core dots the
+interpreter stands numpy in for). tests/gpu/test_fp8_weights_gpu.py runs the same checks on CUDA in
+bfloat16. Each interpreted check runs in a fresh process, as tests/worker/test_triton_kernels.py says why."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanoserve_kernels import fp8_reference
+from nanoserve_kernels.fp8_reference import quantize_weight
+from tests.worker.test_triton_kernels import TOLERANCE, same_bits
+
+REPO = Path(__file__).resolve().parents[2]
+ROWS = (1, 2, 7, 64, 300)
+# (N, K, weight scale block): whole 128-blocks, a K tail inside the last block, per channel, small blocks.
+SHAPES = ((256, 384, (128, 128)), (200, 320, (128, 128)), (96, 200, (1, 200)), (48, 64, (16, 16)))
+SMALL_LAUNCH = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=2)
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got.float() - expected.float()).norm() / expected.float().norm().clamp(min=1e-30))
+
+
+def random_fp8(n: int, k: int, block: tuple[int, int], device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(t.to(device) for t in quantize_weight(torch.randn(n, k, generator=generator) * 0.05, block))
+
+
+def check_quantize(device: str, dtype: torch.dtype) -> None:
+    """Bit for bit the reference's e4m3 values and scales, in either scale layout, with padded rows."""
+    from nanoserve_kernels.triton_fp8_quant import quantize_activation
+    for rows, k in ((1, 128), (7, 200), (33, 1100)):
+        x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3).to(dtype).to(device)
+        x[0, :5] = 0.0  # a group with zeros in it; the row's last group is cut short (masked) where k % 128
+        expected_q, expected_s = fp8_reference.quantize_activation(x)
+        for token_minor, padded in ((False, None), (True, rows + 3)):
+            q, s = quantize_activation(x, token_minor=token_minor, padded_rows=padded)
+            assert same_bits(q[:rows], expected_q) and torch.equal(s[:rows], expected_s), (rows, k, token_minor)
+            assert s.stride(0) == (1 if token_minor else s.shape[1])
+
+
+def check_gemm(device: str, dtype: torch.dtype, launch: dict = SMALL_LAUNCH) -> None:
+    """W8A8 (x quantized as the reference does) and weight-only, plain and with the SiLU-and-mul and a bias."""
+    from nanoserve_kernels.triton_fp8_gemm import fp8_gemm
+    from nanoserve_kernels.triton_fp8_quant import quantize_activation
+    for seed, (n, k, block) in enumerate(SHAPES):
+        weight, scale = random_fp8(n, k, block, device, seed)
+        bias = torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
+        shape_launch = dict(launch, BLOCK_K=min(launch["BLOCK_K"], block[1])) if scale.shape[1] > 1 else launch
+        for rows in ROWS:
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype).to(device)
+            for w8a8 in (False, True):
+                expected = fp8_reference.fp8_linear(x, weight, scale, block, bias, quantize_input=w8a8)
+                a, a_scale = quantize_activation(x) if w8a8 else (x, None)
+                got = fp8_gemm(a, weight, scale, block, shape_launch, x_scale=a_scale, bias=bias, out_dtype=dtype)
+                what = (n, k, block, rows, w8a8)
+                assert relative_error(got, expected) < TOLERANCE[dtype], what
+                if n % (2 * block[0]) == 0 or block[0] == 1:  # gate and up each whole scale blocks
+                    gate, up = expected.float().chunk(2, dim=1)
+                    got = fp8_gemm(a, weight, scale, block, shape_launch, x_scale=a_scale, bias=bias, silu_mul=True,
+                                   out_dtype=dtype)
+                    assert relative_error(got, torch.nn.functional.silu(gate) * up) < 2 * TOLERANCE[dtype], \
+                        (*what, "silu")
+
+
+def check_gemv(device: str, dtype: torch.dtype) -> None:
+    """One row through the matrix-vector kernel reading e4m3: plain, with a bias, with the RMSNorm prologue
+    and the residual add, and with the SiLU-and-mul."""
+    from nanoserve_kernels.triton_gemv import gemv, rms_norm_gemv
+    from nanoserve_model.norm import rms_normalize
+    for seed, (n, k, block) in enumerate(SHAPES):
+        weight, scale = random_fp8(n, k, block, device, seed)
+        generator = torch.Generator().manual_seed(seed)
+        x, residual = (torch.randn(1, k, generator=generator).to(dtype).to(device) for _ in range(2))
+        norm_weight, bias = torch.rand(k, generator=generator).to(dtype).to(device), None
+        for bias in (None, torch.randn(n, generator=generator).to(dtype).to(device)):
+            expected = fp8_reference.fp8_linear(x, weight, scale, block, bias)
+            assert relative_error(gemv(x, weight, bias, weight_scale=scale, block=block), expected) < \
+                TOLERANCE[dtype], (n, k, block)
+        normed = rms_normalize(x + residual, norm_weight, 1e-6)
+        got, new_residual = rms_norm_gemv(x, residual, norm_weight, 1e-6, weight, weight_scale=scale, block=block)
+        assert torch.allclose(new_residual, x + residual)
+        assert relative_error(got, fp8_reference.fp8_linear(normed, weight, scale, block)) < 2 * TOLERANCE[dtype]
+        if n % (2 * block[0]) == 0 or block[0] == 1:
+            gate, up = fp8_reference.fp8_linear(normed, weight, scale, block).float().chunk(2, dim=1)
+            got, _ = rms_norm_gemv(x, residual, norm_weight, 1e-6, weight, silu_mul=True, weight_scale=scale,
+                                   block=block)
+            assert relative_error(got, torch.nn.functional.silu(gate) * up) < 2 * TOLERANCE[dtype], (n, k, "silu")
+
+
+def run_interpreted_cases(kernel: str) -> None:
+    if kernel == "gemm":  # float16 only, in tiles as large as the rows allow: the interpreter is slow
+        check_gemm("cpu", torch.float16, dict(SMALL_LAUNCH, BLOCK_M=64, BLOCK_N=64))
+        return
+    for dtype in (torch.float32, torch.float16):
+        {"quantize": check_quantize, "gemv": check_gemv}[kernel]("cpu", dtype)
+
+
+@pytest.mark.parametrize("kernel", ["quantize", "gemm", "gemv"])
+def test_fp8_kernel_matches_reference_in_interpreter(kernel: str) -> None:
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), str(REPO / "proto"), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath}
+    result = subprocess.run([sys.executable, __file__, kernel], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _compile_for_hopper(kernel, types: dict[str, str], constexprs: dict, **options) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tests.worker.test_triton_kernels import _hopper_signature
+    source = ASTSource(kernel, _hopper_signature(kernel, types), constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+@pytest.mark.parametrize("w8a8, silu_mul, launch", [
+    (True, False, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)),
+    (True, True, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)),
+    (False, False, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)),
+    (False, True, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)),
+])
+def test_fp8_gemm_compiles_for_hopper(w8a8: bool, silu_mul: bool, launch: dict) -> None:
+    """sm_90 in bfloat16: W8A8 runs e4m3 tensor-core dots (the interpreter multiplies in numpy); the SiLU-and-mul
+    variants with a bias."""
+    from nanoserve_kernels import triton_fp8_gemm
+    types = {"a_ptr": "*fp8e4nv" if w8a8 else "*bf16", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv",
+             "w_scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+    constexprs = dict(SCALE_BN=128, SCALE_BK=128, ACT_GROUP=128, W8A8=w8a8, SILU_MUL=silu_mul, HAS_BIAS=silu_mul,
+                      **{name: launch[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")})
+    ptx = _compile_for_hopper(triton_fp8_gemm._fp8_gemm_kernel, types, constexprs, num_warps=launch["num_warps"],
+                              num_stages=launch["num_stages"])
+    assert "e4m3" in ptx
+
+
+@pytest.mark.parametrize("mode, silu_mul", [("block", False), ("block", True), ("row", False), ("row", True)])
+def test_fp8_gemv_compiles_for_hopper(mode: str, silu_mul: bool) -> None:
+    from nanoserve_kernels import triton_gemv
+    types = {name: "*bf16" for name in ("x_ptr", "residual_ptr", "residual_out_ptr", "norm_ptr", "bias_ptr", "y_ptr")}
+    types |= {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "eps": "fp32"}
+    constexprs = dict(BLOCK_N=4, BLOCK_K=2048, HAS_BIAS=False, PROLOGUE="rms_norm", HAS_RESIDUAL=True,
+                      SILU_MUL=silu_mul, PDL=False, WEIGHT_SCALE=mode, SCALE_BN=128 if mode == "block" else 1,
+                      SCALE_BK=128)
+    assert "e4m3" in _compile_for_hopper(triton_gemv._gemv_kernel, types, constexprs, num_warps=4)
+
+
+def test_activation_quantization_compiles_for_hopper() -> None:
+    from nanoserve_kernels import triton_fp8_quant
+    types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
+    constexprs = dict(GROUP=128, GROUPS=8, FP8_MAX=448.0, AMAX_FLOOR=1e-12)
+    assert "e4m3" in _compile_for_hopper(triton_fp8_quant._quantize_groups_kernel, types, constexprs, num_warps=4)
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    from tests.worker.test_triton_kernels import _fix_interpreter_for_numpy_2_4, _stand_in_for_libdevice
+    _fix_interpreter_for_numpy_2_4()
+    _stand_in_for_libdevice()
+    run_interpreted_cases(sys.argv[1])
