@@ -468,6 +468,9 @@ def check_token_bitmask(apply_token_bitmask: Callable, device: str) -> None:
             got = logits.to(device)
             apply(got, words.to(device), rows.to(device))
             assert np.array_equal(got.float().cpu().numpy(), expected), (apply, vocab_size, dtype)
+            every = logits[rows].to(device)  # rows None: bitmask row i masks logits row i
+            apply(every, words.to(device), None)
+            assert np.array_equal(every.float().cpu().numpy(), expected[rows.tolist()]), (apply, "every row")
 
 
 def assert_nearly_same(got: torch.Tensor, expected: torch.Tensor, share: float, what: object) -> None:
