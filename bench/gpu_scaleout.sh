@@ -3,7 +3,7 @@
 #   bench/gpu_scaleout.sh            (results under $OUT, default bench/out/scaleout: JSON per run,
 #                                     summary.json and summary.md from bench/scaleout_summary.py)
 # Every run goes through the OpenAI port (bench/serve.py --openai, prompts as text for SMG):
-#   1. the DESIGN throughput workload on one replica direct (its gateway), then on N replicas (N = the
+#   1. the throughput workload (docs/benchmarks.md) on one replica direct (its gateway), then on N replicas (N = the
 #      GPUs) through SMG with N x the requests: the ratio to N x one replica (target >= 0.95);
 #   2. the router's added TTFT at low load: the same requests through SMG and straight to replica 0's
 #      gateway, on the same server;
