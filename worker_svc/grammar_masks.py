@@ -43,6 +43,7 @@ class GrammarMasks:
         self.tokenizer, self.device = tokenizer, device
         self.words = bitmask_words(tokenizer.vocab_size)
         self.matchers: list[Future | None] = [None] * capacity  # per slot; its result an LLMatcher, or None
+        self.constrained = np.zeros(capacity, bool)  # per slot: holds a matcher
         self.num_constrained = 0  # slots holding a matcher: while 0, no batch is looked at
         self.pending: list[tuple[np.ndarray, torch.Tensor, object]] = []  # (slots, tokens home, their event)
         self.device_rows: torch.Tensor | None = None  # the masked rows of the current step; None: all of them
@@ -58,7 +59,8 @@ class GrammarMasks:
         """A new sequence in `slot`, constrained by `grammar` ("" = not constrained), which has
         already drawn `generated`."""
         self.advance()  # a token still on its way home belongs to the slot's previous sequence
-        self.num_constrained += bool(grammar) - (self.matchers[slot] is not None)
+        self.num_constrained += bool(grammar) - bool(self.constrained[slot])
+        self.constrained[slot] = bool(grammar)
         self.matchers[slot] = self.compiler.submit(self._start, grammar, generated) if grammar else None
 
     def _template(self, grammar: str) -> LLMatcher:
@@ -78,7 +80,7 @@ class GrammarMasks:
         """Positions in `slots` (a step's sampled slots) of constrained sequences."""
         if not self.num_constrained:
             return np.zeros(0, np.int64)
-        return np.flatnonzero([self.matchers[slot] is not None for slot in slots.tolist()])
+        return np.flatnonzero(self.constrained[slots])
 
     def mask(self, logits: torch.Tensor, slots: np.ndarray, rows: np.ndarray) -> None:
         """Masks, in place, the logits rows `rows` (constrained_rows of `slots`) by their grammars."""
