@@ -58,8 +58,10 @@ serve: install
 	  kill -0 $$up 2>/dev/null || { wait $$up; exit 1; }; sleep 1; done; \
 	$(VENV)/bin/nanoserve generate "Tell me about the sea." --address 127.0.0.1:$(PORT) --max-tokens 32
 
+# One pytest worker per core (pytest-xdist). --dist loadgroup: a file's tests stay on one worker, in
+# order, so its module fixtures (a running server) start once; tests/conftest.py says which spread.
 test: install tiny-model
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider -n auto --dist loadgroup tests
 
 bench: install
 	$(PY) bench/scheduler.py

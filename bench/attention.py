@@ -36,7 +36,7 @@ FP8_DECODE_SHAPES = [(256, 1024), (8, 8192)]
 
 
 def ragged_lengths(count: int, longest: int = 1024) -> list[int]:
-    """Prompt lengths drawn as DESIGN §8's workload draws them (uniform in [100, 1024])."""
+    """Prompt lengths drawn as the throughput workload draws them (uniform in [100, 1024])."""
     rng = random.Random(0)
     return [rng.randint(100, longest) for _ in range(count)]
 

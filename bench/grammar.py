@@ -1,10 +1,10 @@
 """What structured output costs (issue 40), on one `nanoserve up` per call:
 
 - DESIGN throughput (bench/throughput.py's workload: 256 requests, prompts and outputs uniform in
-  [100, 1,024], temperature 0.6, ignore_eos) with no constraint, then with every request held to a
-  JSON schema (an object with one unbounded lowercase-text string: the few tokens that close it are
-  rarely drawn from random weights, so outputs run as long as unconstrained ones; a complete object
-  ends a request early, with stop);
+  [100, 1,024], temperature 0.6, ignore_eos) with every request held to a JSON schema (an object with
+  one unbounded lowercase-text string; a request whose object is complete ends early, with stop),
+  then the same requests unconstrained, each asking for as many tokens as its constrained run gave:
+  both runs compute the same tokens in the same batches, and only the grammar differs;
 - batch-1 inter-token latency, the two alternated;
 - first use of a typical schema (12 properties, nested object, enum, array, bounds), each time a new
   one: the scheduler's check (the text to a grammar, checked against the vocabulary), the sampling
@@ -120,14 +120,22 @@ def invalid(results: list, schema: dict) -> tuple[int, int]:
     return len(stopped), bad
 
 
-async def throughput(stub, jobs, constraint: dict | None) -> dict:
+async def throughput(stub, jobs, constraint: dict | None) -> tuple[dict, list[int]]:
+    """The run's figures (with rank 0's view of its decode steps: device busy, device idle before
+    each, host time building and launching each), and each request's output length."""
+    before = await stub.GetStats(llm_pb2.GetStatsRequest())
     start = time.perf_counter()
     results = await asyncio.gather(*(run_one(stub, p, n, constraint) for p, n in jobs))
     seconds = time.perf_counter() - start
+    after = await stub.GetStats(llm_pb2.GetStatsRequest())
     tokens = sum(count for count, _, _ in results)
     stopped, bad = invalid(results, constraint) if constraint else (0, 0)
-    return {"output_tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds, "stopped": stopped,
-            "invalid_among_stopped": bad}
+    steps = max(1, after.decode_steps - before.decode_steps)
+    per_step = {f"decode_{name}_ms": 1e3 * (getattr(after, f"decode_{name}_seconds") -
+                                            getattr(before, f"decode_{name}_seconds")) / steps
+                for name in ("busy", "idle", "host")}
+    return ({"output_tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds, "stopped": stopped,
+             "invalid_among_stopped": bad, "decode_steps": steps, **per_step}, [count for count, _, _ in results])
 
 
 async def itl_ms(stub, constraint: dict | None, tokens: int = 256) -> float:
@@ -144,7 +152,9 @@ async def measure(address: str, repeats: int, shape: tuple[int, int, int]) -> di
         for constraint in (None, LONG):  # warm-up: the vocabularies are built, the grammar compiled
             await run_one(stub, [1, 2, 3, 4], 16, constraint)
         jobs = workload(*shape)
-        out = {"plain": await throughput(stub, jobs, None), "json_schema": await throughput(stub, jobs, LONG)}
+        constrained, lengths = await throughput(stub, jobs, LONG)
+        plain, _ = await throughput(stub, [(prompt, n) for (prompt, _), n in zip(jobs, lengths)], None)
+        out = {"plain": plain, "json_schema": constrained}
         out["throughput_ratio"] = out["json_schema"]["tok_per_s"] / out["plain"]["tok_per_s"]
         results = await asyncio.gather(*(run_one(stub, p, 256, SHORT) for p, _ in jobs[:64]))
         out["short_schema_64"] = dict(zip(("stopped", "invalid_among_stopped"), invalid(results, SHORT)))

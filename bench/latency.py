@@ -1,5 +1,5 @@
 """Latency through the public gRPC API: batch-1 time to first token over prompt lengths, and
-inter-token latency at batch 1, 8 and 64 (DESIGN §8 "latency" workload).
+inter-token latency at batch 1, 8 and 64 (the latency workload of docs/benchmarks.md).
 
     python3 bench/latency.py                      # starts `nanoserve up` on the demo model (CPU works)
     python3 bench/latency.py --model DIR          # ... on a checkpoint (e.g. on the GPU machine)

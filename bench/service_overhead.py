@@ -1,4 +1,4 @@
-"""The scheduler service's own ceiling: the DESIGN §8 workload through a real scheduler process
+"""The scheduler service's own ceiling: the throughput workload (docs/benchmarks.md) through a real scheduler process
 and real gRPC clients, against the real worker service around a null runner that answers every
 step at once. Whatever time a step takes here is host time (scheduling, protobuf, streaming tokens
 to the clients, the worker's step loop) that the GPU must hide; above the GPU's own step time, the
@@ -7,7 +7,7 @@ services are the bottleneck.
 With --step-ms the null runner stands in for a GPU that takes that long a step: steps queue on it
 as they do on a real worker (the scheduler keeps several in flight), and `device_idle_ms_per_step`
 is how long it waited for the services between steps, the figure that costs throughput on the
-H100 (the DESIGN workload's decode steps take ~6.5 ms there at 256 sequences). With --launch-ms
+H100 (the throughput workload's decode steps take ~6.5 ms there at 256 sequences). With --launch-ms
 each launch also holds the worker's host for that long, as the runner's Python does (~0.45 ms a
 batch-1 step of the 0.6B shape on the H100 since session 8; 0.9 before): `--num-seqs 1 --step-ms 1
 --launch-ms 0.45` is batch-1 decode's service ceiling.

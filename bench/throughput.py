@@ -1,4 +1,4 @@
-"""End-to-end throughput through the real services (DESIGN §8 workloads).
+"""End-to-end throughput through the real services (the workloads of docs/benchmarks.md).
 
 Starts `nanoserve up` on a Qwen3-0.6B-shaped checkpoint with random bf16 weights (built on first
 use), drives it with every request's gRPC Generate stream at once, prints a table and writes JSON.

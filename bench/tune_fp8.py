@@ -82,7 +82,7 @@ def candidates(x, weight, scale, silu_mul: bool):
             q, s = quantize_activation(x)
             return fp8_gemm(q, weight, scale, BLOCK, launch, x_scale=s, silu_mul=silu_mul, out_dtype=x.dtype)
         yield Fp8Choice(W8A8, TRITON, launch), w8a8
-    if not silu_mul and takes_scaled_mm(x, weight, BLOCK) and hasattr(torch.nn.functional, "scaled_mm"):
+    if not silu_mul and takes_scaled_mm(x, weight, BLOCK):
         yield Fp8Choice(W8A8, SCALED_MM, fp8_configs.default_choice(fp8_configs.bucket(rows)).launch), \
             lambda: scaled_mm(x, weight, scale)
 

@@ -29,7 +29,6 @@ def worker_load(stats: llm_pb2.Stats, block_size: int) -> dict:
 
 
 def add_load_routes(app: FastAPI, client: Callable[[], SchedulerClient], served_model_name: str) -> None:
-
     @app.get("/get_load")
     async def get_load():
         stats = await client().stats()

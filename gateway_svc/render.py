@@ -40,7 +40,6 @@ def sampling_dict(params: llm_pb2.SamplingParams) -> dict:
 
 
 def add_render_routes(app: FastAPI, client: Callable[[], SchedulerClient], served_model_name: str) -> None:
-
     async def served(requested: str | None) -> tuple[str, llm_pb2.ModelInfo]:
         info = await client().model_info()
         check_model(requested, info, served_model_name)
@@ -68,7 +67,6 @@ def add_render_routes(app: FastAPI, client: Callable[[], SchedulerClient], serve
             conversation.add_generation_prompt = chat.add_generation_prompt
         ids = await client().tokenize(conversation)
         return _generate_request(ids, chat.sampling, model, body)
-
 
 
 def _generate_request(token_ids: list[int], sampling: llm_pb2.SamplingParams, model: str,

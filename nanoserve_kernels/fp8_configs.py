@@ -32,13 +32,16 @@ def shape_key(n: int, k: int, silu_mul: bool) -> str:
 
 
 def default_choice(rows_bucket: int) -> Fp8Choice:
-    """Before tuning: weight-only up to 64 rows (one row block reads each weight tile once), W8A8 above."""
+    """Before tuning: weight-only up to 64 rows (one row block reads each weight tile once), W8A8 above.
+    Up to 256 rows the column blocks are narrow, so that the 8B shape's 4,096-row projections still
+    spread over every multiprocessor (128 programs of 32 rows at 64 rows and under)."""
     if rows_bucket <= 64:
-        return Fp8Choice(WEIGHT_ONLY, TRITON, dict(BLOCK_M=max(16, rows_bucket), BLOCK_N=64, BLOCK_K=128, GROUP_M=8,
+        return Fp8Choice(WEIGHT_ONLY, TRITON, dict(BLOCK_M=max(16, rows_bucket), BLOCK_N=32, BLOCK_K=128, GROUP_M=8,
                                                    num_warps=4, num_stages=4))
-    wide = rows_bucket > 128
-    return Fp8Choice(W8A8, TRITON, dict(BLOCK_M=128 if wide else 64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8,
-                                        num_warps=8 if wide else 4, num_stages=3))
+    if rows_bucket <= 256:
+        return Fp8Choice(W8A8, TRITON, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4,
+                                            num_stages=4))
+    return Fp8Choice(W8A8, TRITON, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3))
 
 
 @functools.cache

@@ -68,8 +68,11 @@ def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> tor
     rows = x.shape[0]
     x_quantized, x_scale = quantize_activation(x, token_minor=True, padded_rows=-(-rows // 4) * 4)
     w_scale = F.pad(scale, (0, -scale.shape[1] % 4)) if scale.shape[1] % 4 else scale
-    y = F.scaled_mm(x_quantized, weight.t(), x_scale, F.ScalingType.BlockWise1x128, w_scale.t(),
-                    F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
+    if hasattr(F, "scaled_mm"):  # newer torch names the scalings
+        y = F.scaled_mm(x_quantized, weight.t(), x_scale, F.ScalingType.BlockWise1x128, w_scale.t(),
+                        F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
+    else:  # older, _scaled_mm tells them from the scales' shapes
+        y = torch._scaled_mm(x_quantized, weight.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=x.dtype)
     return y[:rows]
 
 

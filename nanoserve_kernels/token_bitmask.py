@@ -12,12 +12,14 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> None:
     """logits [batch, vocab]: row rows[i] keeps only the tokens bitmask[i] allows (bitmask
-    [len(rows), bitmask_words(vocab)] int32, rows int64, both on the logits' device)."""
+    [len(rows), bitmask_words(vocab)] int32, rows int64, both on the logits' device); rows None:
+    every row, bitmask[i] masking row i."""
     vocab_size = logits.shape[1]
     # Little-endian words: byte k of a row holds tokens 8k .. 8k + 7, lowest bit first.
-    allowed = _BYTE_BITS.to(logits.device)[bitmask.view(torch.uint8).long()].reshape(len(rows), -1)
+    allowed = _BYTE_BITS.to(logits.device)[bitmask.view(torch.uint8).long()].reshape(len(bitmask), -1)
+    rows = slice(None) if rows is None else rows
     logits[rows] = logits[rows].masked_fill(~allowed[:, :vocab_size], float("-inf"))
 
 

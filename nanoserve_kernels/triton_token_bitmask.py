@@ -10,10 +10,11 @@ BLOCK = 2048
 
 
 @triton.jit(do_not_specialize=["vocab_size", "words"])
-def _bitmask_kernel(logits, stride_row, bitmask, rows, vocab_size, words, BLOCK: tl.constexpr):
+def _bitmask_kernel(logits, stride_row, bitmask, rows, vocab_size, words, EVERY_ROW: tl.constexpr,
+                    BLOCK: tl.constexpr):
     index = tl.program_id(0)
     entries = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    row = tl.load(rows + index)
+    row = index.to(tl.int64) if EVERY_ROW else tl.load(rows + index)
     inside = entries < vocab_size
     word = tl.load(bitmask + index.to(tl.int64) * words + entries // 32, mask=inside, other=0)
     refused = ((word >> (entries % 32)) & 1) == 0
@@ -21,10 +22,11 @@ def _bitmask_kernel(logits, stride_row, bitmask, rows, vocab_size, words, BLOCK:
              mask=inside & refused)
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> None:
     """nanoserve_kernels.token_bitmask.apply_token_bitmask, in one launch."""
     vocab_size = logits.shape[1]
     assert logits.stride(1) == 1 and bitmask.is_contiguous()
-    if len(rows):
-        _bitmask_kernel[(len(rows), triton.cdiv(vocab_size, BLOCK))](logits, logits.stride(0), bitmask, rows,
-                                                                    vocab_size, bitmask.shape[1], BLOCK=BLOCK)
+    if len(bitmask):
+        _bitmask_kernel[(len(bitmask), triton.cdiv(vocab_size, BLOCK))](
+            logits, logits.stride(0), bitmask, bitmask if rows is None else rows, vocab_size, bitmask.shape[1],
+            EVERY_ROW=rows is None, BLOCK=BLOCK)

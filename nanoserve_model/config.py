@@ -1,7 +1,7 @@
 """The hyper-parameters a worker needs, read from a checkpoint's config.json and generation_config.json
 (no transformers). Every family reads the same fields; what a family reads differently (its sliding
-window, its experts) it says itself (nanoserve_model.registry passes it in). Anything nanoserve cannot run is an error here,
-naming the file and the field, before any weight is read."""
+window, its experts) it says itself (nanoserve_model.registry passes it in). Anything nanoserve cannot
+run is an error here, naming the file and the field, before any weight is read."""
 import json
 import math
 from dataclasses import dataclass

@@ -1,12 +1,14 @@
-"""The decoder-only transformer that Llama, Qwen2, Qwen3 and Mistral share: token embedding; layers of
-GQA attention with rotary and a SiLU-gated MLP, each behind an RMSNorm with the residual add fused in
-(at batch 1 on CUDA, into the projection after it: nanoserve_model.row_fusion); a final norm and a tied
-or untied LM head. It runs over a flat batch of tokens (all sequences of a step packed together) with
-its attention in the paged KV cache, built from tensor-parallel layers.
+"""The decoder-only transformer that Llama, Qwen2, Qwen3, Qwen3-MoE and Mistral share: token embedding;
+layers of GQA attention with rotary and a SiLU-gated MLP (or a block of experts: nanoserve_model.moe),
+each behind an RMSNorm with the residual add fused in (at batch 1 on CUDA, into the projection after
+it: nanoserve_model.row_fusion); a final norm and a tied or untied LM head. It runs over a flat batch
+of tokens (all sequences of a step packed together) with its attention in the paged KV cache, built
+from tensor-parallel layers.
 
 A family (one file each, named in nanoserve_model.registry) subclasses DecoderForCausalLM and says only where it
-differs: which projections carry a bias, Qwen3's q/k norms, how its config.json sets a sliding window.
-Module names follow transformers', so checkpoint tensors map onto parameters by name."""
+differs: which projections carry a bias, Qwen3's q/k norms, how its config.json sets a sliding window,
+which layers have experts. Module names follow transformers', so checkpoint tensors map onto
+parameters by name."""
 from typing import Callable
 
 import torch

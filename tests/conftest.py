@@ -27,6 +27,15 @@ def tiny_tied_model_dir() -> Path:
     return _tiny_model(tied=True)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """For pytest-xdist's --dist loadgroup (make test): each file is one group, run by one worker in
+    order, so the servers its module fixtures start are started once; a test that names a group of
+    its own (independent and long: the Triton interpreter cases) runs wherever a worker is free."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 @pytest.fixture(autouse=True)
 def _release_ports():
     """Each test's reserved ports (processes.free_port) go when it ends, bound by its servers or not."""

@@ -43,8 +43,10 @@ class GrammarMasks:
         self.tokenizer, self.device = tokenizer, device
         self.words = bitmask_words(tokenizer.vocab_size)
         self.matchers: list[Future | None] = [None] * capacity  # per slot; its result an LLMatcher, or None
+        self.constrained = np.zeros(capacity, bool)  # per slot: holds a matcher
         self.num_constrained = 0  # slots holding a matcher: while 0, no batch is looked at
         self.pending: list[tuple[np.ndarray, torch.Tensor, object]] = []  # (slots, tokens home, their event)
+        self.device_rows: torch.Tensor | None = None  # the masked rows of the current step; None: all of them
         self.compiler = ThreadPoolExecutor(2, thread_name_prefix="grammar")
         self.executor: LLExecutor | None = None
         self.template = functools.lru_cache(TEMPLATE_CACHE_SIZE)(self._template)
@@ -57,7 +59,8 @@ class GrammarMasks:
         """A new sequence in `slot`, constrained by `grammar` ("" = not constrained), which has
         already drawn `generated`."""
         self.advance()  # a token still on its way home belongs to the slot's previous sequence
-        self.num_constrained += bool(grammar) - (self.matchers[slot] is not None)
+        self.num_constrained += bool(grammar) - bool(self.constrained[slot])
+        self.constrained[slot] = bool(grammar)
         self.matchers[slot] = self.compiler.submit(self._start, grammar, generated) if grammar else None
 
     def _template(self, grammar: str) -> LLMatcher:
@@ -77,15 +80,15 @@ class GrammarMasks:
         """Positions in `slots` (a step's sampled slots) of constrained sequences."""
         if not self.num_constrained:
             return np.zeros(0, np.int64)
-        return np.flatnonzero([self.matchers[slot] is not None for slot in slots.tolist()])
+        return np.flatnonzero(self.constrained[slots])
 
     def mask(self, logits: torch.Tensor, slots: np.ndarray, rows: np.ndarray) -> None:
         """Masks, in place, the logits rows `rows` (constrained_rows of `slots`) by their grammars."""
         self.advance()
         matchers = [self.matchers[slot].result() for slot in slots[rows].tolist()]
         # Filled where the copy to the device starts from (pinned on CUDA: the caching host allocator
-        # hands the block out again only once its copy is done).
-        pinned = torch.zeros((len(rows), self.words), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        # hands the block out again only once its copy is done); llguidance writes whole rows.
+        pinned = torch.empty((len(rows), self.words), dtype=torch.int32, pin_memory=self.device.type == "cuda")
         bitmask = pinned.numpy()
         live = [(matcher, i) for i, matcher in enumerate(matchers) if matcher is not None]
         if live:
@@ -93,14 +96,23 @@ class GrammarMasks:
                 self.executor = LLExecutor(MASK_THREADS)
             fill_next_token_bitmask_par(self.executor, live, bitmask)
         for i in np.flatnonzero([matcher is None for matcher in matchers]):  # failed to compile: it can only end
+            bitmask[i] = 0
             for eos in self.tokenizer.eos_token_ids:
                 bitmask.view(np.uint32)[i, eos // 32] |= np.uint32(1 << (eos % 32))
-        self._apply(logits, pinned.to(self.device, non_blocking=True), upload(rows, self.device))
+        self.device_rows = None if len(rows) == len(logits) else upload(rows, self.device)
+        self._apply(logits, pinned.to(self.device, non_blocking=True), self.device_rows)
+
+    def warm_up(self, logits: torch.Tensor) -> None:
+        """Runs the mask kernel in both its variants (some rows, every row) with masks that keep every
+        token, so that it compiles at start-up, never while serving."""
+        allow_all = torch.full((len(logits), self.words), -1, dtype=torch.int32, device=logits.device)
+        self._apply(logits, allow_all, torch.arange(len(logits), device=logits.device))
+        self._apply(logits, allow_all, None)
 
     def observe(self, tokens: torch.Tensor, slots: np.ndarray, rows: np.ndarray) -> None:
         """The tokens just drawn (device, one per sampled slot): the masked rows' go home, for the
         matchers to consume before they mask again."""
-        drawn = tokens[upload(rows, self.device)] if len(rows) < len(tokens) else tokens
+        drawn = tokens if self.device_rows is None else tokens[self.device_rows]
         event = None
         if drawn.is_cuda:
             drawn = torch.empty(drawn.shape, dtype=drawn.dtype, pin_memory=True).copy_(drawn, non_blocking=True)

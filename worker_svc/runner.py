@@ -194,6 +194,8 @@ class ModelRunner:
         if logits is not None:
             self.sampler.warm_up(logits)  # every row count, in the logits' own dtype as serving sees them
             self.sampler.warm_up(self.extras.heaviest(logits))  # and in float32, as the extras hand them on
+            if self.extras.grammar is not None:
+                self.extras.grammar.warm_up(logits)
         del hidden, logits
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_reserved(self.device) - base

@@ -1,4 +1,5 @@
 """The tests' reserved ports: nobody else can take one, the server it is meant for still can."""
+import subprocess
 import sys
 from concurrent import futures
 
@@ -6,7 +7,7 @@ import grpc
 import pytest
 
 from nanoserve.listen import ListenError, PortReservation, check_port_free
-from tests.services.processes import free_ports
+from tests.services.processes import ENV, free_ports
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="ports are only held on Linux")
 
@@ -25,3 +26,22 @@ def test_a_reserved_port_is_refused_to_others_and_free_for_its_server():
             check_port_free("127.0.0.1", first, "the test's port")
     finally:
         server.stop(0)
+
+
+def test_a_port_another_test_process_reserved_is_refused_here():
+    """`make test` runs pytest workers side by side (pytest-xdist): a worker's reservations are held in
+    the kernel, so another worker (or anything else) can take none of them while they last."""
+    hold = ("from tests.services.processes import free_ports\n"
+            "print(*free_ports(3), flush=True)\n"
+            "input()")  # held until told to go
+    worker = subprocess.Popen([sys.executable, "-c", hold], env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        held = [int(port) for port in worker.stdout.readline().split()]
+        assert len(held) == 3
+        for port in held:
+            with pytest.raises(OSError):
+                PortReservation(port=port)
+    finally:
+        worker.communicate("\n", timeout=30)
+    PortReservation(port=held[0]).release()  # its worker let it go

@@ -130,6 +130,24 @@ def test_greedy_tokens_equal_transformers_with_llguidance_masks(client, tiny_mod
     assert got.token_ids == want  # eos included, as the API reports it
 
 
+def test_constrained_and_plain_requests_share_steps(client):
+    """Run together (their rows masked or not in the same steps), each gives what it gives alone."""
+    asks = [dict(max_tokens=24, temperature=0, ignore_eos=True)] * 2 + \
+           [dict(max_tokens=48, temperature=0, structured_outputs=json_schema(PERSON))] * 2
+    prompts = [PROMPT + " " * i for i in range(len(asks))]
+    alone = [client.generate(prompt, **ask).token_ids for prompt, ask in zip(prompts, asks)]
+    together: list = [None] * len(asks)
+
+    def run(i: int) -> None:
+        together[i] = client.generate(prompts[i], **asks[i]).token_ids
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(asks))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert together == alone
+
+
 @st.composite
 def schemas(draw, depth: int = 2):
     """Small schemas whose every value is bounded: strings, numbers, enums, arrays and objects."""

@@ -128,11 +128,12 @@ def _compile_for_hopper(kernel, types: dict[str, str], constexprs: dict, **optio
     (False, True, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)),
 ])
 def test_fp8_gemm_compiles_for_hopper(w8a8: bool, silu_mul: bool, launch: dict) -> None:
-    """sm_90 in bfloat16: W8A8 runs e4m3 tensor-core dots (the interpreter multiplies in numpy)."""
+    """sm_90 in bfloat16: W8A8 runs e4m3 tensor-core dots (the interpreter multiplies in numpy); the SiLU-and-mul
+    variants with a bias."""
     from nanoserve_kernels import triton_fp8_gemm
     types = {"a_ptr": "*fp8e4nv" if w8a8 else "*bf16", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv",
              "w_scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
-    constexprs = dict(SCALE_BN=128, SCALE_BK=128, ACT_GROUP=128, W8A8=w8a8, SILU_MUL=silu_mul, HAS_BIAS=False,
+    constexprs = dict(SCALE_BN=128, SCALE_BK=128, ACT_GROUP=128, W8A8=w8a8, SILU_MUL=silu_mul, HAS_BIAS=silu_mul,
                       **{name: launch[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")})
     ptx = _compile_for_hopper(triton_fp8_gemm._fp8_gemm_kernel, types, constexprs, num_warps=launch["num_warps"],
                               num_stages=launch["num_stages"])

@@ -468,6 +468,9 @@ def check_token_bitmask(apply_token_bitmask: Callable, device: str) -> None:
             got = logits.to(device)
             apply(got, words.to(device), rows.to(device))
             assert np.array_equal(got.float().cpu().numpy(), expected), (apply, vocab_size, dtype)
+            every = logits[rows].to(device)  # rows None: bitmask row i masks logits row i
+            apply(every, words.to(device), None)
+            assert np.array_equal(every.float().cpu().numpy(), expected[rows.tolist()]), (apply, "every row")
 
 
 def assert_nearly_same(got: torch.Tensor, expected: torch.Tensor, share: float, what: object) -> None:
@@ -670,8 +673,10 @@ def _stand_in_for_libdevice() -> None:
     libdevice.rsqrt, libdevice.exp = (lambda x: tl.math.rsqrt(x)), (lambda x: tl.math.exp(x))
 
 
-@pytest.mark.parametrize("kernel", ["store", "prefill", "decode", "sampling", "rotary", "rotary_store", "gemv",
-                                    "activation", "gate_up", "token_bitmask"])
+@pytest.mark.parametrize("kernel", [  # each its own process: `make test` spreads them over its workers
+    pytest.param(name, marks=pytest.mark.xdist_group(f"interpreter-{name}"))
+    for name in ("store", "prefill", "decode", "sampling", "rotary", "rotary_store", "gemv", "activation", "gate_up",
+                 "token_bitmask")])
 def test_triton_kernel_matches_reference_in_interpreter(kernel: str) -> None:
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath}
