@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 from llguidance import LLExecutor, LLMatcher
-from llguidance.numpy import fill_next_token_bitmask_par
+from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from nanoserve.grammar_tokenizer import GrammarTokenizer
 from nanoserve_kernels.token_bitmask import apply_token_bitmask, bitmask_words
@@ -91,7 +91,10 @@ class GrammarMasks:
         pinned = torch.empty((len(rows), self.words), dtype=torch.int32, pin_memory=self.device.type == "cuda")
         bitmask = pinned.numpy()
         live = [(matcher, i) for i, matcher in enumerate(matchers) if matcher is not None]
-        if live:
+        if len(live) == 1:  # on this thread: handing one row to the pool costs more than it saves
+            matcher, index = live[0]
+            fill_next_token_bitmask(matcher, bitmask, index)
+        elif live:
             if self.executor is None:
                 self.executor = LLExecutor(MASK_THREADS)
             fill_next_token_bitmask_par(self.executor, live, bitmask)
