@@ -84,7 +84,7 @@ def markdown(s: dict) -> str:
              f"| {s['gpus']} replicas through SMG, output tok/s | {num(replicas, 0)} |",
              f"| ... over {s['gpus']} x one replica (target >= 0.95) | {num(so['ratio_to_n_x_one'])} |"]
     if s["router_added_ttft_ms"]:
-        lines.append(f"| router's added TTFT at 2 req/s, p50 / p90 ms | {num(s['router_added_ttft_ms']['p50'])} / "
+        lines.append(f"| router's added TTFT at 4 req/s, p50 / p90 ms | {num(s['router_added_ttft_ms']['p50'])} / "
                      f"{num(s['router_added_ttft_ms']['p90'])} |")
     for shape, row in s["dp2_vs_tp2"].items():
         name = "0.6B" if shape == "small" else "8B"
