@@ -12,7 +12,7 @@ from tests.services.processes import free_port, shown_on_failure, start_worker, 
 from tests.services.test_recovery import MAX_TOKENS
 
 
-@pytest.mark.skipif(not can_unshare(), reason="needs `unshare -n` (root, or user namespaces) and `ip`")
+@pytest.mark.skipif(not can_unshare(), reason="needs `unshare -n` (root, or user namespaces)")
 @pytest.mark.parametrize("ranks, policy", [(2, "group"), (4, "alone")])
 def test_rank_1_killed_mid_stream_on_its_own_host(tiny_model_dir, tmp_path, ranks, policy):
     log = tmp_path / "group.log"
