@@ -15,7 +15,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # packages the GPU image lacks (health, 
   export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_failover_gpu.py 2>&1 \
+timeout 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_failover_gpu.py 2>&1 \
   | tee "$out/gpu_failover.log" | grep -E "^failover:|passed|failed|skipped|Error" | tail -8
 model=.cache/qwen3-0.6b-random
 [ -f $model/config.json ] || python3 -m nanoserve_cli.demo_model $model --shape qwen3-0.6b >/dev/null

@@ -5,8 +5,11 @@ writes summary.json and summary.md beside them, and prints the table.
 """
 import datetime
 import json
+import re
 import sys
 from pathlib import Path
+
+FINISHED = re.compile(r"request finished .* prompt_tokens=(\d+) completion_tokens=\d+ cached_tokens=(\d+) ")
 
 
 def first_rate(folder: Path, name: str) -> dict | None:
@@ -50,8 +53,8 @@ def summarize(folder: Path, gpus: int) -> dict:
                                "dp2_over_tp2": ratio(field(run.get(f"dp2_{shape}"), "output_tok_per_s"),
                                                      field(run.get(f"tp2_{shape}"), "output_tok_per_s"))}
                        for shape in ("small", "big")},
-        "tenants": {"round_robin": _tenants(run.get("tenants_round_robin")),
-                    "cache_aware": _tenants(run.get("tenants_cache_aware"))},
+        "tenants": {policy: _tenants(run.get(f"tenants_{policy}"), folder / f"tenants_{policy}.server.log")
+                    for policy in ("round_robin", "cache_aware")},
         "failed_requests": {name: r["failed"] for name, r in run.items() if r and r["failed"]},
     }
     rr, ca = summary["tenants"]["round_robin"], summary["tenants"]["cache_aware"]
@@ -65,11 +68,21 @@ def summarize(folder: Path, gpus: int) -> dict:
     return summary
 
 
-def _tenants(run: dict | None) -> dict | None:
+def _tenants(run: dict | None, server_log: Path) -> dict | None:
     if run is None:
         return None
     return {"output_tok_s": run["output_tok_per_s"], "ttft_p50_ms": field(run, "ttft_ms", "p50"),
-            "ttft_p90_ms": field(run, "ttft_ms", "p90"), "completed": run["completed"], "failed": run["failed"]}
+            "ttft_p90_ms": field(run, "ttft_ms", "p90"), "completed": run["completed"], "failed": run["failed"],
+            "prefix_hit_rate": prefix_hit_rate(server_log)}
+
+
+def prefix_hit_rate(server_log: Path) -> float | None:
+    """Prompt tokens served from the prefix cache over all prompt tokens, from every replica's "request
+    finished" lines (the warmup's included): GetStats would give one replica's only."""
+    if not server_log.exists():
+        return None
+    finished = [(int(prompt), int(cached)) for prompt, cached in FINISHED.findall(server_log.read_text())]
+    return ratio(sum(cached for _, cached in finished), sum(prompt for prompt, _ in finished))
 
 
 def markdown(s: dict) -> str:
@@ -84,7 +97,7 @@ def markdown(s: dict) -> str:
              f"| {s['gpus']} replicas through SMG, output tok/s | {num(replicas, 0)} |",
              f"| ... over {s['gpus']} x one replica (target >= 0.95) | {num(so['ratio_to_n_x_one'])} |"]
     if s["router_added_ttft_ms"]:
-        lines.append(f"| router's added TTFT at 2 req/s, p50 / p90 ms | {num(s['router_added_ttft_ms']['p50'])} / "
+        lines.append(f"| router's added TTFT at 4 req/s, p50 / p90 ms | {num(s['router_added_ttft_ms']['p50'])} / "
                      f"{num(s['router_added_ttft_ms']['p90'])} |")
     for shape, row in s["dp2_vs_tp2"].items():
         name = "0.6B" if shape == "small" else "8B"
@@ -92,8 +105,9 @@ def markdown(s: dict) -> str:
                      f"{num(row['tp2_direct_tok_s'], 0)} ({num(row['dp2_over_tp2'])}x) |")
     for policy in ("round_robin", "cache_aware"):
         if t[policy]:
-            lines.append(f"| tenants, {policy}: output tok/s, TTFT p50 / p90 ms | {num(t[policy]['output_tok_s'], 0)}, "
-                         f"{num(t[policy]['ttft_p50_ms'], 0)} / {num(t[policy]['ttft_p90_ms'], 0)} |")
+            lines.append(f"| tenants, {policy}: output tok/s, TTFT p50 / p90 ms, prefix hit rate "
+                         f"| {num(t[policy]['output_tok_s'], 0)}, {num(t[policy]['ttft_p50_ms'], 0)} / "
+                         f"{num(t[policy]['ttft_p90_ms'], 0)}, {num(t[policy]['prefix_hit_rate'])} |")
     ratios = t["cache_aware_over_round_robin"]
     lines.append(f"| tenants, cache-aware over round robin: output tok/s (target >= 1.6), TTFT p90 (target <= 0.1) "
                  f"| {num(ratios['output_tok_s'])}, {num(ratios['ttft_p90'])} |")

@@ -85,7 +85,7 @@ def _ports(args: argparse.Namespace) -> list[tuple[str, int, str]]:
     if args.data_parallel_size > 1:
         metrics = layout.router_metrics_port(args)
         ports += [(args.host, args.openai_port, "the router's --openai-port"),
-                  ("127.0.0.1", metrics, f"the router's metrics: {offset('--openai-port', args.openai_port, metrics)}")]
+                  (args.host, metrics, f"the router's metrics: {offset('--openai-port', args.openai_port, metrics)}")]
     return ports
 
 

@@ -57,7 +57,9 @@ class Replica:
         self.meeting: list[PortReservation] = []
         self.workers = WorkerGroupSupervisor(self._start_workers,
                                              [f"127.0.0.1:{port}" for port in layout.worker_ports(args, index)],
-                                             describe, failure, args.max_worker_restarts, args.step_timeout, log)
+                                             describe, failure, args.max_worker_restarts, args.step_timeout,
+                                             log if args.data_parallel_size == 1 else
+                                             lambda line: log(f"{line} (replica {index})"))
         self.front: list[subprocess.Popen] = []
 
     @property

@@ -30,7 +30,7 @@ def router_command(args: Namespace, gateway_urls: list[str], metrics_port: int) 
                             "installed: pip install 'nanoserve[router]'")
     return [sys.executable, "-m", "smg.launch_router", "--host", args.host, "--port", str(args.openai_port),
             "--worker-urls", *gateway_urls, "--policy", args.router_policy,
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+            "--prometheus-host", args.host, "--prometheus-port", str(metrics_port),
             "--health-check-interval-secs", str(HEALTH_CHECK_SECONDS), "--health-failure-threshold", "2",
             "--worker-startup-check-interval", "1",
             # it is stopped first and lets the requests through it finish, as long as a replica would

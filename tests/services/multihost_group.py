@@ -15,6 +15,7 @@ how long the scheduler waited for the group (its "worker group back after" line)
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from nanoserve.client import Client
 from nanoserve_cli.supervision import WorkerGroupSupervisor
-from tests.services.processes import start_scheduler, start_worker, stop, wait_serving
+from tests.services.processes import ENV, REPO, start_scheduler, start_worker, stop, wait_serving
 from tests.services.test_recovery import Streams, undisturbed
 
 WORKER_PORT, STORE_PORT, SCHEDULER_ADDRESS = 50061, 29500, "127.0.0.1:50051"
@@ -107,6 +108,29 @@ def listening(pids: list[int]) -> list[list[str]]:
     lines = subprocess.run(["ss", "-tlnpH"], capture_output=True, text=True, check=True).stdout.splitlines()
     hosts = [(line.split()[3].rpartition(":")[0].removeprefix("[::ffff:").removesuffix("]"), line) for line in lines]
     return [sorted({address for address, line in hosts if f"pid={pid}," in line}) for pid in pids]
+
+
+def can_unshare() -> bool:
+    """Whether this process may make a network namespace (root, or user namespaces) and `ip` is there."""
+    return shutil.which("unshare") is not None and shutil.which("ip") is not None and \
+        subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0
+
+
+def run(model: Path, ranks: int, policy: str, log: Path, *flags: str, isolated: bool = True,
+        env: dict[str, str] = ENV, timeout: float = 600) -> dict:
+    """main() in a process of its own (under `unshare -n` when `isolated`): its JSON line. On a
+    timeout its whole process group goes, the ranks and scheduler it started included."""
+    argv = [sys.executable, "-m", "tests.services.multihost_group", str(model), str(ranks), policy, str(log), *flags]
+    proc = subprocess.Popen(["unshare", "-n", *argv] if isolated else argv, cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, err[-4000:]
+    return json.loads(out.splitlines()[-1])
 
 
 def main(model: Path, ranks: int, policy: str, log: Path, flags: list[str]) -> dict:
