@@ -1,8 +1,13 @@
-"""Worker failures under load (issue 16): `nanoserve up` serves a steady online load while a worker
-rank is killed (SIGKILL) every --kill-every seconds; every request must still complete.
+"""Failures under load (issues 16 and 37): `nanoserve up` serves a steady online load while a worker
+rank (--kill rank) or a whole replica, launcher and children (--kill replica, with --replicas 2 or
+more), is killed (SIGKILL) every --kill-every seconds; every request must still complete. The clients
+are given every replica's address (nanoserve.client fails a broken stream over to the next), and a
+killed replica is started again, as its supervisor would.
 
-    python bench/chaos.py                                   # CPU, the demo model, 10 kills
+    python bench/chaos.py                                   # CPU, the demo model, 10 kills of a rank
+    python bench/chaos.py --replicas 2 --kill replica --kills 3 --kill-every 20   # CPU, whole replicas
     python bench/chaos.py --model DIR --extra "--load-format dummy" --rate 8 --kills 10   # on a GPU
+    python bench/chaos.py --model DIR --replicas 2 --replica-gpus 0 1 --kill replica --rate 8 --kill-every 30
 
 Reports requests completed and failed (the target is 0 failed), the recovery time of each kill
 (the kill to the first token any request receives after it) and the extra latency per failure
@@ -57,13 +62,14 @@ class Outcome:
     token_times: list[float] = field(default_factory=list)
     ended: float = 0.0
     error: str = ""
+    failovers: list[str] = field(default_factory=list)  # the replicas its stream moved to
 
 
-def run_request(address: str, spec: RequestSpec, t0: float, outcome: Outcome) -> None:
+def run_request(addresses: list[str], spec: RequestSpec, t0: float, outcome: Outcome) -> None:
     time.sleep(max(0.0, t0 + spec.arrival - time.monotonic()))
     outcome.started = time.monotonic()
     try:
-        with Client(address) as client:
+        with Client(addresses, on_failover=lambda event: outcome.failovers.append(event.to_address)) as client:
             for message in client.stream(spec.prompt, max_tokens=spec.max_tokens, temperature=0.6, seed=len(spec.prompt),
                                          ignore_eos=True, timeout=900):
                 now = time.monotonic()
@@ -75,27 +81,81 @@ def run_request(address: str, spec: RequestSpec, t0: float, outcome: Outcome) ->
 
 def worker_pids(launcher: subprocess.Popen) -> list[int]:
     """The launcher's live worker ranks (their parent is the launcher, their command worker_svc)."""
-    pids = []
+    return [pid for pid, argv in children(launcher) if b"worker_svc" in argv]
+
+
+def children(launcher: subprocess.Popen) -> list[tuple[int, bytes]]:
+    """The launcher's live children: (pid, command line)."""
+    found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            is_worker = b"worker_svc" in (stat.parent / "cmdline").read_bytes()
+            argv = (stat.parent / "cmdline").read_bytes()
         except (OSError, IndexError):
             continue
-        if ppid == launcher.pid and is_worker:
-            pids.append(int(stat.parent.name))
-    return pids
+        if ppid == launcher.pid:
+            found.append((int(stat.parent.name), argv))
+    return found
 
 
-def killer(launcher: subprocess.Popen, every: float, count: int, kills: list[float], done: threading.Event) -> None:
+class Replicas:
+    """`nanoserve up` processes, one per replica, each started again after a kill."""
+
+    def __init__(self, args: argparse.Namespace, log: Path):
+        self.args, self.log = args, log
+        self.ports = [(free_port(), free_port()) for _ in range(args.replicas)]  # (public, worker base) each
+        self.addresses = [f"127.0.0.1:{port}" for port, _ in self.ports]
+        self.launchers = [self._start(index) for index in range(args.replicas)]
+        for address, launcher in zip(self.addresses, self.launchers):
+            wait_serving(address, [launcher], 900)
+
+    def _start(self, index: int) -> subprocess.Popen:
+        args = self.args
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(REPO / "proto"),
+                                                                        os.environ.get("PYTHONPATH")]))}
+        if args.replica_gpus:
+            env["CUDA_VISIBLE_DEVICES"] = args.replica_gpus[index]
+        port, worker_port = self.ports[index]
+        cmd = [sys.executable, "-m", "nanoserve_cli", "up", "--port", str(port), "--worker-base-port",
+               str(worker_port), "--max-worker-restarts", str(args.kills + 1),
+               *(["--model", args.model] if args.model else []), *args.extra.split()]
+        log = self.log.with_name(f"{self.log.stem}_{index}{self.log.suffix}")
+        return subprocess.Popen(cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+
+    def kill_rank(self, rng: random.Random) -> bool:
+        pids = [pid for launcher in self.launchers for pid in worker_pids(launcher)]
+        if pids:
+            os.kill(rng.choice(pids), signal.SIGKILL)
+        return bool(pids)
+
+    def kill_replica(self, rng: random.Random) -> bool:
+        """SIGKILLs one replica's launcher, then its children (the launcher first: it would restart them),
+        and starts it again."""
+        index = rng.randrange(len(self.launchers))
+        launcher = self.launchers[index]
+        procs = children(launcher)
+        launcher.kill()
+        launcher.wait()
+        for pid, _ in procs:
+            os.kill(pid, signal.SIGKILL)
+        self.launchers[index] = self._start(index)
+        return True
+
+    def stop(self) -> None:
+        for launcher in self.launchers:
+            launcher.send_signal(signal.SIGTERM)
+        for launcher in self.launchers:
+            launcher.wait(timeout=60)
+
+
+def killer(replicas: Replicas, kill: str, every: float, count: int, kills: list[float], done: threading.Event) -> None:
     rng = random.Random(1)
     for _ in range(count):
         if done.wait(every):
             return
-        pids = worker_pids(launcher)
-        if pids:
-            os.kill(rng.choice(pids), signal.SIGKILL)
-            kills.append(time.monotonic())
+        killed_at = time.monotonic()
+        if (replicas.kill_replica if kill == "replica" else replicas.kill_rank)(rng):
+            kills.append(killed_at)
 
 
 def summarize(specs: list[RequestSpec], outcomes: list[Outcome], kills: list[float]) -> dict:
@@ -111,23 +171,11 @@ def summarize(specs: list[RequestSpec], outcomes: list[Outcome], kills: list[flo
     extra = None if not hit or not clean else mean(hit) - mean(clean)
     kills_per_hit = statistics.mean(sum(o.started <= k <= o.ended for k in kills) for o in hit) if hit else 0
     return {"requests": len(specs), "completed": len(done), "failed": len(outcomes) - len(done),
+            "failovers": sum(len(o.failovers) for o in outcomes),
             "errors": sorted({o.error for o in outcomes if o.error})[:5], "kills": len(kills),
             "recovery_seconds": recoveries,
             "extra_latency_per_failure_seconds": None if extra is None else extra / max(kills_per_hit, 1),
             "mean_e2e_undisturbed_seconds": mean(clean), "mean_e2e_disturbed_seconds": mean(hit)}
-
-
-def start_up(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(REPO / "proto"),
-                                                                    os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "nanoserve_cli", "up", "--port", str(port), "--worker-base-port", str(free_port()),
-           "--max-worker-restarts", str(args.kills + 1), *(["--model", args.model] if args.model else []),
-           *args.extra.split()]
-    launcher = subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    address = f"127.0.0.1:{port}"
-    wait_serving(address, [launcher], 900)
-    return launcher, address
 
 
 def main() -> None:
@@ -138,20 +186,27 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=2.0, help="requests per second")
     p.add_argument("--kills", type=int, default=10)
     p.add_argument("--kill-every", type=float, default=15.0, help="seconds between kills")
+    p.add_argument("--kill", choices=("rank", "replica"), default="rank",
+                   help="what each kill takes down: a worker rank, or a whole replica (needs --replicas 2+)")
+    p.add_argument("--replicas", type=int, default=1, help="`nanoserve up` replicas the clients fail over between")
+    p.add_argument("--replica-gpus", nargs="*", default=[], help="CUDA_VISIBLE_DEVICES of each replica")
     p.add_argument("--out", default=str(REPO / "bench" / "out" / "chaos.json"))
     args = p.parse_args()
+    if args.kill == "replica" and args.replicas < 2:
+        p.error("--kill replica needs --replicas 2 or more: the clients fail over to another replica")
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    launcher, address = start_up(args, out.with_suffix(".log"))
+    replicas = Replicas(args, out.with_suffix(".log"))
     specs = online_requests(args.rate, args.kills * args.kill_every + args.kill_every / 2)
     outcomes = [Outcome() for _ in specs]
     kills: list[float] = []
     done = threading.Event()
     t0 = time.monotonic()
-    threads = [threading.Thread(target=run_request, args=(address, spec, t0, outcome), daemon=True)
+    threads = [threading.Thread(target=run_request, args=(replicas.addresses, spec, t0, outcome), daemon=True)
                for spec, outcome in zip(specs, outcomes)]
-    chaos = threading.Thread(target=killer, args=(launcher, args.kill_every, args.kills, kills, done), daemon=True)
+    chaos = threading.Thread(target=killer, args=(replicas, args.kill, args.kill_every, args.kills, kills, done),
+                             daemon=True)
     try:
         for thread in threads:
             thread.start()
@@ -160,14 +215,14 @@ def main() -> None:
             thread.join()
     finally:
         done.set()
-        launcher.send_signal(signal.SIGTERM)
-        launcher.wait(timeout=60)
+        replicas.stop()
     result = summarize(specs, outcomes, kills) | {"command": " ".join(sys.argv), "rate": args.rate,
-                                                  "kill_every_seconds": args.kill_every}
+                                                  "kill_every_seconds": args.kill_every, "kill": args.kill,
+                                                  "replicas": args.replicas}
     out.write_text(json.dumps(result, indent=2))
     recovered = [r for r in result["recovery_seconds"] if r is not None]
     print(f"requests {result['requests']}: completed {result['completed']}, failed {result['failed']} "
-          f"{result['errors'] or ''}")
+          f"{result['errors'] or ''}; streams failed over {result['failovers']} time(s)")
     if recovered:
         print(f"kills {result['kills']}: recovery (kill to the next token) mean {statistics.mean(recovered):.2f} s, "
               f"max {max(recovered):.2f} s")

@@ -5,13 +5,7 @@
 # JSON-schema constrained against none, batch-1 ITL with and without, first-use compile of a typical
 # schema, invalid outputs among constrained ones that stopped. Wheels the image lacks (llguidance,
 # jsonschema and its needs) come from .whl/. Results under $OUT (default bench/out).
-set -uo pipefail
-out=${OUT:-bench/out}; mkdir -p "$out"
-export PYTHONPATH=$PWD:$PWD/proto PYTHONUNBUFFERED=1 NANOSERVE_CACHE=$PWD/.cache
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
+source bench/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import llguidance, jsonschema; print('llguidance', llguidance.__version__)" || exit 1
 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py -k token_bitmask 2>&1 \

@@ -121,14 +121,21 @@ def invalid(results: list, schema: dict) -> tuple[int, int]:
 
 
 async def throughput(stub, jobs, constraint: dict | None) -> tuple[dict, list[int]]:
-    """The run's figures, and each request's output length."""
+    """The run's figures (with rank 0's view of its decode steps: device busy, device idle before
+    each, host time building and launching each), and each request's output length."""
+    before = await stub.GetStats(llm_pb2.GetStatsRequest())
     start = time.perf_counter()
     results = await asyncio.gather(*(run_one(stub, p, n, constraint) for p, n in jobs))
     seconds = time.perf_counter() - start
+    after = await stub.GetStats(llm_pb2.GetStatsRequest())
     tokens = sum(count for count, _, _ in results)
     stopped, bad = invalid(results, constraint) if constraint else (0, 0)
+    steps = max(1, after.decode_steps - before.decode_steps)
+    per_step = {f"decode_{name}_ms": 1e3 * (getattr(after, f"decode_{name}_seconds") -
+                                            getattr(before, f"decode_{name}_seconds")) / steps
+                for name in ("busy", "idle", "host")}
     return ({"output_tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds, "stopped": stopped,
-             "invalid_among_stopped": bad}, [count for count, _, _ in results])
+             "invalid_among_stopped": bad, "decode_steps": steps, **per_step}, [count for count, _, _ in results])
 
 
 async def itl_ms(stub, constraint: dict | None, tokens: int = 256) -> float:

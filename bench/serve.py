@@ -29,6 +29,14 @@ vLLM's `return_token_ids`), and beside the same requests over gRPC with --compar
     python3 bench/serve.py --openai http://HOST:8000 [--address HOST:PORT]   # a running gateway
     python3 bench/serve.py --model DIR --openai --api-server-count 4 --compare-grpc ...   # 4 gateway processes
 
+Behind a router that takes text prompts only (SMG, in front of `nanoserve up --data-parallel-size N`),
+`--text-prompts DIR` sends each prompt as its ids decoded by DIR's tokenizer. The multi-tenant prefix
+workload (`--tenants T --users U`): T system prompts of --system-len tokens, each followed by the
+questions of U users (--input-len tokens each), in random order at the given rates:
+
+    python3 bench/serve.py --openai http://HOST:8000 --text-prompts DIR --tenants 24 --users 8 \
+        --system-len 4096 --input-len 64 64 --output-len 64 64 --request-rates 32
+
 `--openai` alone starts a gateway in front of the scheduler; `--null-worker` serves from a scheduler over
 a worker that computes nothing, so what is measured is the services' own cost (CPU is enough). On the GPU machine, whose image has no HTTP
 stack, carry the gateway's wheels in .whl/ (pip download --no-deps --only-binary=:all:
@@ -110,6 +118,18 @@ def make_requests(count: int, input_len: tuple[int, int], output_len: tuple[int,
     prefix = [rng.randint(0, vocab) for _ in range(shared_prefix_len)]
     return [BenchRequest(prefix + [rng.randint(0, vocab) for _ in range(rng.randint(*input_len))],
                          rng.randint(*output_len)) for _ in range(count)]
+
+
+def make_tenant_requests(tenants: int, users: int, system_len: int, input_len: tuple[int, int],
+                         output_len: tuple[int, int], seed: int = 0, vocab: int = 10000) -> list[BenchRequest]:
+    """Each of `tenants` system prompts of system_len random ids, followed by the questions of
+    `users` users (input_len ids each), every (tenant, user) once, in random order."""
+    rng = random.Random(seed)
+    systems = [[rng.randint(0, vocab) for _ in range(system_len)] for _ in range(tenants)]
+    requests = [BenchRequest(system + [rng.randint(0, vocab) for _ in range(rng.randint(*input_len))],
+                             rng.randint(*output_len)) for system in systems for _ in range(users)]
+    rng.shuffle(requests)
+    return requests
 
 
 def arrival_times(count: int, rate: float, seed: int = 0) -> list[float]:
@@ -219,8 +239,11 @@ class OpenAITarget:
     what a client costs counts in every time measured here, and httpx's streamed request costs
     ~1.7 ms more than aiohttp's on the 2-core development machine (batch-1 TTFT over a null worker)."""
 
-    def __init__(self, url: str, temperature: float, ignore_eos: bool, grpc_target: GrpcTarget | None = None):
+    def __init__(self, url: str, temperature: float, ignore_eos: bool, grpc_target: GrpcTarget | None = None,
+                 decode: Callable[[list[int]], str] | None = None):
         self.url = url
+        self.decode = decode  # prompts as text (a router that takes no token ids), else as ids
+        self.model = None  # named in every request once describe() has asked (a router needs it)
         self.session: aiohttp.ClientSession | None = None  # made on the benchmark's event loop
         self.sampling = dict(temperature=temperature, ignore_eos=ignore_eos)
         self.grpc_target = grpc_target
@@ -232,7 +255,8 @@ class OpenAITarget:
         return self.session
 
     async def stream(self, request: BenchRequest) -> AsyncIterator[int]:
-        body = {"prompt": request.prompt, "max_tokens": request.max_tokens, "stream": True,
+        prompt = self.decode(request.prompt) if self.decode else request.prompt
+        body = {"model": self.model, "prompt": prompt, "max_tokens": request.max_tokens, "stream": True,
                 "return_token_ids": True, **self.sampling}
         async with self._session().post("/v1/completions", json=body) as response:
             if response.status != 200:
@@ -247,8 +271,9 @@ class OpenAITarget:
 
     async def describe(self) -> dict[str, str]:
         async with self._session().get("/v1/models") as response:
-            model = (await response.json())["data"][0]["id"]
-        return {**(await self.grpc_target.describe() if self.grpc_target else {}), "model": model, "api": "openai"}
+            self.model = (await response.json())["data"][0]["id"]
+        return {**(await self.grpc_target.describe() if self.grpc_target else {}), "model": self.model,
+                "api": "openai"}
 
     async def close(self) -> None:
         if self.session is not None:
@@ -263,18 +288,30 @@ def open_target(args: argparse.Namespace, address: str, api: str) -> GrpcTarget 
     grpc_target = GrpcTarget(address, args.temperature, not args.no_ignore_eos) if address else None
     if api == "grpc":
         return grpc_target
-    return OpenAITarget(args.openai, args.temperature, not args.no_ignore_eos, grpc_target)
+    decode = None
+    if args.text_prompts:
+        from tokenizers import Tokenizer
+
+        decode = Tokenizer.from_file(str(Path(args.text_prompts) / "tokenizer.json")).decode
+    return OpenAITarget(args.openai, args.temperature, not args.no_ignore_eos, grpc_target, decode)
+
+
+def workload(args: argparse.Namespace, seed: int, count: int) -> list[BenchRequest]:
+    """`count` requests of the workload the flags describe (the tenants' ignore `count`)."""
+    if args.tenants:
+        return make_tenant_requests(args.tenants, args.users, args.system_len, tuple(args.input_len),
+                                    tuple(args.output_len), seed)
+    return make_requests(count, tuple(args.input_len), tuple(args.output_len), args.shared_prefix_len, seed)
 
 
 async def run_rates(args: argparse.Namespace, target: GrpcTarget | OpenAITarget, label: str) -> dict:
     """A warm-up, then each rate's run: its summary by rate."""
-    workload = dict(input_len=tuple(args.input_len), output_len=tuple(args.output_len),
-                    shared_prefix_len=args.shared_prefix_len)
     rates = {}
-    warmup = make_requests(args.warmup, **workload, seed=args.seed + 10_000)
+    warmup = make_requests(args.warmup, tuple(args.input_len), tuple(args.output_len), args.shared_prefix_len,
+                           seed=args.seed + 10_000)
     await run_rate(target, warmup, math.inf)  # first steps of each kind, connections, the shared prefix
     for index, rate in enumerate(args.request_rates):
-        requests = make_requests(args.num_prompts, **workload, seed=args.seed + index)
+        requests = workload(args, args.seed + index, args.num_prompts)
         before = await target.stats()
         results, seconds = await run_rate(target, requests, rate, args.seed + index, args.max_concurrency)
         after = await target.stats()
@@ -290,7 +327,8 @@ async def benchmark(args: argparse.Namespace, address: str) -> dict:
     report = {"address": address, "openai": args.openai or None, "api_server_count": args.api_server_count,
               "num_prompts": args.num_prompts,
               "workload": dict(input_len=args.input_len, output_len=args.output_len,
-                               shared_prefix_len=args.shared_prefix_len),
+                               shared_prefix_len=args.shared_prefix_len, tenants=args.tenants, users=args.users,
+                               system_len=args.system_len, text_prompts=bool(args.text_prompts)),
               "temperature": args.temperature, "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}}
     for api in apis:
         target = open_target(args, address, api)
@@ -340,6 +378,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=[100, 512], metavar=("MIN", "MAX"))
     p.add_argument("--shared-prefix-len", type=int, default=0, help="tokens every prompt starts with")
+    p.add_argument("--tenants", type=int, default=0, help="the multi-tenant workload: this many system prompts")
+    p.add_argument("--users", type=int, default=8, help="with --tenants: users (requests) per system prompt")
+    p.add_argument("--system-len", type=int, default=4096, help="with --tenants: tokens per system prompt")
+    p.add_argument("--text-prompts", default="", metavar="DIR",
+                   help="with --openai: send prompts as text, decoded by DIR's tokenizer.json (for SMG)")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--no-ignore-eos", action="store_true", help="let eos end a request before its output length")
     p.add_argument("--max-concurrency", type=int, default=0, help="most requests in flight; 0 = no limit")
@@ -406,7 +449,8 @@ def started_gateway(address: str, processes: int = 1) -> Iterator[str]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     with contextlib.ExitStack() as running:
-        address = args.address or running.enter_context(started_server(args))
+        running_gateway = args.openai not in ("", "start")  # its scheduler's counters only with --address
+        address = args.address or ("" if running_gateway else running.enter_context(started_server(args)))
         if args.openai == "start":
             args.openai = running.enter_context(started_gateway(address, args.api_server_count))
         elif args.openai:

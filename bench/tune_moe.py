@@ -1,7 +1,8 @@
 """Tunes the fused MoE GEMMs' launch configs for one layer shape on this GPU and writes them where
 nanoserve_kernels/moe_launch.py reads them (moe_configs/E{experts}_N{width}_{GPU}.json), then compares
 the whole layer (routing, sort-and-pad, both GEMMs, the sum; replayed from a CUDA graph, as decode runs
-it) under the tuned configs, the untuned defaults, and a per-expert loop of cuBLAS GEMMs.
+it, from the router's logits) under the tuned configs, the untuned defaults, and a per-expert loop of cuBLAS
+GEMMs (the routing done).
 
 Per batch size: for each BLOCK_M (the sort's, which both GEMMs share) the fastest gate/up and down tiles
 of a small grid, then the BLOCK_M whose pair is fastest. Random router logits spread the tokens evenly
@@ -27,7 +28,7 @@ sys.path[:0] = [str(REPO), str(REPO / "proto")]
 import triton.testing  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
-from nanoserve_kernels.fused_moe import fused_experts  # noqa: E402
+from nanoserve_kernels.fused_moe import fused_moe  # noqa: E402
 from nanoserve_kernels.moe_launch import CONFIG_DIR, config_name, default_config  # noqa: E402
 from nanoserve_kernels.triton_moe_align import align_block_size  # noqa: E402
 from nanoserve_kernels.triton_moe_gemm import grouped_gemm  # noqa: E402
@@ -62,7 +63,8 @@ class Layer:
         self.hidden = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
         self.gate_up = torch.randn(experts, 2 * width, hidden, device="cuda", dtype=dtype) * 0.02
         self.down = torch.randn(experts, hidden, width, device="cuda", dtype=dtype) * 0.02
-        self.weights, self.ids = route(torch.randn(tokens, experts, device="cuda"), top_k, True)
+        self.router_logits = torch.randn(tokens, experts, device="cuda", dtype=dtype)
+        self.weights, self.ids = route(self.router_logits, top_k, True)
         self.activation = torch.empty(tokens * top_k, width, device="cuda", dtype=dtype)
         self.partial = torch.empty(tokens * top_k, hidden, device="cuda", dtype=dtype)
 
@@ -98,7 +100,9 @@ class Layer:
         return out.to(self.hidden.dtype)
 
     def layer_us(self, config: dict) -> float:
-        return graph_us(lambda: fused_experts(self.hidden, self.gate_up, self.down, self.weights, self.ids, config))
+        """The layer as a step runs it, from the router's logits."""
+        return graph_us(lambda: fused_moe(self.hidden, self.gate_up, self.down, self.router_logits,
+                                          self.ids.shape[1], True, config))
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 a session of its own (a terminal's Ctrl-C reaches the launcher alone, which stops them in order:
 stopping.py), their output relayed line by line to the launcher's stderr, their last error line
 kept for its summary."""
+import itertools
 import os
 import re
 import subprocess
@@ -36,3 +37,17 @@ class Child(subprocess.Popen):
         """Why the child ended, for a one-line summary: its exit code and last error line."""
         self.relay.join(timeout=2)  # the line that explains the exit may still be in the pipe
         return f"exited with code {self.returncode}" + (f": {self.last_error}" if self.last_error else "")
+
+
+def describe(proc: subprocess.Popen) -> str:
+    """A child as a person tells it apart: "worker_svc --rank 1", "nanoserve_cli scheduler"."""
+    words = [str(word) for word in proc.args[2:]]
+    name = list(itertools.takewhile(lambda word: not word.startswith("-"), words))
+    rank = words[words.index("--rank"):][:2] if "--rank" in words else []
+    return " ".join(name + rank)
+
+
+def failure(proc: subprocess.Popen) -> str:
+    """How a child ended, e.g. `worker_svc --rank 0 exited with code 1: <its last error line>`."""
+    why = proc.failure() if isinstance(proc, Child) else f"exited with code {proc.returncode}"
+    return f"{describe(proc)} {why}"

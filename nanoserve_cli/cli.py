@@ -16,7 +16,8 @@ from nanoserve import __version__, flags
 from nanoserve.tls import TLSConfigError
 from nanoserve_cli.client_commands import QUERIES, run_query
 from nanoserve_cli.generate import chat_to_terminal, stream_to_terminal
-from nanoserve_cli.launcher import SERVICE_MODULES, run_local
+from nanoserve_cli.launcher import run_local
+from nanoserve_cli.replica import SERVICE_MODULES
 
 COMMANDS = (*SERVICE_MODULES, "up", "generate", "chat", *QUERIES)
 

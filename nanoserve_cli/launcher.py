@@ -1,19 +1,17 @@
 """`nanoserve up`: a scheduler and its worker ranks (and, with --openai-port, the OpenAI gateway)
-as local processes, stopped together.
+as local processes, stopped together; with --data-parallel-size N, N such replicas behind the SMG
+router (router.py) on --openai-port.
 
-Each child is the service itself (`python -m worker_svc`, `python -m scheduler_svc`,
-`python -m gateway_svc`), never imported here. It gets the flags `up` shares with its command in the
-flag table, as `up` parsed them, plus the ones only the launcher can know (ports, ranks, addresses)
-and, in its environment, a random --worker-token shared by this launcher's scheduler and workers.
-Busy ports and a checkpoint without its config.json or tokenizer.json fail before any child starts;
-children die with the launcher (children.py). Ctrl-C or SIGTERM stops them front to back, letting
-the requests in flight finish (stopping.py). Once serving, a worker rank that exits or hangs is
-replaced with its whole group (supervision.py) while the scheduler holds its requests; when the
+Each replica (replica.py) runs on ports and GPUs of its own (layout.py); its children get, in their
+environment, a random --worker-token shared by this launcher's schedulers and workers. Busy ports,
+too few GPUs and a checkpoint without its config.json or tokenizer.json fail before any child
+starts; children die with the launcher (children.py). Ctrl-C or SIGTERM stops them front to back,
+letting the requests in flight finish (stopping.py). Once serving, a worker rank that exits or hangs
+is replaced with its whole group (supervision.py) while its scheduler holds its requests; when the
 group keeps failing, or another child fails, `up` stops the others and exits 1 with that child's
 last error line.
 """
 import argparse
-import itertools
 import os
 import secrets
 import socket
@@ -25,16 +23,16 @@ from pathlib import Path
 
 import grpc
 
-from nanoserve import flags
 from nanoserve.checkpoint import CONFIG_FILE, TOKENIZER_FILE, CheckpointError, check_files
 from nanoserve.healthcheck import SERVING, serving_status
-from nanoserve.listen import ListenError, PortReservation, check_port_free
+from nanoserve.listen import ListenError, check_port_free
+from nanoserve_cli import layout
 from nanoserve_cli.cache import demo_model_dir
-from nanoserve_cli.children import Child
+from nanoserve_cli.children import Child, describe, failure
+from nanoserve_cli.replica import Replica
+from nanoserve_cli.router import RouterMissing, router_command, wait_routing
 from nanoserve_cli.stopping import StopSignals, stop_in_order, stop_tier
-from nanoserve_cli.supervision import GaveUp, WorkerGroupSupervisor
-
-SERVICE_MODULES = {"worker": "worker_svc", "scheduler": "scheduler_svc", "gateway": "gateway_svc"}  # command -> module
+from nanoserve_cli.supervision import GaveUp
 
 
 class LaunchError(Exception):
@@ -53,20 +51,42 @@ def demo_model() -> Path:
 
 def check_before_start(args: argparse.Namespace, model: Path) -> None:
     """Raises LaunchError for a busy port or a local checkpoint missing a file the children need."""
-    ports = [(args.host, args.port, "the scheduler's --port")]
-    ports += [("127.0.0.1", args.worker_base_port + rank, f"worker rank {rank}: --worker-base-port + {rank}")
-              for rank in range(args.tensor_parallel_size)]
-    if args.metrics_port:
-        ports.append((args.host, args.metrics_port, "--metrics-port"))
-    if args.openai_port:
-        ports.append((args.host, args.openai_port, "--openai-port"))
+    if args.data_parallel_size > 1 and not args.openai_port:
+        raise LaunchError(f"--data-parallel-size {args.data_parallel_size} serves the replicas through the SMG "
+                          "router on --openai-port: give one (e.g. --openai-port 8000)")
     try:
-        for host, port, what in ports:
+        for host, port, what in _ports(args):
             check_port_free(host, port, what)
         if model.exists():  # anything else is left to the worker (e.g. a Hub id)
             check_files(model, (CONFIG_FILE, TOKENIZER_FILE), "--model")
     except (ListenError, CheckpointError) as err:
         raise LaunchError(str(err)) from None
+
+
+def _ports(args: argparse.Namespace) -> list[tuple[str, int, str]]:
+    """Every port `up` takes: (host, port, the words naming it in an error)."""
+    def offset(flag: str, base: int, port: int) -> str:
+        return flag if port == base else f"{flag} + {port - base}"
+
+    ports = []
+    for d in range(args.data_parallel_size):
+        whose = f"replica {d}'s " if args.data_parallel_size > 1 else ""
+        ports.append((args.host, layout.scheduler_port(args, d),
+                      f"{whose}the scheduler's {offset('--port', args.port, layout.scheduler_port(args, d))}"))
+        ports += [("127.0.0.1", port, f"{whose}worker rank {rank}: --worker-base-port + {port - args.worker_base_port}")
+                  for rank, port in enumerate(layout.worker_ports(args, d))]
+        if args.metrics_port:
+            ports.append((args.host, layout.metrics_port(args, d),
+                          whose + offset("--metrics-port", args.metrics_port, layout.metrics_port(args, d))))
+        if args.openai_port:
+            port = layout.gateway_port(args, d)
+            what = f"{whose}gateway: {offset('--openai-port', args.openai_port, port)}" if whose else "--openai-port"
+            ports.append((layout.gateway_host(args), port, what))
+    if args.data_parallel_size > 1:
+        metrics = layout.router_metrics_port(args)
+        ports += [(args.host, args.openai_port, "the router's --openai-port"),
+                  (args.host, metrics, f"the router's metrics: {offset('--openai-port', args.openai_port, metrics)}")]
+    return ports
 
 
 def free_port() -> int:
@@ -75,41 +95,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def service_command(command: str, args: argparse.Namespace, **given) -> list[str]:
-    """`command`'s service with the flags `up` shares with it, as `up` parsed them, and `given`."""
-    shared = {flag.dest: getattr(args, flag.dest) for flag in flags.shared("up", command)}
-    return [sys.executable, "-m", SERVICE_MODULES[command], *flags.to_argv(command, shared | given)]
-
-
-def worker_command(args: argparse.Namespace, model: Path, rank: int, dist_init_addr: str) -> list[str]:
-    return service_command("worker", args, model=model, host="127.0.0.1",
-                           port=args.worker_base_port + rank, rank=rank, dist_init_addr=dist_init_addr)
-
-
-def scheduler_command(args: argparse.Namespace) -> list[str]:
-    workers = [f"127.0.0.1:{args.worker_base_port + r}" for r in range(args.tensor_parallel_size)]
-    return service_command("scheduler", args, host=args.host, workers=",".join(workers))
-
-
-def gateway_command(args: argparse.Namespace) -> list[str]:
-    return service_command("gateway", args, scheduler=f"{args.host}:{args.port}", host=args.host,
-                           port=args.openai_port)
-
-
-def describe(proc: subprocess.Popen) -> str:
-    """A child as a person tells it apart: "worker_svc --rank 1", "nanoserve_cli scheduler"."""
-    words = [str(word) for word in proc.args[2:]]
-    name = list(itertools.takewhile(lambda word: not word.startswith("-"), words))
-    rank = words[words.index("--rank"):][:2] if "--rank" in words else []
-    return " ".join(name + rank)
-
-
-def failure(proc: subprocess.Popen) -> str:
-    """How a child ended, e.g. `worker_svc --rank 0 exited with code 1: <its last error line>`."""
-    why = proc.failure() if isinstance(proc, Child) else f"exited with code {proc.returncode}"
-    return f"{describe(proc)} {why}"
 
 
 def wait_serving(address: str, procs: list[subprocess.Popen], timeout: float) -> None:
@@ -153,55 +138,78 @@ def run_local(args: argparse.Namespace) -> int:
     try:
         model = Path(args.model) if args.model else demo_model()
         check_before_start(args, model)
-    except LaunchError as err:
+        gpus = layout.replica_gpus(layout.visible_gpus(args.device, os.environ), args.data_parallel_size,
+                                   args.tensor_parallel_size) if args.data_parallel_size > 1 else None
+        router = router_command(args, [f"http://127.0.0.1:{layout.gateway_port(args, d)}"
+                                       for d in range(args.data_parallel_size)],
+                                layout.router_metrics_port(args)) if args.data_parallel_size > 1 else None
+    except (LaunchError, layout.TooFewGPUs, RouterMissing) as err:
         print(f"nanoserve up: {err}", file=sys.stderr)
         return 1
-    size = args.tensor_parallel_size
-    # Only this launcher's scheduler can drive its workers.
+    # Only this launcher's schedulers can drive its workers.
     env = {**os.environ, "NANOSERVE_WORKER_TOKEN": os.environ.get("NANOSERVE_WORKER_TOKEN") or secrets.token_hex(16)}
-
-    # Held until the group it was picked for is replaced: rank 0 binds it only once torch is imported.
-    meeting: list[PortReservation] = []
-
-    def start_workers() -> list[subprocess.Popen]:
-        for held in meeting:
-            held.release()
-        meeting[:] = [PortReservation()]  # a fresh meeting point: the last group's may linger
-        dist_init_addr = f"127.0.0.1:{meeting[0].port}"
-        return [Child(worker_command(args, model, rank, dist_init_addr), env) for rank in range(size)]
-
-    workers = WorkerGroupSupervisor(start_workers, [f"127.0.0.1:{args.worker_base_port + r}" for r in range(size)],
-                                    describe, failure, args.max_worker_restarts, args.step_timeout,
-                                    lambda line: print(line, file=sys.stderr, flush=True))
-    workers.start()
-    others = [Child(scheduler_command(args), env)]
-    if args.openai_port:  # started now: it waits for the scheduler itself, and says so
-        others.append(Child(gateway_command(args), env))
-    address = f"{args.host}:{args.port}"
+    replicas = [Replica(args, model, d, env, None if gpus is None else gpus[d], _say)
+                for d in range(args.data_parallel_size)]
+    for replica in replicas:
+        replica.start()
+    routers: list[subprocess.Popen] = []
+    front = [proc for replica in replicas for proc in replica.front]
     try:
-        wait_serving(address, workers.procs + others, args.worker_connect_timeout + 60)
-        openai = ""
-        if args.openai_port:
-            url = f"http://{args.host}:{args.openai_port}"
-            wait_http_ok(url + "/health", workers.procs + others, 60)
-            openai = f", the OpenAI API on {url}/v1"
-        print(f"nanoserve is serving {model} on {address} ({size} worker rank{'s' if size > 1 else ''}{openai}); "
-              "Ctrl-C stops it", flush=True)
-        while all(p.poll() is None for p in others):
-            workers.check()
+        outcome = _serve(args, model, replicas, front, routers, router, env)
+    finally:
+        for replica in replicas:
+            replica.release()
+        # The router first (it stops sending and lets what went through it finish), then the replicas'
+        # schedulers and gateways (they drain), then their workers.
+        stop_in_order([routers, [proc for replica in replicas for proc in replica.front],
+                       [proc for replica in replicas for proc in replica.workers.procs]], args.shutdown_timeout,
+                      signals)
+    if outcome:  # after the children's own last lines
+        print(outcome, file=sys.stderr, flush=True)
+    return 1 if outcome else 0
+
+
+def _serve(args: argparse.Namespace, model: Path, replicas: list[Replica], front: list[subprocess.Popen],
+           routers: list[subprocess.Popen], router: list[str] | None, env: dict[str, str]) -> str:
+    """Waits for the replicas (and the router) to serve, then keeps the worker groups running until
+    a stop or a failure; returns "" for a stop, else the line that says what failed."""
+    try:
+        for replica in replicas:
+            wait_serving(replica.address, replica.procs, args.worker_connect_timeout + 60)
+            if args.openai_port:
+                wait_http_ok(replica.gateway_url + "/health", replica.procs, 60)
+        if router is not None:  # once the replicas serve: it takes them in at once
+            routers.append(Child(router, env))
+            front.append(routers[0])
+            wait_routing(f"http://{args.host}:{args.openai_port}", len(replicas), lambda: routers[0].poll() is None,
+                         60)
+        print(_serving_line(args, model, replicas), flush=True)
+        while all(p.poll() is None for p in front):
+            for replica in replicas:
+                replica.workers.check()
             time.sleep(0.5)
-        dead = next(p for p in others if p.poll() is not None)
-        print(f"nanoserve up: {failure(dead)}; stopping the others", file=sys.stderr)
-        return 1
+        dead = next(p for p in front if p.poll() is not None)
+        return f"nanoserve up: {failure(dead)}; stopped the others"
     except (RuntimeError, GaveUp) as err:
-        print(f"nanoserve up failed: {err}", file=sys.stderr)
-        return 1
+        return f"nanoserve up failed: {err}"
     except KeyboardInterrupt:
         print(f"stopping nanoserve: requests in flight may finish within {args.shutdown_timeout:g}s "
               "(--shutdown-timeout); Ctrl-C again stops at once", flush=True)
-        return 0
-    finally:
-        workers.liveness.stop()
-        stop_in_order([others, workers.procs], args.shutdown_timeout, signals)
-        for held in meeting:
-            held.release()
+        return ""
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _serving_line(args: argparse.Namespace, model: Path, replicas: list[Replica]) -> str:
+    """What `up` serves, where: one replica's gRPC address, or every replica's and the router's port."""
+    ranks = f"{args.tensor_parallel_size} worker rank{'s' if args.tensor_parallel_size > 1 else ''}"
+    url = f"http://{args.host}:{args.openai_port}/v1"
+    if len(replicas) == 1:
+        openai = f", the OpenAI API on {url}" if args.openai_port else ""
+        return f"nanoserve is serving {model} on {replicas[0].address} ({ranks}{openai}); Ctrl-C stops it"
+    where = "; ".join(f"replica {r.index} on {r.address}" + (f" (GPUs {','.join(r.gpus)})" if r.gpus else "")
+                      for r in replicas)
+    return (f"nanoserve is serving {model}: {len(replicas)} replicas of {ranks} each behind the SMG router "
+            f"({args.router_policy}), the OpenAI API on {url}; gRPC: {where}; Ctrl-C stops it")

@@ -27,10 +27,11 @@ def _device_name(device: torch.device) -> str:
 
 def on_kernels(x: torch.Tensor, block: tuple[int, int]) -> bool:
     """Whether the FP8 kernels take x [rows, K] against a weight of these scale blocks: on CUDA, 16-bit
-    activations, scale columns a power of two of at least 16 (every checkpoint's 128) or one a row."""
+    activations, scale columns a power of two of at least 32 (e4m3 tensor-core dots take 32 columns at
+    least; every checkpoint's blocks are 128) or one scale a row."""
     columns = block[1]
     return (x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and x.dtype in (torch.bfloat16, torch.float16)
-            and (columns >= x.shape[1] or (columns >= 16 and columns & (columns - 1) == 0)))
+            and (columns >= x.shape[1] or (columns >= 32 and columns & (columns - 1) == 0)))
 
 
 def choice(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> Fp8Choice:

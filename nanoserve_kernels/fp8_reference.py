@@ -35,7 +35,9 @@ def quantize_weight(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch
     padded = torch.zeros(grid_rows * block[0], grid_cols * block[1], dtype=torch.float32, device=weight.device)
     padded[:rows, :columns] = weight
     blocks = padded.view(grid_rows, block[0], grid_cols, block[1])
-    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=AMAX_FLOOR)
+    # A tensor divisor, not the float: torch on CUDA multiplies by the float's reciprocal instead of
+    # dividing, one ulp off the IEEE quotient the kernels compute for some scales.
+    scale = (blocks.abs().amax(dim=(1, 3)) / torch.full((), FP8_MAX, device=weight.device)).clamp(min=AMAX_FLOOR)
     quantized = (weight.float() / _expand(scale, rows, columns, block)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return quantized, scale
 

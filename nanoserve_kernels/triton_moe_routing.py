@@ -8,12 +8,12 @@ import triton.language as tl
 
 
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits,
-                  TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def top_k_of_row(row_ptr, num_experts, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                 RENORMALIZE: tl.constexpr):
+    """One token's (weights [BLOCK_K] float32, expert ids [BLOCK_K] int32) from its router logits at
+    row_ptr; slots past TOP_K hold 0."""
     expert = tl.arange(0, BLOCK_E)
-    logits = tl.load(logits_ptr + row * stride_logits + expert, mask=expert < num_experts,
-                     other=float("-inf")).to(tl.float32)
+    logits = tl.load(row_ptr + expert, mask=expert < num_experts, other=float("-inf")).to(tl.float32)
     exp = tl.exp(logits - tl.max(logits, 0))
     probs = exp / tl.sum(exp, 0)
     slot = tl.arange(0, BLOCK_K)
@@ -25,7 +25,16 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits,
         ids = tl.where(slot == k, best, ids)
         logits = tl.where(expert == best, float("-inf"), logits)
     if RENORMALIZE:
-        weights = weights / tl.sum(weights, 0)  # slots past TOP_K hold 0
+        weights = weights / tl.sum(weights, 0)
+    return weights, ids
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits,
+                  TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    weights, ids = top_k_of_row(logits_ptr + row * stride_logits, num_experts, TOP_K, BLOCK_E, BLOCK_K, RENORMALIZE)
+    slot = tl.arange(0, BLOCK_K)
     tl.store(weights_ptr + row * TOP_K + slot, weights, mask=slot < TOP_K)
     tl.store(ids_ptr + row * TOP_K + slot, ids, mask=slot < TOP_K)
 

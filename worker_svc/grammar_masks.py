@@ -6,8 +6,8 @@ A step that samples constrained rows asks each row's matcher for its mask (fille
 llguidance's own threads while the step's forward pass runs on the device), uploads the rows and masks
 the logits in one launch before every other logits processor. The matcher then moves on by the token
 the row drew: the draw stays on the device, so its copy home is queued after the step and read by the
-next step that masks (or resets a slot). Only steps with constrained rows wait for the previous step's
-tokens; steps without any keep the pipeline as deep as it is.
+next step that masks. Only steps that sample constrained rows wait for the previous step's tokens;
+the others (prefills and resets included) keep the pipeline as deep as it is.
 
 A grammar is compiled once per text (a template matcher, cached; each sequence takes a copy) on a
 thread of its own, off the step loop: a reset submits the work and the sequence's first masked step
@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 from llguidance import LLExecutor, LLMatcher
-from llguidance.numpy import fill_next_token_bitmask_par
+from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from nanoserve.grammar_tokenizer import GrammarTokenizer
 from nanoserve_kernels.token_bitmask import apply_token_bitmask, bitmask_words
@@ -43,8 +43,10 @@ class GrammarMasks:
         self.tokenizer, self.device = tokenizer, device
         self.words = bitmask_words(tokenizer.vocab_size)
         self.matchers: list[Future | None] = [None] * capacity  # per slot; its result an LLMatcher, or None
+        self.constrained = np.zeros(capacity, bool)  # per slot: holds a matcher
         self.num_constrained = 0  # slots holding a matcher: while 0, no batch is looked at
-        self.pending: list[tuple[np.ndarray, torch.Tensor, object]] = []  # (slots, tokens home, their event)
+        # Drawn tokens on their way home: (the matchers they advance, the tokens, their copy's event).
+        self.pending: list[tuple[list[Future], torch.Tensor, object]] = []
         self.device_rows: torch.Tensor | None = None  # the masked rows of the current step; None: all of them
         self.compiler = ThreadPoolExecutor(2, thread_name_prefix="grammar")
         self.executor: LLExecutor | None = None
@@ -57,8 +59,8 @@ class GrammarMasks:
     def reset(self, slot: int, grammar: str, generated: list[int]) -> None:
         """A new sequence in `slot`, constrained by `grammar` ("" = not constrained), which has
         already drawn `generated`."""
-        self.advance()  # a token still on its way home belongs to the slot's previous sequence
-        self.num_constrained += bool(grammar) - (self.matchers[slot] is not None)
+        self.num_constrained += bool(grammar) - bool(self.constrained[slot])
+        self.constrained[slot] = bool(grammar)
         self.matchers[slot] = self.compiler.submit(self._start, grammar, generated) if grammar else None
 
     def _template(self, grammar: str) -> LLMatcher:
@@ -78,7 +80,7 @@ class GrammarMasks:
         """Positions in `slots` (a step's sampled slots) of constrained sequences."""
         if not self.num_constrained:
             return np.zeros(0, np.int64)
-        return np.flatnonzero([self.matchers[slot] is not None for slot in slots.tolist()])
+        return np.flatnonzero(self.constrained[slots])
 
     def mask(self, logits: torch.Tensor, slots: np.ndarray, rows: np.ndarray) -> None:
         """Masks, in place, the logits rows `rows` (constrained_rows of `slots`) by their grammars."""
@@ -89,7 +91,10 @@ class GrammarMasks:
         pinned = torch.empty((len(rows), self.words), dtype=torch.int32, pin_memory=self.device.type == "cuda")
         bitmask = pinned.numpy()
         live = [(matcher, i) for i, matcher in enumerate(matchers) if matcher is not None]
-        if live:
+        if len(live) == 1:  # on this thread: handing one row to the pool costs more than it saves
+            matcher, index = live[0]
+            fill_next_token_bitmask(matcher, bitmask, index)
+        elif live:
             if self.executor is None:
                 self.executor = LLExecutor(MASK_THREADS)
             fill_next_token_bitmask_par(self.executor, live, bitmask)
@@ -116,16 +121,16 @@ class GrammarMasks:
             drawn = torch.empty(drawn.shape, dtype=drawn.dtype, pin_memory=True).copy_(drawn, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        self.pending.append((slots[rows], drawn, event))
+        self.pending.append(([self.matchers[slot] for slot in slots[rows].tolist()], drawn, event))
 
     def advance(self) -> None:
         """Feeds the tokens that have come home to their matchers, in step order."""
-        for slots, drawn, event in self.pending:
+        for matchers, drawn, event in self.pending:
             if event is not None:
                 event.synchronize()
-            for slot, token in zip(slots.tolist(), drawn.tolist()):
-                matcher = self.matchers[slot].result() if self.matchers[slot] is not None else None
-                if matcher is not None:
-                    matcher.consume_token(token)  # a refused token leaves it in error: it then allows only eos
+            for future, token in zip(matchers, drawn.tolist()):
+                matcher = future.result()
+                if matcher is not None:  # a refused token leaves it in error: it then allows only eos
+                    matcher.consume_token(token)
         self.pending.clear()
 

@@ -36,10 +36,11 @@ class Progress:
     def __init__(self, request: Request):
         self.request = request
         n = request.sampling.n if request.sampling.HasField("n") else 1
-        begun = request.resume or [llm_pb2.ResumedCompletion(index=index) for index in range(n)]
+        listed = request.resume or [llm_pb2.ResumedCompletion(index=index) for index in range(n)]
         self.unfinished = {c.index: llm_pb2.ResumedCompletion(index=c.index, token_ids=c.token_ids, text=c.text)
-                           for c in begun}
+                           for c in listed}
         self.received = 0  # tokens, all completions'
+        self.begun = False  # a message arrived
 
     @property
     def done(self) -> bool:
@@ -51,6 +52,7 @@ class Progress:
         completion.token_ids.extend(message.token_ids)
         completion.text += message.text
         self.received += len(message.token_ids)
+        self.begun = True
         if message.finish_reason:
             del self.unfinished[message.index]
 
@@ -63,10 +65,14 @@ class Progress:
         return request
 
     def failover(self, from_address: str, to_address: str, error: grpc.RpcError, log: logging.Logger) -> Failover:
-        """The event of moving the stream, logged as a warning on `log`."""
+        """The event of moving the stream, logged on `log`: a warning for a stream that broke, a line
+        of its own for a request that the replica refused before it began."""
         event = Failover(from_address, to_address, f"{error.code().name}: {error.details()}", self.received)
-        log.warning("the stream from %s broke (%s): resuming %d completion(s) after %d token(s) on %s",
-                    from_address, event.error, len(self.unfinished), self.received, to_address)
+        if self.begun:
+            log.warning("the stream from %s broke (%s): resuming %d completion(s) after %d token(s) on %s",
+                        from_address, event.error, len(self.unfinished), self.received, to_address)
+        else:
+            log.info("%s cannot take the request (%s): sending it to %s", from_address, event.error, to_address)
         return event
 
 

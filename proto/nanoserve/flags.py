@@ -223,12 +223,21 @@ FLAGS = (
          limits=(1, 64)),
     # the local launcher
     Flag("--host", "127.0.0.1", "address the scheduler listens on", ("up",)),
-    Flag("--worker-base-port", WORKER_PORT, "rank r listens on this port + r", ("up",), limits=PORTS),
+    Flag("--worker-base-port", WORKER_PORT, "rank r of replica d listens on this port + d x "
+         "--tensor-parallel-size + r", ("up",), limits=PORTS),
     Flag("--max-worker-restarts", 10, "restarts of a failed worker group in a row (each after a longer pause, up "
          "to 30s) before up gives up and stops; a group that has run a minute resets the count", ("up",),
          limits=(0, 2**31 - 1)),
     Flag("--openai-port", 0, "also start the OpenAI-compatible gateway, listening on --host at this port; "
-         "0 = no gateway", ("up",), limits=(0, PORTS[1])),
+         "0 = no gateway. With --data-parallel-size > 1 the router listens here, replica d's gateway on "
+         "127.0.0.1 at this port + 1 + d and the router's metrics at this port + 1 + the replica count",
+         ("up",), limits=(0, PORTS[1])),
+    Flag("--data-parallel-size", 1, "replicas, each a scheduler with its own worker group (and GPUs: replica d "
+         "takes the d-th --tensor-parallel-size visible GPUs) behind the SMG router on --openai-port; replica "
+         "d's scheduler listens on --port + d", ("up",), limits=(1, 1024)),
+    Flag("--router-policy", "cache_aware", "how the SMG router (pip install 'nanoserve[router]') picks a replica "
+         "for each request (its --policy)", ("up",),
+         ("cache_aware", "round_robin", "power_of_two", "least_load", "prefix_hash", "random")),
     # clients
     Flag("--address", f"127.0.0.1:{SCHEDULER_PORT}", f"host[:port] of the server to ask (port {SCHEDULER_PORT} "
          "when none is given)", CLIENTS),

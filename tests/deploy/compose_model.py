@@ -16,7 +16,7 @@ from nanoserve_cli.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "compose.yaml"
-PROFILES = ("tp2", "metrics", "download")
+PROFILES = ("tp2", "dp2", "metrics", "download")
 
 
 def compose_clis() -> list[list[str]]:

@@ -4,12 +4,15 @@ import os
 import sys
 import shutil
 import subprocess
+from argparse import Namespace
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 import yaml
 
 from nanoserve import flags
+from nanoserve_cli.router import router_command
 from tests.deploy.compose_model import (REPO, Deployment, cli_args, compose_clis, compose_config, deployments,
                                         is_nanoserve, resolved_model)
 
@@ -20,7 +23,8 @@ NO_COMPOSE = ("no Compose implementation to validate compose.yaml with: "
               "`apt-get install docker-compose` (Debian) or Docker's compose plugin")
 HEALTHCHECK = ["CMD", "python", "-m", "nanoserve.healthcheck", "--address"]
 GATEWAY_HEALTHCHECK = ["CMD", "python", "-m", "gateway_svc.healthcheck"]
-TOOLS = {"download", "prometheus"}  # the services that are not nanoserve's own
+TOOLS = {"download", "prometheus", "dp2-router"}  # the services that are not nanoserve's own
+SHUTDOWN_TIMEOUT = flags.defaults("scheduler")["shutdown_timeout"]
 
 
 @pytest.fixture(scope="module", params=CLIS or [None], ids=lambda cli: " ".join(cli) if cli else "none")
@@ -92,9 +96,10 @@ def test_every_service_is_a_scheduler_its_workers_its_gateway_or_a_tool(services
     assert not any(is_nanoserve(services[name]) for name in TOOLS)
 
 
-def test_default_is_one_rank_and_the_tp2_profile_runs_two(services, groups):
+def test_default_is_one_rank_tp2_two_ranks_and_dp2_two_replicas_of_one(services, groups):
     by_profile = {tuple(services[g.scheduler].get("profiles", [])): len(g.workers) for g in groups}
-    assert by_profile == {(): 1, ("tp2",): 2}
+    assert by_profile == {(): 1, ("tp2",): 2, ("dp2",): 1}
+    assert sum(services[g.scheduler].get("profiles") == ["dp2"] for g in groups) == 2
     for g in groups:
         profiles = services[g.scheduler].get("profiles", [])
         assert all(services[s].get("profiles", []) == profiles for s in g.workers + g.gateways)
@@ -124,13 +129,24 @@ def test_services_listen_on_every_address_of_their_container(services):
 
 
 def test_the_gateway_is_the_only_http_port_published_beside_the_grpc_api(services, groups):
+    """Each deployment publishes one HTTP port (its gateway, or dp2's router) and its schedulers' gRPC API."""
+    replica_ports = []
     for g in groups:
         (gateway,) = g.gateways
-        assert published(services[gateway]) == [("", 8000, cli_args(gateway, services[gateway]).port)]
-        assert published(services[g.scheduler]) == [("", 50051, cli_args(g.scheduler, services[g.scheduler]).port)]
+        scheduler_port = cli_args(g.scheduler, services[g.scheduler]).port
         for name in g.workers:
             assert "ports" not in services[name], f"{name} must not be published"
             assert str(cli_args(name, services[name]).port) in services[name]["expose"]
+        if services[g.scheduler].get("profiles") == ["dp2"]:  # the router is the HTTP door
+            assert published(services[gateway]) == []
+            [(address, host_port, port)] = published(services[g.scheduler])
+            assert (address, port) == ("", scheduler_port)
+            replica_ports.append(host_port)
+            continue
+        assert published(services[gateway]) == [("", 8000, cli_args(gateway, services[gateway]).port)]
+        assert published(services[g.scheduler]) == [("", 50051, scheduler_port)]
+    assert sorted(replica_ports) == [50051, 50052]
+    assert published(services["dp2-router"]) == [("", 8000, 8000)]
     assert published(services["prometheus"]) == [("127.0.0.1", 9090, 9090)]  # the operator's, on loopback
     assert "ports" not in services["download"]
 
@@ -147,6 +163,9 @@ def test_workers_are_reachable_on_the_internal_network_alone(model, services, gr
 
 
 def test_every_worker_reserves_its_own_gpu(services, groups):
+    dp2 = [services[w]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for g in groups
+           for w in g.workers if services[w].get("profiles") == ["dp2"]]
+    assert len(dp2) == 2 and dp2[0] != dp2[1], dp2  # the replicas, a GPU each
     for g in groups:
         device_ids = []
         for name in g.workers:
@@ -227,18 +246,45 @@ def test_long_running_services_restart(services):
 
 
 def test_prometheus_scrapes_every_deployments_scheduler_and_gateway(services, groups):
+    """By a DNS name that every deployment's scheduler (gateway) answers to: all of dp2's replicas too."""
     config_file, target = services["prometheus"]["volumes"][0].split(":")[:2]
     assert target == "/etc/prometheus/prometheus.yml"
     config = yaml.safe_load(Path(config_file).read_text())
-    scraped = {job["job_name"]: t for job in config["scrape_configs"] for c in job["static_configs"]
-               for t in c["targets"]}
+    scraped = {job["job_name"]: (name, sd["port"]) for job in config["scrape_configs"] for sd in job["dns_sd_configs"]
+               for name in sd["names"]}
     prometheus_networks = set(networks_of(services["prometheus"]))
     for g in groups:
         expected = {"nanoserve-scheduler": (g.scheduler, cli_args(g.scheduler, services[g.scheduler]).metrics_port),
                     "nanoserve-gateway": (g.gateways[0], cli_args(g.gateways[0], services[g.gateways[0]]).port)}
         for job, (name, port) in expected.items():
-            host, scraped_port = scraped[job].split(":")
+            host, scraped_port = scraped[job]
             assert int(scraped_port) == port != 0, (job, name)
             reachable = [net for net, aliases in networks_of(services[name]).items()
                          if net in prometheus_networks and host in (name, *aliases)]
             assert reachable, f"Prometheus cannot reach {name} as {host}"
+
+
+def test_the_dp2_router_is_smg_as_up_runs_it(services, groups):
+    """SMG's own parser takes the command, which is the one `nanoserve up --data-parallel-size 2` gives
+    SMG; its backends are the dp2 gateways, and it starts once they serve."""
+    launch_router = pytest.importorskip("smg.launch_router", reason="SMG's parser comes with `pip install smg`")
+    router = services["dp2-router"]
+    assert router["image"] == f"lightseekorg/smg:{metadata.version('smg')}"
+    args = launch_router.parse_router_args([str(arg) for arg in router["command"]])
+    args._validate_router_args()
+    gateways = [gw for g in groups if services[g.scheduler].get("profiles") == ["dp2"] for gw in g.gateways]
+    urls = [f"http://{gw}:{cli_args(gw, services[gw]).port}" for gw in sorted(gateways)]
+    assert args.worker_urls == urls
+    up = Namespace(host="0.0.0.0", openai_port=8000, router_policy="cache_aware", shutdown_timeout=SHUTDOWN_TIMEOUT)
+    assert [str(arg) for arg in router["command"]] == router_command(up, urls, args.prometheus_port)[3:]
+    assert {name: dep["condition"] for name, dep in router["depends_on"].items()} == \
+        {gw: "service_healthy" for gw in gateways}
+
+
+def test_services_that_drain_get_the_time_to(services):
+    """Compose kills a container 10 s after SIGTERM unless told otherwise: the scheduler, gateway and
+    router drain for up to --shutdown-timeout, so they are given longer."""
+    for name, service in services.items():
+        if name in ("dp2-router",) or (is_nanoserve(service) and service["command"][0] in ("scheduler", "gateway")):
+            grace = service["stop_grace_period"]
+            assert grace.endswith("s") and float(grace[:-1]) > SHUTDOWN_TIMEOUT + 5, (name, grace)

@@ -12,7 +12,7 @@ from nanoserve_kernels.backend import BACKENDS
 from nanoserve_kernels.kv_quant import KV_CACHE_DTYPES
 from nanoserve_model.config import DTYPES
 from nanoserve import flags
-from nanoserve_cli import launcher
+from nanoserve_cli import replica
 from nanoserve_cli.cli import build_parser
 from scheduler_svc.config import SchedulerConfig
 from tests.services.processes import CLI, ENV, free_port
@@ -106,8 +106,8 @@ def test_up_hands_each_child_exactly_the_flags_both_commands_take(tmp_path):
         "--no-enable-chunked-prefill", "--long-prefill-token-threshold", "5",
         "--max-request-bytes", "1000", "--worker-restart-timeout", "9", "--step-timeout", "8", "--shutdown-timeout", "4",
         "--kv-events-config", '{"enable_kv_cache_events": true}'])
-    launched = {"worker": launcher.worker_command(up, tmp_path, 1, "127.0.0.1:4000"),
-                "scheduler": launcher.scheduler_command(up)}
+    launched = {"worker": replica.worker_command(up, tmp_path, 1, "127.0.0.1:4000"),
+                "scheduler": replica.scheduler_command(up)}
     given = {"worker": dict(model=str(tmp_path), host="127.0.0.1", port=7001, rank=1, dist_init_addr="127.0.0.1:4000"),
              "scheduler": dict(host="127.0.0.2", workers="127.0.0.1:7000,127.0.0.1:7001")}
     for child, command in launched.items():

@@ -3,11 +3,13 @@ orchestrator (SIGTERM to every process of a replica at once) do: the servers dra
 requests refused as draining, those in flight finish), end what is left after --shutdown-timeout with
 "the server is shutting down" (a gRPC status, an OpenAI-shaped SSE error event), exit 0 and log the
 stop as INFO lines, never as an error or a traceback."""
+import contextlib
 import json
 import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -68,18 +70,28 @@ def sse_stream(url: str, max_tokens: int) -> Outcome:
     return Outcome(work)
 
 
-def start_up(model_dir: Path, log: Path, *flags: str) -> tuple[subprocess.Popen, str, str]:
+@contextlib.contextmanager
+def started_up(model_dir: Path, log: Path, *flags: str) -> Iterator[tuple[subprocess.Popen, str, str]]:
+    """`nanoserve up` with a gateway, serving: (the launcher, the gRPC address, the OpenAI URL); killed
+    at the end if the test has not stopped it."""
     port, openai_port = free_port(), free_port()
     launcher = subprocess.Popen(CLI + ["up", "--model", str(model_dir), "--port", str(port), "--worker-base-port",
                                        str(free_port()), "--openai-port", str(openai_port), "--device", "cpu",
                                        "--block-size", "16", "--num-kv-blocks", "128", *flags],
                                 env=ENV, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     address, url = f"127.0.0.1:{port}", f"http://127.0.0.1:{openai_port}"
-    wait_serving(address, [launcher], log)
-    deadline = time.monotonic() + 60
-    while httpx.get(url + "/health", timeout=5).status_code != 200 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return launcher, address, url
+    try:
+        wait_serving(address, [launcher], log)
+        deadline = time.monotonic() + 60
+        while httpx.get(url + "/health", timeout=5).status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        yield launcher, address, url
+    finally:
+        if launcher.poll() is None:  # a second signal: everything stops at once
+            launcher.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+            launcher.send_signal(signal.SIGINT)
+            launcher.wait(timeout=60)
 
 
 def assert_clean_stop(log: Path) -> None:
@@ -102,8 +114,7 @@ def assert_draining(address: str, url: str) -> None:
 
 def test_ctrl_c_drains_then_ends_what_is_left(tiny_model_dir, tmp_path):
     log = tmp_path / "up.log"
-    with shown_on_failure(log):
-        launcher, address, url = start_up(tiny_model_dir, log, "--shutdown-timeout", "8")
+    with shown_on_failure(log), started_up(tiny_model_dir, log, "--shutdown-timeout", "8") as (launcher, address, url):
         short, long_grpc, long_sse = grpc_stream(address, 24), grpc_stream(address, LONG), sse_stream(url, LONG)
         for outcome in (short, long_grpc, long_sse):
             outcome.wait_started()
@@ -123,8 +134,7 @@ def test_ctrl_c_drains_then_ends_what_is_left(tiny_model_dir, tmp_path):
 
 def test_a_second_ctrl_c_stops_at_once(tiny_model_dir, tmp_path):
     log = tmp_path / "up.log"
-    with shown_on_failure(log):
-        launcher, address, _ = start_up(tiny_model_dir, log, "--shutdown-timeout", "600")
+    with shown_on_failure(log), started_up(tiny_model_dir, log, "--shutdown-timeout", "600") as (launcher, address, _):
         stream = grpc_stream(address, LONG)
         stream.wait_started()
         launcher.send_signal(signal.SIGINT)

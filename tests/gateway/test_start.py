@@ -13,7 +13,7 @@ import pytest
 
 from nanoserve import flags
 from nanoserve.client import Client
-from nanoserve_cli import launcher
+from nanoserve_cli import replica
 from nanoserve_cli.cli import build_parser
 from tests.gateway.gateway_process import wait_listening
 from tests.services.processes import CLI, ENV, free_port, health_status, shown_on_failure, stop
@@ -106,7 +106,7 @@ def test_up_hands_the_gateway_its_flags_and_the_scheduler_it_starts(monkeypatch,
     up = build_parser().parse_args(["up", "--host", "127.0.0.2", "--port", "6000", "--openai-port", "6001",
                                     "--tokenizer", str(tmp_path), "--served-model-name", "tiny",
                                     "--api-server-count", "3", "--shutdown-timeout", "7"])
-    command = launcher.gateway_command(up)
+    command = replica.gateway_command(up)
     assert command[:3] == [sys.executable, "-m", "gateway_svc"]
     args = flags.parse("gateway", command[3:])
     assert (args.scheduler, args.host, args.port) == ("127.0.0.2:6000", "127.0.0.2", 6001)

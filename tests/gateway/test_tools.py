@@ -65,6 +65,17 @@ def test_response_format_json_schema_validates(oai, model_name, stream):
     jsonschema.validate(json.loads(content), schema)
 
 
+def test_vllm_structured_outputs_on_completions(oai, model_name):
+    choices = ["red", "green", "blue"]
+    got = oai.completions.create(model=model_name, prompt="A color:", max_tokens=8, n=4, seed=3,
+                                 extra_body={"structured_outputs": {"choice": choices}})
+    assert all(c.text in choices and c.finish_reason == "stop" for c in got.choices)
+    with pytest.raises(openai.BadRequestError) as raised:
+        oai.completions.create(model=model_name, prompt="A color:", max_tokens=8,
+                               extra_body={"structured_outputs": {"choice": choices, "regex": "x"}})
+    assert raised.value.response.json()["error"]["param"] == "structured_outputs"
+
+
 def test_tool_choice_required_calls_tools_streamed_as_whole(oai, model_name):
     whole = create(oai, model_name, False, tools=TOOLS, tool_choice="required")
     content, calls, finish = whole

@@ -8,15 +8,13 @@ Needs two GPUs (the lent nvidia-h100-x2), from the repo root (bench/gpu_failover
 """
 import json
 import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.services.processes import ENV, REPO, shown_on_failure
+from tests.services.multihost_group import can_unshare, run
+from tests.services.processes import ENV, shown_on_failure
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 
@@ -24,15 +22,10 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two
 def test_rank_1_killed_mid_stream_loses_no_token_on_two_gpus(tiny_model_dir, tmp_path):
     log = tmp_path / "group.log"
     # Its own network namespace where it may make one (root); else the host's, where 127.0.0.0/8 is loopback too.
-    isolated = bool(shutil.which("unshare")) and \
-        subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0
-    argv = [sys.executable, "-m", "tests.services.multihost_group", str(tiny_model_dir), "2", "alone", str(log),
-            "--dist-socket-ifname", "lo"]
+    isolated = can_unshare()
     with shown_on_failure(log):
-        run = subprocess.run(["unshare", "-n", *argv] if isolated else argv, cwd=REPO, capture_output=True, text=True,
-                             env={**ENV, "NANOSERVE_TEST_DEVICE": "cuda"}, timeout=400)
-        assert run.returncode == 0, run.stderr[-4000:]
-        result = json.loads(run.stdout.splitlines()[-1])
+        result = run(tiny_model_dir, 2, "alone", log, "--dist-socket-ifname", "lo", isolated=isolated,
+                     env={**ENV, "NANOSERVE_TEST_DEVICE": "cuda"}, timeout=200)
         assert result["got"] == result["expected"]
     summary = {key: result[key] for key in ("group_back_after_seconds", "seconds_to_the_end", "restarts",
                                             "received_at_kill")}

@@ -86,12 +86,16 @@ def test_torch_blockwise_scaled_mm_matches_the_reference_where_it_runs():
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
-    """The random model as a block-FP8 checkpoint, and its dequantized weights as a bf16 one."""
+    """The random model as FP8 checkpoints of both formats (block: "fp8"; per channel:
+    "compressed-tensors"), and each one's dequantized weights as an unquantized checkpoint."""
     root = tmp_path_factory.mktemp("fp8-kl")
     source = write_checkpoint(root / "bf16", config_json(False, KL_SHAPE, "bfloat16"),
                               random_weights(False, KL_SHAPE, KL_STD, torch.bfloat16))
-    fp8 = write_fp8_checkpoint(source, root / "fp8", "fp8")
-    return {"fp8": fp8, "dequantized": write_dequantized(fp8, root / "dequantized")}
+    paths = {}
+    for fmt in ("fp8", "compressed-tensors"):
+        paths[fmt] = write_fp8_checkpoint(source, root / fmt, fmt)
+        paths[f"{fmt}-dequantized"] = write_dequantized(paths[fmt], root / f"{fmt}-dequantized")
+    return paths
 
 
 def all_logprobs(model_dir, prompts: list[list[int]]) -> torch.Tensor:
@@ -111,25 +115,27 @@ def all_logprobs(model_dir, prompts: list[list[int]]) -> torch.Tensor:
         return torch.log_softmax(runner.model.compute_logits(hidden[:rows]).float(), dim=-1).cpu()
 
 
-def test_w8a8_next_token_kl_is_bounded_beside_the_bf16_floor(checkpoints):
+@pytest.mark.parametrize("fmt", ["fp8", "compressed-tensors"])
+def test_w8a8_next_token_kl_is_bounded_beside_the_bf16_floor(checkpoints, fmt):
+    """Block scales (Qwen's format) and per-channel scales (compressed-tensors', and --quantization fp8's)."""
     from transformers import AutoModelForCausalLM
     rng = random.Random(0)
     prompts = [[rng.randrange(151_643) for _ in range(SEQ_LEN)] for _ in range(NUM_SEQS)]
-    hf = AutoModelForCausalLM.from_pretrained(checkpoints["dequantized"], dtype=torch.float32).eval().cuda()
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints[f"{fmt}-dequantized"], dtype=torch.float32).eval().cuda()
     with torch.no_grad():
         reference = torch.log_softmax(hf(torch.tensor(prompts, device="cuda")).logits.float(), -1).flatten(0, 1).cpu()
     del hf
-    w8a8, floor = (all_logprobs(checkpoints[name], prompts) for name in ("fp8", "dequantized"))
+    w8a8, floor = (all_logprobs(checkpoints[name], prompts) for name in (fmt, f"{fmt}-dequantized"))
 
     def kl(logprobs: torch.Tensor) -> float:
         return float((reference.exp() * (reference - logprobs)).sum(-1).mean())
 
-    result = dict(positions=len(reference), kl_w8a8=kl(w8a8), kl_bf16_floor=kl(floor),
+    result = dict(format=fmt, positions=len(reference), kl_w8a8=kl(w8a8), kl_bf16_floor=kl(floor),
                   entropy=float(-(reference.exp() * reference).sum(-1).mean()),
                   device=torch.cuda.get_device_name())
     print("\nFP8 W8A8 next-token KL:", json.dumps(result))
     if os.environ.get("OUT"):
-        (Path(os.environ["OUT"]) / "fp8_kl.json").write_text(json.dumps(result, indent=2))
+        (Path(os.environ["OUT"]) / f"fp8_kl_{fmt}.json").write_text(json.dumps(result, indent=2))
     assert result["positions"] >= 1000
     assert result["kl_w8a8"] < max(KL_BOUND_OVER_FLOOR * result["kl_bf16_floor"], KL_BOUND_NATS), result
 

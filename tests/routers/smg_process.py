@@ -19,18 +19,20 @@ SMG_INSTALLED = importlib.util.find_spec("smg") is not None
 
 
 @contextlib.contextmanager
-def running_replicas(model_dir: Path, log: Path, count: int, worker_flags: tuple[str, ...],
-                     gateway_flags: tuple[str, ...] = ()) -> Iterator[list[dict]]:
-    """`count` replicas (a worker, a scheduler and a gateway each), started side by side; yields
-    [{'url', 'address'}] in order."""
+def running_replicas(model_dir: Path, log: Path, worker_flags: tuple[str, ...], gateway_flags: tuple[str, ...],
+                     scheduler_flags: list[tuple[str, ...]]) -> Iterator[list[dict]]:
+    """A replica (a worker, a scheduler and a gateway) per entry of `scheduler_flags`, started side by
+    side; yields [{'url', 'address', 'worker', 'worker_port', 'procs'}] in order. A test that replaces a
+    worker puts the new one in its place in 'procs' (every replica's processes, stopped at the end)."""
     replicas, procs = [], []
     try:
-        for _ in range(count):
+        for flags in scheduler_flags:
             worker_port, address, http_port = free_port(), f"127.0.0.1:{free_port()}", free_port()
             procs += [start_worker(model_dir, worker_port, *worker_flags, log=log),
-                      start_scheduler([f"127.0.0.1:{worker_port}"], int(address.split(":")[1]), log=log),
+                      start_scheduler([f"127.0.0.1:{worker_port}"], int(address.split(":")[1]), *flags, log=log),
                       start_gateway(address, http_port, *gateway_flags, log=log)]
-            replicas.append({"address": address, "url": f"http://127.0.0.1:{http_port}"})
+            replicas.append({"address": address, "url": f"http://127.0.0.1:{http_port}", "worker": procs[-3],
+                             "worker_port": worker_port, "procs": procs})
         for replica in replicas:
             wait_serving(replica["address"], procs, log)
             wait_listening(replica["url"], procs[-1], log)

@@ -12,10 +12,15 @@ restarted, and the survivors, which exit when they lose a peer, are restarted on
 prints one JSON line: the tokens of both runs, each rank's listening addresses, restart counts and
 how long the scheduler waited for the group (its "worker group back after" line).
 """
+import fcntl
+import ipaddress
 import json
 import os
 import re
+import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -24,27 +29,28 @@ from pathlib import Path
 
 from nanoserve.client import Client
 from nanoserve_cli.supervision import WorkerGroupSupervisor
-from tests.services.processes import start_scheduler, start_worker, stop, wait_serving
+from tests.services.processes import ENV, REPO, start_scheduler, start_worker, stop, wait_serving
 from tests.services.test_recovery import Streams, undisturbed
 
 WORKER_PORT, STORE_PORT, SCHEDULER_ADDRESS = 50061, 29500, "127.0.0.1:50051"
 FLAGS = ("--block-size", "16", "--num-kv-blocks", "256", "--max-num-seqs", "16", "--max-num-batched-tokens", "256")
 NUM_REQUESTS = 6
+IFREQ, SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = "16sH22x", 0x8913, 0x8914, 0x1  # struct ifreq: name, flags (<linux/if.h>)
+TCP_LISTEN = "0A"  # the state column of /proc/net/tcp (<net/tcp_states.h>)
 
 
 def host(rank: int) -> str:
     return f"127.0.0.{rank + 2}"
 
 
-def bring_up_loopback(ranks: int) -> None:
-    """In a fresh namespace loopback is down: up, with each rank's address on it. (Outside one, as on
-    the GPU machine, every 127.0.0.0/8 address is this host's already.)"""
-    link = subprocess.run(["ip", "-o", "link", "show", "lo"], capture_output=True, text=True, check=True).stdout
-    if ",UP" in link:  # (not /sys/class/net: sysfs shows the namespace it was mounted in)
-        return
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-    for rank in range(ranks):
-        subprocess.run(["ip", "addr", "add", f"{host(rank)}/8", "dev", "lo"], check=True)
+def bring_up_loopback() -> None:
+    """In a fresh namespace loopback is down: up, and the whole 127.0.0.0/8 routes to it, each rank's
+    address included. (Outside one, as on the GPU machine, it is up already.) An ioctl, not `ip`: the
+    GPU machine's image has no iproute2."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        flags = struct.unpack(IFREQ, fcntl.ioctl(sock, SIOCGIFFLAGS, struct.pack(IFREQ, b"lo", 0)))[1]
+        if not flags & IFF_UP:
+            fcntl.ioctl(sock, SIOCSIFFLAGS, struct.pack(IFREQ, b"lo", flags | IFF_UP))
 
 
 class Group:
@@ -103,14 +109,59 @@ class Group:
 
 
 def listening(pids: list[int]) -> list[list[str]]:
-    """Each process's listening TCP addresses (host only; IPv4-mapped ones as IPv4), from `ss`."""
-    lines = subprocess.run(["ss", "-tlnpH"], capture_output=True, text=True, check=True).stdout.splitlines()
-    hosts = [(line.split()[3].rpartition(":")[0].removeprefix("[::ffff:").removesuffix("]"), line) for line in lines]
-    return [sorted({address for address, line in hosts if f"pid={pid}," in line}) for pid in pids]
+    """Each process's listening TCP addresses (host only; IPv4-mapped ones as IPv4), from /proc (the
+    GPU machine's image has no `ss`)."""
+    hosts = {}  # socket inode -> address
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            _, local, _, state, *_, inode = line.split()[:10]
+            if state == TCP_LISTEN:
+                hosts[f"socket:[{inode}]"] = address(local.partition(":")[0])
+    return [sorted({hosts[link] for link in fd_links(pid) if link in hosts}) for pid in pids]
+
+
+def address(hex_host: str) -> str:
+    """/proc/net/tcp's host: 32-bit words in the machine's (little-endian) order."""
+    raw = b"".join(bytes.fromhex(hex_host[i:i + 8])[::-1] for i in range(0, len(hex_host), 8))
+    ip = ipaddress.ip_address(raw)
+    return str(getattr(ip, "ipv4_mapped", None) or ip)
+
+
+def fd_links(pid: int) -> list[str]:
+    links = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            links.append(os.readlink(fd))
+        except OSError:  # closed meanwhile
+            pass
+    return links
+
+
+def can_unshare() -> bool:
+    """Whether this process may make a network namespace (root, or user namespaces)."""
+    return shutil.which("unshare") is not None and \
+        subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0
+
+
+def run(model: Path, ranks: int, policy: str, log: Path, *flags: str, isolated: bool = True,
+        env: dict[str, str] = ENV, timeout: float = 600) -> dict:
+    """main() in a process of its own (under `unshare -n` when `isolated`): its JSON line. On a
+    timeout its whole process group goes, the ranks and scheduler it started included."""
+    argv = [sys.executable, "-m", "tests.services.multihost_group", str(model), str(ranks), policy, str(log), *flags]
+    proc = subprocess.Popen(["unshare", "-n", *argv] if isolated else argv, cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, err[-4000:]
+    return json.loads(out.splitlines()[-1])
 
 
 def main(model: Path, ranks: int, policy: str, log: Path, flags: list[str]) -> dict:
-    bring_up_loopback(ranks)
+    bring_up_loopback()
     group = Group(model, ranks, policy, log, flags)
     scheduler = start_scheduler(group.addresses, int(SCHEDULER_ADDRESS.rsplit(":")[1]), log=log)
     try:

@@ -2,35 +2,22 @@
 network namespace the test creates (multihost_group.py, under `unshare -n`: loopback only). Rank 1
 SIGKILLed mid-stream, under either supervision policy, costs no request and no token; and a rank that
 cannot reach rank 0's store says which address and port in one line."""
-import json
 import re
-import shutil
-import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.services.multihost_group import NUM_REQUESTS, host
-from tests.services.processes import ENV, REPO, free_port, shown_on_failure, start_worker, stop
+from tests.services.multihost_group import NUM_REQUESTS, can_unshare, host, run
+from tests.services.processes import free_port, shown_on_failure, start_worker, stop
 from tests.services.test_recovery import MAX_TOKENS
 
 
-def _can_unshare() -> bool:
-    return shutil.which("unshare") is not None and shutil.which("ip") is not None and \
-        subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0
-
-
-@pytest.mark.skipif(not _can_unshare(), reason="needs `unshare -n` (root, or user namespaces) and `ip`")
+@pytest.mark.skipif(not can_unshare(), reason="needs `unshare -n` (root, or user namespaces)")
 @pytest.mark.parametrize("ranks, policy", [(2, "group"), (4, "alone")])
 def test_rank_1_killed_mid_stream_on_its_own_host(tiny_model_dir, tmp_path, ranks, policy):
     log = tmp_path / "group.log"
     with shown_on_failure(log):
-        run = subprocess.run(["unshare", "-n", sys.executable, "-m", "tests.services.multihost_group",
-                              str(tiny_model_dir), str(ranks), policy, str(log)], cwd=REPO, env=ENV,
-                             capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-4000:]
-        result = json.loads(run.stdout.splitlines()[-1])
+        result = run(tiny_model_dir, ranks, policy, log)
         assert result["got"] == result["expected"]  # every token once, in order: none lost, none sent twice
         assert result["received_at_kill"] < NUM_REQUESTS * MAX_TOKENS and result["running_after"] == 0
         # Each rank's sockets (gRPC, gloo) are on its own address; rank 0 also serves the store on all.

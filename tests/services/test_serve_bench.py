@@ -49,6 +49,19 @@ def test_requests_draw_lengths_from_their_ranges_behind_the_shared_prefix():
     assert serve.make_requests(5, (10, 20), (3, 7), seed=2) != serve.make_requests(5, (10, 20), (3, 7), seed=1)
 
 
+def test_tenants_share_a_system_prompt_each_and_come_in_mixed_order():
+    requests = serve.make_tenant_requests(5, 4, 64, (8, 12), (3, 3), seed=1)
+    assert requests == serve.make_tenant_requests(5, 4, 64, (8, 12), (3, 3), seed=1)
+    systems = {}
+    for r in requests:
+        systems.setdefault(tuple(r.prompt[:64]), []).append(r)
+    assert len(systems) == 5 and all(len(users) == 4 for users in systems.values())
+    assert all(72 <= len(r.prompt) <= 76 and r.max_tokens == 3 for r in requests)
+    assert len({tuple(r.prompt[64:]) for r in requests}) == 20  # every user asks their own question
+    order = [tuple(r.prompt[:64]) for r in requests]
+    assert order != sorted(order, key=list(systems).index)  # not tenant after tenant
+
+
 def test_arrivals_are_a_poisson_process_or_all_at_once():
     assert serve.arrival_times(4, math.inf) == [0.0] * 4
     times = serve.arrival_times(4000, 20.0, seed=3)

@@ -65,6 +65,21 @@ def check_align(align_block_size, device: str) -> None:
         assert (sorted_pairs[num_padded.item():].cpu() == num_pairs).all()
 
 
+def check_route_and_align(route_and_align, align_block_size, device: str) -> None:
+    """The one-launch form at decode sizes: the reference's routing and the separate sort's very rows."""
+    for seed, (tokens, experts, top_k, idle, block_m) in enumerate(((1, 8, 2, 0, 16), (9, 16, 4, 6, 16),
+                                                                    (4, 128, 8, 0, 16), (32, 64, 8, 30, 32))):
+        logits = separated_logits(tokens, experts, seed, idle, device)
+        for renormalize in (True, False):
+            weights, ids, sort = route_and_align(logits, top_k, renormalize, block_m)
+            expected_weights, expected_ids = route(logits, top_k, renormalize)
+            assert torch.equal(ids.long(), expected_ids) and torch.allclose(weights, expected_weights, rtol=1e-5)
+            sorted_pairs, block_experts, num_padded = align_block_size(expected_ids.int(), experts, block_m)
+            rows = num_padded.item()
+            assert sort[2].item() == rows and torch.equal(sort[0], sorted_pairs)
+            assert torch.equal(sort[1][:rows // block_m], block_experts[:rows // block_m]), (tokens, experts)
+
+
 def check_layers(fused_experts, device: str, dtype: torch.dtype, launches: tuple[dict | None, ...]) -> None:
     for seed, (tokens, experts, top_k, hidden_size, width, idle) in enumerate(LAYER_CASES):
         g = torch.Generator().manual_seed(100 + seed)
@@ -73,11 +88,14 @@ def check_layers(fused_experts, device: str, dtype: torch.dtype, launches: tuple
         down = (torch.randn(experts, hidden_size, width, generator=g) * 0.2).to(device, dtype)
         weights, ids = route(separated_logits(tokens, experts, seed, idle, device), top_k, True)
         expected = experts_reference(hidden.double(), gate_up.double(), down.double(), weights.double(), ids)
-        for launch in launches:
-            out = fused_experts(hidden, gate_up, down, weights, ids.int(), launch)
+        outs = {str(launch): fused_experts(hidden, gate_up, down, weights, ids.int(), launch) for launch in launches}
+        from nanoserve_kernels.fused_moe import fused_moe  # from the logits: at these sizes one launch routes and sorts
+        outs["from logits"] = fused_moe(hidden, gate_up, down, separated_logits(tokens, experts, seed, idle, device),
+                                        top_k, True)
+        for how, out in outs.items():
             assert out.dtype == dtype and out.shape == hidden.shape
             error = ((out.double() - expected).norm() / expected.norm()).item()
-            assert error < TOLERANCE[dtype], (tokens, experts, top_k, dtype, launch, error)
+            assert error < TOLERANCE[dtype], (tokens, experts, top_k, dtype, how, error)
 
 
 def run_interpreted_cases(kernel: str) -> None:
@@ -85,8 +103,9 @@ def run_interpreted_cases(kernel: str) -> None:
         from nanoserve_kernels.triton_moe_routing import route as route_kernel
         check_route(route_kernel, "cpu")
     elif kernel == "align":
-        from nanoserve_kernels.triton_moe_align import align_block_size
+        from nanoserve_kernels.triton_moe_align import align_block_size, route_and_align
         check_align(align_block_size, "cpu")
+        check_route_and_align(route_and_align, align_block_size, "cpu")
     else:
         from nanoserve_kernels.fused_moe import fused_experts
         check_layers(fused_experts, "cpu", getattr(torch, kernel), (SMALL_TILES, None))
@@ -132,6 +151,23 @@ def test_grouped_gemm_compiles_for_hopper_in_bf16(silu_mul: bool, block_m: int) 
     source = ASTSource(kernel, _hopper_signature(kernel, types), constexprs=constexprs)
     options = dict(num_warps=4, num_stages=3)
     assert triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
+
+
+def test_route_and_align_compiles_for_hopper() -> None:
+    """The one-launch routing and sort (runtime loops over tokens and blocks, a barrier between its stores
+    and loads) for sm_90 at Qwen3-30B-A3B's 128 experts and top-8."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nanoserve_kernels import triton_moe_align
+    from tests.worker.test_triton_kernels import _hopper_signature
+    kernel = triton_moe_align._route_and_align_kernel
+    types = {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i32", "sorted_pairs_ptr": "*i32",
+             "block_experts_ptr": "*i32", "num_padded_ptr": "*i32"}
+    constexprs = dict(TOP_K=8, BLOCK_E=128, BLOCK_K=8, RENORMALIZE=True, BLOCK_P=64, BLOCK_M=16, SCAN=64)
+    source = ASTSource(kernel, _hopper_signature(kernel, types), constexprs=constexprs)
+    assert triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["cubin"]
 
 
 if __name__ == "__main__":

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Scale-out on a lent multi-GPU machine (2 or 4 H100s), from the repo root, in under 9 minutes:
+#   bench/gpu_scaleout.sh            (results under $OUT, default bench/out/scaleout: JSON per run,
+#                                     summary.json and summary.md from bench/scaleout_summary.py)
+# Every run goes through the OpenAI port (bench/serve.py --openai, prompts as text for SMG):
+#   1. the throughput workload (docs/benchmarks.md) on one replica direct (its gateway), then on N replicas (N = the
+#      GPUs) through SMG with N x the requests: the ratio to N x one replica (target >= 0.95);
+#   2. the router's added TTFT at low load: the same requests through SMG and straight to replica 0's
+#      gateway, on the same server;
+#   3. the multi-tenant prefix workload (long shared system prompts, several users each, Poisson
+#      arrivals, sized to ~70% of the replicas' combined KV): SMG round robin against cache-aware;
+#   4. DP2 through SMG against TP2 direct, on the 0.6B and the 8B shapes (random weights, dummy load).
+# A part that would not end in time is skipped (the summary says what is missing).
+# Carried wheels in .whl/ (smg, setproctitle, fastapi and its needs, uvicorn, grpcio-health-checking,
+# grpcio-reflection, ...: docs/scale-out.md lists them) are installed first.
+set -uo pipefail
+out=${OUT:-bench/out}/scaleout; mkdir -p "$out"
+export PYTHONPATH=$PWD:$PWD/proto PYTHONUNBUFFERED=1 NANOSERVE_CACHE=$PWD/.cache
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+started=$SECONDS
+gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
+small=.cache/qwen3-0.6b-shape big=.cache/qwen3-8b-shape
+python3 -m nanoserve_cli.demo_model "$small" --shape qwen3-0.6b --no-weights >/dev/null
+python3 -m nanoserve_cli.demo_model "$big" --shape qwen3-8b --no-weights >/dev/null
+common=(--load-format dummy --attention-backend triton --max-model-len 4096 --shutdown-timeout 5
+        --port 50051 --worker-base-port 50061 --openai-port 8000)
+url=http://127.0.0.1:8000
+design=(--request-rates inf --input-len 100 1024 --output-len 100 1024 --temperature 0.6)
+
+up() {  # name, then `nanoserve up` flags: starts it and waits until it serves (or gives up)
+  local name=$1; shift
+  python3 -m nanoserve_cli up "${common[@]}" "$@" > "$out/$name.server.log" 2>&1 &
+  server=$!
+  for _ in $(seq 600); do
+    grep -q "nanoserve is serving" "$out/$name.server.log" && return 0
+    kill -0 $server 2>/dev/null || break
+    sleep 0.5
+  done
+  echo "$name: the server did not start:"; tail -5 "$out/$name.server.log"; down; return 1
+}
+down() {
+  kill -INT $server 2>/dev/null
+  for _ in $(seq 120); do kill -0 $server 2>/dev/null || return 0; sleep 0.5; done
+  kill -KILL $server 2>/dev/null
+}
+bench() {  # name, model, then bench/serve.py flags
+  local name=$1 model=$2; shift 2
+  timeout 150 python3 bench/serve.py --openai "${BENCH_URL:-$url}" --text-prompts "$model" --warmup 8 "$@" \
+    --out "$out/$name.json" 2>&1 | grep -v " INFO " | tail -3
+}
+in_time() { (( SECONDS - started < ${1:-480} )) || { echo "skipped (time): $2"; return 1; }; }
+
+# 1 and 2: one replica direct, then every GPU a replica behind SMG
+if up dp1_small --model "$small"; then
+  bench dp1_small "$small" "${design[@]}" --num-prompts 256
+  bench ttft_direct_dp1 "$small" --request-rates 4 --num-prompts 40 --input-len 512 512 --output-len 16 16
+  down
+fi
+if up "dp${gpus}_small" --model "$small" --data-parallel-size "$gpus"; then
+  bench "dp${gpus}_small" "$small" "${design[@]}" --num-prompts $((256 * gpus))
+  bench ttft_router "$small" --request-rates 4 --num-prompts 40 --input-len 512 512 --output-len 16 16
+  BENCH_URL=http://127.0.0.1:8001 bench ttft_replica "$small" --request-rates 4 --num-prompts 40 \
+    --input-len 512 512 --output-len 16 16
+  down
+fi
+# 3: the tenants' system prompts fill ~70% of the combined KV: 256 blocks of 256 tokens per replica. A
+# prompt is a 4,096-token system prompt and a 64-token question, so these runs need a longer
+# --max-model-len than the common one (a later flag wins); all at once, to saturate the replicas (at
+# 40 req/s two H200s were not: both policies gave the same throughput). The summary adds each policy's
+# prefix hit rate from the server log.
+tenants=$(( gpus * 256 * 256 * 7 / 10 / (4096 + 64) ))
+in_time 300 "the tenants' runs" && for policy in round_robin cache_aware; do
+  up "tenants_$policy" --model "$small" --data-parallel-size "$gpus" --max-model-len 8192 \
+    --router-policy "$policy" --num-kv-blocks 256 && {
+      bench "tenants_$policy" "$small" --tenants "$tenants" --users 8 --system-len 4096 --input-len 64 64 \
+        --output-len 64 64 --request-rates inf --temperature 0.6; down; }
+done
+# 4: DP2 against TP2 on each shape, both runs or neither; the 8B first (with two GPUs the 0.6B DP2 run
+# is the N-replica one above, so the 0.6B pair needs one run more)
+for shape in big small; do
+  model=${!shape} reuse=$([ "$shape" = small ] && [ "$gpus" = 2 ] && echo yes)
+  in_time $([ "$shape" = big ] && echo 375 || { [ -n "$reuse" ] && echo 470 || echo 420; }) "DP2 against TP2 ($shape)" \
+    || continue
+  if [ -z "$reuse" ] && up "dp2_$shape" --model "$model" --data-parallel-size 2; then
+    bench "dp2_$shape" "$model" "${design[@]}" --num-prompts 512; down
+  fi
+  up "tp2_$shape" --model "$model" --tensor-parallel-size 2 \
+    && { bench "tp2_$shape" "$model" "${design[@]}" --num-prompts 512; down; }
+done
+python3 bench/scaleout_summary.py "$out" "$gpus"
+echo "done in $((SECONDS - started)) s"

@@ -1,0 +1,56 @@
+"""The router in front of `up --data-parallel-size N`: SMG (the Shepherd Model Gateway, `pip install
+'nanoserve[router]'`), run as a child like every other service, never reimplemented here.
+
+SMG takes the OpenAI API on --openai-port and sends each request to one replica's gateway by its
+policy (--router-policy; cache_aware by default: a request goes where its prefix was last served,
+unless that replica is far busier). It is set up for replicas that come and go: it probes their
+/health every second and leaves one out after two failures (a draining replica answers 503 at once),
+and it retries a request that a replica refused (503 while draining) or could not take (connection
+refused) on another one, so a rolling restart loses no request.
+"""
+import importlib.util
+import json
+import math
+import sys
+import time
+import urllib.request
+from argparse import Namespace
+
+HEALTH_CHECK_SECONDS = 1  # a draining replica is left out within about two of these
+
+
+class RouterMissing(Exception):
+    """SMG is not installed; the message says how to install it."""
+
+
+def router_command(args: Namespace, gateway_urls: list[str], metrics_port: int) -> list[str]:
+    """SMG's command line: the replicas' gateways behind one OpenAI port."""
+    if importlib.util.find_spec("smg") is None:
+        raise RouterMissing("--data-parallel-size > 1 puts the SMG router in front of the replicas, and it is not "
+                            "installed: pip install 'nanoserve[router]'")
+    return [sys.executable, "-m", "smg.launch_router", "--host", args.host, "--port", str(args.openai_port),
+            "--worker-urls", *gateway_urls, "--policy", args.router_policy,
+            "--prometheus-host", args.host, "--prometheus-port", str(metrics_port),
+            "--health-check-interval-secs", str(HEALTH_CHECK_SECONDS), "--health-failure-threshold", "2",
+            "--worker-startup-check-interval", "1",
+            # it is stopped first and lets the requests through it finish, as long as a replica would
+            "--shutdown-grace-period-secs", str(math.ceil(args.shutdown_timeout)),
+            "--log-level", "warn", "--log-json"]  # its text lines carry colour codes, whatever the terminal
+
+
+def wait_routing(url: str, replicas: int, alive, timeout: float) -> None:
+    """Blocks until SMG lists every replica as healthy (GET /workers); RuntimeError if a process
+    exits (`alive()` false) or the time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError("the router exited before it routed to every replica")
+        try:
+            with urllib.request.urlopen(url + "/workers", timeout=2) as reply:
+                workers = json.load(reply).get("workers", [])
+            if sum(bool(worker.get("is_healthy")) for worker in workers) >= replicas:
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the router at {url} did not route to all {replicas} replicas within {timeout:.0f}s")
