@@ -33,9 +33,16 @@ class Child(subprocess.Popen):
             if _ERROR_LINE.search(line):
                 self.last_error = line.strip()
 
+    def wait(self, timeout: float | None = None) -> int:
+        """Also lets the relay print the child's last lines, so nothing the child said comes after
+        what the launcher says about its exit."""
+        code = super().wait(timeout)
+        self.relay.join(timeout=2)
+        return code
+
     def failure(self) -> str:
         """Why the child ended, for a one-line summary: its exit code and last error line."""
-        self.relay.join(timeout=2)  # the line that explains the exit may still be in the pipe
+        self.wait()  # the line that explains the exit may still be in the pipe
         return f"exited with code {self.returncode}" + (f": {self.last_error}" if self.last_error else "")
 
 
