@@ -17,8 +17,13 @@ venv=/tmp/nanoserve-recipe
 model=$NANOSERVE_CACHE/qwen3-0.6b-random
 run() { echo "+ $*"; "$@"; }
 
+# The image keeps torch in a virtual environment of its own, which --system-site-packages does not
+# reach (that flag gives the base interpreter's packages): a .pth file puts its site folder on the new
+# venv's path, so pip counts what is there (torch, grpcio, ...) as installed.
+image_site=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))') || exit 1
 run python3 -m venv --system-site-packages "$venv" || exit 1
 . "$venv/bin/activate"
+echo "$image_site" > "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/gpu-image.pth"
 run python -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name())"
 run pip install -q --no-index --find-links .whl --no-build-isolation ".[worker,gateway]" || exit 1
 run python -m nanoserve_cli.demo_model "$model" --shape qwen3-0.6b || exit 1
