@@ -25,6 +25,7 @@ from gateway_svc.render import add_render_routes, check_vocabulary
 from gateway_svc.responses import Echo, Reply
 from gateway_svc.scheduler_client import SchedulerClient, check_model, model_names
 from nanoserve.flags import GATEWAY_TITLE
+from nanoserve.race import Interrupted, unless
 from nanoserve.v1 import llm_pb2
 
 T = TypeVar("T")
@@ -177,17 +178,10 @@ class _ClientGone(Exception):
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Awaits `work`, cancelling it (and the gRPC call inside) if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnect(request))
     try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if not task.done() or task.cancelled():
-        raise _ClientGone()
-    return task.result()
+        return await unless(work, _disconnect(request))
+    except Interrupted:
+        raise _ClientGone() from None
 
 
 async def _disconnect(request: Request) -> None:

@@ -13,6 +13,7 @@ from typing import TypeVar
 
 import grpc
 
+from nanoserve.race import Interrupted, unless
 from nanoserve.stopping import DRAINING
 
 T = TypeVar("T")
@@ -61,17 +62,10 @@ class Shutdown:
 
     async def unless_asked(self, work: Awaitable[T]) -> T:
         """`work`'s result, or Stopped (the work cancelled) when a stop is asked for first."""
-        task = asyncio.ensure_future(work)
-        asked = asyncio.ensure_future(self.asked.wait())
         try:
-            await asyncio.wait((task, asked), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            asked.cancel()
-            if not task.done():
-                task.cancel()
-        if not task.done() or task.cancelled():
-            raise Stopped()
-        return task.result()
+            return await unless(work, self.asked.wait())
+        except Interrupted:
+            raise Stopped() from None
 
     async def drained(self) -> bool:
         """Waits for the calls in flight to end, up to the timeout or a second signal; True when they all did."""
