@@ -31,14 +31,13 @@ from pathlib import Path
 from typing import AsyncIterator
 
 import aiohttp
-import grpc
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "proto"), str(REPO / "bench")]
 
-from serve import RequestFailed, run_rate, summarize  # noqa: E402
-from nanoserve_cli.launcher import free_port, stop_all, wait_http_ok  # noqa: E402
-from nanoserve.v1 import llm_pb2, llm_pb2_grpc  # noqa: E402
+from serve import RequestFailed, replica_stats, run_rate, summarize  # noqa: E402
+from nanoserve_cli.launcher import free_port, stop_all  # noqa: E402
+from nanoserve_cli.router import router_command, wait_routing  # noqa: E402
 
 WORDS = ("river stone lantern orbit meadow copper violet harbor signal quartz ember falcon glacier thimble cobalt "
          "saffron tundra walnut zephyr marble garden window silver forest bridge candle desert island mirror "
@@ -77,14 +76,6 @@ class RouterTarget:
             await self.session.close()
 
 
-async def replica_stats(addresses: list[str]) -> list[llm_pb2.Stats]:
-    stats = []
-    for address in addresses:
-        async with grpc.aio.insecure_channel(address) as channel:
-            stats.append(await llm_pb2_grpc.LLMStub(channel).GetStats(llm_pb2.GetStatsRequest()))
-    return stats
-
-
 def words(rng: random.Random, count: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(count))
 
@@ -100,13 +91,12 @@ def tenant_requests(tenants: int, users: int, system_len: int, question_len: tup
 
 
 def start_smg(urls: list[str], policy: str, log: Path) -> tuple[subprocess.Popen, str]:
+    """SMG as `nanoserve up --data-parallel-size N` runs it (nanoserve_cli/router.py), with `policy`."""
     port = free_port()
-    argv = [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
-            "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-            "--log-level", "warn"]
-    proc = subprocess.Popen(argv, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    up = argparse.Namespace(host="127.0.0.1", openai_port=port, router_policy=policy, shutdown_timeout=5)
+    proc = subprocess.Popen(router_command(up, urls, free_port()), stdout=log.open("ab"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    wait_http_ok(url + "/readiness", [proc], 120)
+    wait_routing(url, len(urls), lambda: proc.poll() is None, 120)
     return proc, url
 
 

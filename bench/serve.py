@@ -30,9 +30,10 @@ vLLM's `return_token_ids`), and beside the same requests over gRPC with --compar
     python3 bench/serve.py --model DIR --openai --api-server-count 4 --compare-grpc ...   # 4 gateway processes
 
 Behind a router that takes text prompts only (SMG, in front of `nanoserve up --data-parallel-size N`),
-`--text-prompts DIR` sends each prompt as its ids decoded by DIR's tokenizer. The multi-tenant prefix
-workload (`--tenants T --users U`): T system prompts of --system-len tokens, each followed by the
-questions of U users (--input-len tokens each), in random order at the given rates:
+`--text-prompts DIR` sends each prompt as its ids decoded by DIR's tokenizer, and `--replicas ADDR...`
+(the replicas' schedulers) reports how many of each rate's requests each replica finished. The
+multi-tenant prefix workload (`--tenants T --users U`): T system prompts of --system-len tokens, each
+followed by the questions of U users (--input-len tokens each), in random order at the given rates:
 
     python3 bench/serve.py --openai http://HOST:8000 --text-prompts DIR --tenants 24 --users 8 \
         --system-len 4096 --input-len 64 64 --output-len 64 64 --request-rates 32
@@ -282,6 +283,15 @@ class OpenAITarget:
             await self.grpc_target.close()
 
 
+async def replica_stats(addresses: list[str]) -> list[llm_pb2.Stats]:
+    """Each scheduler's GetStats, in order."""
+    stats = []
+    for address in addresses:
+        async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+            stats.append(await llm_pb2_grpc.LLMStub(channel).GetStats(llm_pb2.GetStatsRequest()))
+    return stats
+
+
 def open_target(args: argparse.Namespace, address: str, api: str) -> GrpcTarget | OpenAITarget:
     """The API the benchmark drives: "grpc" (the scheduler at `address`) or "openai" (the gateway at
     args.openai, with the scheduler's counters when `address` is known)."""
@@ -312,11 +322,14 @@ async def run_rates(args: argparse.Namespace, target: GrpcTarget | OpenAITarget,
     await run_rate(target, warmup, math.inf)  # first steps of each kind, connections, the shared prefix
     for index, rate in enumerate(args.request_rates):
         requests = workload(args, args.seed + index, args.num_prompts)
-        before = await target.stats()
+        before, replicas_before = await target.stats(), await replica_stats(args.replicas)
         results, seconds = await run_rate(target, requests, rate, args.seed + index, args.max_concurrency)
-        after = await target.stats()
+        after, replicas_after = await target.stats(), await replica_stats(args.replicas)
         summary = summarize(results, seconds, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
         summary["server_steps"] = {name: after[name] - before[name] for name in after}
+        if args.replicas:  # where the router sent this rate's requests
+            summary["requests_per_replica"] = [a.requests_finished - b.requests_finished
+                                               for a, b in zip(replicas_after, replicas_before)]
         rates[format_rate(rate)] = summary
         print_row(f"{label}{format_rate(rate)}", summary)
     return rates
@@ -383,6 +396,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--system-len", type=int, default=4096, help="with --tenants: tokens per system prompt")
     p.add_argument("--text-prompts", default="", metavar="DIR",
                    help="with --openai: send prompts as text, decoded by DIR's tokenizer.json (for SMG)")
+    p.add_argument("--replicas", nargs="+", default=[], metavar="HOST:PORT",
+                   help="with --openai at a router: the schedulers behind it; each rate reports the requests "
+                   "each one finished")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--no-ignore-eos", action="store_true", help="let eos end a request before its output length")
     p.add_argument("--max-concurrency", type=int, default=0, help="most requests in flight; 0 = no limit")

@@ -6,6 +6,7 @@ from importlib import metadata
 import pytest
 import yaml
 
+from nanoserve_cli.router import LOAD_POLL_SECONDS
 from tests.deploy.chart_model import (FULLNAME, NAMESPACE, PROFILES, REPO, command_line, of_kind, one, pod_templates,
                                       pods, render, schema_errors)
 
@@ -28,6 +29,7 @@ def test_smg_discovers_the_pods_that_serve_the_openai_api(profile):
     assert container["image"].rsplit(":", 1)[1] == metadata.version("smg")
     assert args.service_discovery and args.service_discovery_namespace == NAMESPACE
     assert args.policy == "cache_aware"
+    assert args.load_monitor_interval == LOAD_POLL_SECONDS  # as `nanoserve up` runs SMG
     for pod in pod_templates(docs):
         selected = args.selector.items() <= pod.labels.items()
         assert selected == (pod.origin in ("Deployment", "leader")), pod.origin

@@ -3,18 +3,15 @@ stopped here."""
 import contextlib
 import importlib.util
 import subprocess
-import sys
-import time
+from argparse import Namespace
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-
+from nanoserve_cli.router import router_command, wait_routing
 from tests.gateway.gateway_process import start_gateway, wait_listening
 from tests.services.processes import ENV, free_port, shown_on_failure, start_scheduler, start_worker, stop, \
     wait_serving
 
-SMG = [sys.executable, "-m", "smg", "launch"]
 SMG_INSTALLED = importlib.util.find_spec("smg") is not None
 
 
@@ -42,28 +39,17 @@ def running_replicas(model_dir: Path, log: Path, worker_flags: tuple[str, ...], 
 
 
 @contextlib.contextmanager
-def running_smg(worker_urls: list[str], log: Path, *flags: str) -> Iterator[str]:
-    """An SMG router in front of `worker_urls`, once it has registered every one of them; yields its URL."""
+def running_smg(worker_urls: list[str], log: Path, policy: str, *flags: str) -> Iterator[str]:
+    """SMG as `nanoserve up --data-parallel-size N` runs it (nanoserve_cli/router.py), with `policy` and
+    then `flags`, once it routes to every one of `worker_urls`; yields its URL."""
     port = free_port()
-    argv = [*SMG, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *worker_urls,
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn", *flags]
-    proc = subprocess.Popen(argv, env=ENV, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    up = Namespace(host="127.0.0.1", openai_port=port, router_policy=policy, shutdown_timeout=5)
+    proc = subprocess.Popen([*router_command(up, worker_urls, free_port()), *flags], env=ENV, stdout=log.open("ab"),
+                            stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         with shown_on_failure(log):
-            wait_registered(url, proc, set(worker_urls))
+            wait_routing(url, len(worker_urls), lambda: proc.poll() is None, 60)
         yield url
     finally:
         stop([proc])
-
-
-def wait_registered(url: str, proc: subprocess.Popen, worker_urls: set[str], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        assert proc.poll() is None, f"smg exited with code {proc.returncode}"
-        with contextlib.suppress(httpx.TransportError, ValueError):
-            workers = httpx.get(url + "/workers", timeout=5).json().get("workers", [])
-            if {w["url"] for w in workers if w.get("is_healthy", w.get("healthy"))} >= worker_urls:
-                return
-        assert time.monotonic() < deadline, f"smg did not register {sorted(worker_urls)} within {timeout}s"
-        time.sleep(0.3)

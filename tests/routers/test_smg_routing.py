@@ -1,11 +1,15 @@
 """Two nanoserve replicas behind a real SMG router.
 
+SMG runs as `nanoserve up --data-parallel-size 2` runs it (nanoserve_cli/router.py's command line).
 Cache-aware routing: 8 prompt groups, each sharing a long prefix, 8 requests each, sent one group
 after another in an order that round robin spreads over both replicas; each replica's KV pool holds
 the prefixes of about half the groups, so the prefixes compete. The prefix-cache hit rate is read from
-the replicas' own GetStats. Load-aware routing: with one replica kept busy by requests sent to it
+the replicas' own GetStats. The same policy spreads a burst of unrelated prompts (the throughput
+workload's random token ids, as text, all at once, right after the router starts) evenly: each
+replica's share is counted by its GetStats. Load-aware routing: with one replica kept busy by requests sent to it
 directly (so SMG's own counts know nothing of them), SMG's least-load policy, fed by /v1/loads (KV
 usage and queue), sends new requests to the idle one."""
+import asyncio
 import contextlib
 import random
 import threading
@@ -15,6 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tokenizers import Tokenizer
+
+from bench.serve import make_requests
 from nanoserve.client import Client
 from tests.routers.smg_process import SMG_INSTALLED, running_smg
 
@@ -61,10 +68,36 @@ def test_cache_aware_routing_keeps_prefixes_where_they_are_cached(replicas, tiny
     urls = [replica["url"] for replica in replicas]
     rates = {}
     for seed, policy in enumerate(("round_robin", "cache_aware")):
-        with running_smg(urls, tmp_path / f"smg-{policy}.log", "--policy", policy) as router:
+        with running_smg(urls, tmp_path / f"smg-{policy}.log", policy) as router:
             rates[policy] = hit_rate(replicas, lambda: send_groups(router, Path(tiny_model_dir).name, prefixes(seed)))
     assert rates["cache_aware"] >= 0.75, rates
     assert rates["cache_aware"] >= 1.7 * rates["round_robin"], rates
+
+
+def finished(replicas: list[dict]) -> list[int]:
+    counts = []
+    for replica in replicas:
+        with Client(replica["address"]) as client:
+            counts.append(client.stats().requests_finished)
+    return counts
+
+
+async def send_all_at_once(url: str, model: str, prompts: list[str]) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        replies = await asyncio.gather(*(http.post("/v1/completions", json={
+            "model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0}) for prompt in prompts))
+    assert all(reply.status_code == 200 for reply in replies), [r.text for r in replies if r.status_code != 200]
+
+
+def test_cache_aware_routing_spreads_a_burst_of_unrelated_prompts_evenly(replicas, tiny_model_dir, tmp_path):
+    decode = Tokenizer.from_file(str(Path(tiny_model_dir) / "tokenizer.json")).decode
+    prompts = [decode(request.prompt) for request in make_requests(40, (16, 64), (2, 2), seed=36)]
+    before = finished(replicas)
+    with running_smg([replica["url"] for replica in replicas], tmp_path / "smg-burst.log", "cache_aware") as router:
+        asyncio.run(send_all_at_once(router, Path(tiny_model_dir).name, prompts))
+    served = [after - earlier for after, earlier in zip(finished(replicas), before)]
+    assert sum(served) == len(prompts), served
+    assert all(0.4 * len(prompts) <= count <= 0.6 * len(prompts) for count in served), served
 
 
 @contextlib.contextmanager
@@ -96,9 +129,9 @@ def test_load_aware_routing_sends_new_requests_to_the_idle_replica(replicas, tin
     with Client(idle["address"]) as client:
         probe_tokens = len(client.tokenize(probe))
         before = client.stats().prompt_tokens_total
-    with running_smg([busy["url"], idle["url"]], tmp_path / "smg-least-load.log", "--policy", "least_load",
-                     # the probes' size (SMG's HTTP path cannot count a request's tokens), and polls every second
-                     "--least-load-mean-prefill-tokens", "16", "--load-monitor-interval", "1") as router, kept_busy(busy["url"]):
+    with running_smg([busy["url"], idle["url"]], tmp_path / "smg-least-load.log", "least_load",
+                     # the probes' size (SMG's HTTP path cannot count a request's tokens)
+                     "--least-load-mean-prefill-tokens", "16") as router, kept_busy(busy["url"]):
         with httpx.Client(base_url=router, timeout=60) as http:
             wait_until_reported_busy(http, busy["url"])
             for _ in range(20):
@@ -112,7 +145,7 @@ def test_load_aware_routing_sends_new_requests_to_the_idle_replica(replicas, tin
 
 def wait_until_reported_busy(http: httpx.Client, busy_url: str, timeout: float = 30) -> None:
     """Until the busy replica's /v1/loads shows its KV in use, as SMG reads it, and SMG's load monitor
-    (polling every second) has fed that to its policy."""
+    (polling every second, nanoserve_cli/router.py) has fed that to its policy."""
     deadline = time.monotonic() + timeout
     while True:
         loads = {row["worker"]: row for row in http.get("/get_loads").json()["loads"]}

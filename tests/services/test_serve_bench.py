@@ -129,7 +129,7 @@ def test_smoke_run_through_the_grpc_api(tiny_model_dir, tmp_path):
 def test_smoke_run_through_the_gateway_beside_grpc(tiny_model_dir, tmp_path):
     """--openai URL --compare-grpc against real processes (scheduler, worker, gateway): the same requests
     complete through both APIs with exactly their drawn output lengths (counted from each event's
-    token ids), and the report compares the two."""
+    token ids), the replica (--replicas) counts them, and the report compares the two."""
     from tests.gateway.gateway_process import running_gateway
 
     log = tmp_path / "services.log"
@@ -137,7 +137,8 @@ def test_smoke_run_through_the_gateway_beside_grpc(tiny_model_dir, tmp_path):
             running_gateway(svc["address"], log) as url:
         out = tmp_path / "serve.json"
         run = subprocess.run([sys.executable, str(REPO / "bench" / "serve.py"), "--openai", url, "--address",
-                              svc["address"], "--compare-grpc", "--num-prompts", "5", "--request-rates", "inf",
+                              svc["address"], "--replicas", svc["address"], "--compare-grpc", "--num-prompts", "5",
+                              "--request-rates", "inf",
                               "--input-len", "4", "24", "--output-len", "2", "8", "--warmup", "1", "--out", str(out)],
                              env=ENV, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -150,6 +151,7 @@ def test_smoke_run_through_the_gateway_beside_grpc(tiny_model_dir, tmp_path):
         assert summary["output_tokens"] == sum(r.max_tokens for r in drawn)
         assert summary["server_steps"]["prefill_tokens"] >= sum(len(r.prompt) for r in drawn) - 16
         assert 0 < summary["ttft_ms"]["p50"] <= summary["e2e_ms"]["p99"]
+        assert summary["requests_per_replica"] == [5]  # the warm-up's request not counted
     assert report["openai_vs_grpc"]["inf"]["output_tok_per_s_ratio"] > 0
 
 
