@@ -11,8 +11,7 @@ separate kernels (the compiled functions, as the model runs them without
 nanoserve_model/row_fusion.py) against the gemv with them fused in.
 
 `--fp8 block|row` runs the same with e4m3 weights (128 x 128 block scales, or one scale a row) against
-the same layers in bf16 through the kernel, and its sweep adds where block scales are applied (on x's
-columns or on the products' groups: the last element of each config).
+the same layers in bf16 through cuBLAS, the kernel's e4m3 tiles in place of the 16-bit ones.
 
     PYTHONPATH=.:proto python bench/gemv.py [--sweep | --fused] [--fp8 block|row] [--models 0.6b 8b] [--out F]
 """
@@ -76,19 +75,15 @@ def model_call(name: str, x: torch.Tensor):
                                                 **tile_args)[0]
 
 
-def sweep(call, weights: list, k: int, fp8: str | None) -> dict[tuple, float]:
-    """Seconds per call of every (block_n, block_k, warps) whose column tile fits the row twice at most;
-    with block-scaled e4m3 weights, each also with the scales on x and on the products' groups."""
+def sweep(call, weights: list, k: int, fp8: str | None) -> dict[tuple[int, int, int], float]:
+    """Seconds per call of every (block_n, block_k, warps) whose column tile fits the row twice at most
+    (e4m3 rows are half as long in bytes, so one more row count)."""
     timings = {}
-    block_ns = (2, 4, 8, 16) if fp8 else (1, 2, 4, 8)
-    on_x = (True, False) if fp8 == "block" else (True,)
-    for block_n, block_k, warps, scales_on_x in itertools.product(block_ns, (1024, 2048, 4096), (4, 8), on_x):
+    for block_n, block_k, warps in itertools.product((2, 4, 8, 16) if fp8 else (1, 2, 4, 8), (1024, 2048, 4096), (4, 8)):
         if block_k > 2 * triton_pow2(k):
             continue
-        extra = dict(scales_on_x=scales_on_x) if fp8 else {}
-        config = (block_n, block_k, warps) + ((scales_on_x,) if fp8 == "block" else ())
-        timings[config] = time_per_call(
-            lambda w: call(w, block_n=block_n, block_k=block_k, num_warps=warps, **extra), weights, 7)
+        timings[block_n, block_k, warps] = time_per_call(
+            lambda w: call(w, block_n=block_n, block_k=block_k, num_warps=warps), weights, 7)
     return timings
 
 
@@ -136,7 +131,7 @@ def main() -> None:
                 del weights
                 weights, weight_bytes = fp8_weights(w, args.fp8), w.numel()
                 ours = time_per_call(fp8_call(lambda w, **t: gemv(x, w, **t), args.fp8, k), weights)
-            entry = dict(model=model, layer=name, n=n, k=k, tiles=tiles(k)[:2], cublas_us=cublas * 1e6,
+            entry = dict(model=model, layer=name, n=n, k=k, tiles=tiles(k, fp8=bool(args.fp8))[:2], cublas_us=cublas * 1e6,
                          gemv_us=ours * 1e6, cublas_tbps=w.nbytes / cublas / 1e12,
                          gemv_tbps=weight_bytes / ours / 1e12, fp8=args.fp8)
             line = (f"{model:<5}{name:<8}{n:>7}{k:>7}  {str(entry['tiles']):<11}{entry['cublas_us']:>9.2f}"

@@ -68,18 +68,10 @@ def _weight_tile(w_ptr, rows, row_ok, start, cols, K, stride_w):
 
 
 @triton.jit
-def _tile_sums(w, x, scale_ptr, rows, first_row, row_ok, start, K, stride_scale, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, WEIGHT_SCALE: tl.constexpr,
-               SCALES_ON_X: tl.constexpr):
+def _tile_sums(w, x, scale_ptr, rows, row_ok, start, K, stride_scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, WEIGHT_SCALE: tl.constexpr):
     """Each row's sum of w * x over one tile; for an e4m3 weight whose scales vary along K ("block"),
-    each SCALE_BK-column group's sum times its scale (a per-row scale is applied once, at the end).
-    SCALES_ON_X: the tile's rows share one row of scales (from first_row), so x's columns are scaled
-    instead, a BLOCK_K vector, and the products reduce in one sum with no per-group regrouping."""
-    if WEIGHT_SCALE == "block" and SCALES_ON_X:
-        cols = start + tl.arange(0, BLOCK_K)
-        x_scales = tl.load(scale_ptr + (first_row // SCALE_BN) * stride_scale + cols // SCALE_BK, mask=cols < K,
-                           other=0.0)
-        return tl.sum(w.to(tl.float32) * (x * x_scales)[None, :], axis=1)
+    each SCALE_BK-column group's sum times its scale (a per-row scale is applied once, at the end)."""
     products = w.to(tl.float32) * x[None, :]
     if WEIGHT_SCALE == "block":
         groups = tl.arange(0, BLOCK_K // SCALE_BK)
@@ -94,8 +86,7 @@ def _tile_sums(w, x, scale_ptr, rows, first_row, row_ok, start, K, stride_scale,
 def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K, stride_w,
                  stride_scale, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
-                 WEIGHT_SCALE: tl.constexpr = "none", SCALE_BN: tl.constexpr = 1, SCALE_BK: tl.constexpr = 1,
-                 SCALES_ON_X: tl.constexpr = False):
+                 WEIGHT_SCALE: tl.constexpr = "none", SCALE_BN: tl.constexpr = 1, SCALE_BK: tl.constexpr = 1):
     """PROLOGUE "none": x as given; "rms_norm": x = norm(x (+ residual)). SILU_MUL: W holds N gate
     rows then N up rows, and y = silu(gate) * up of the products, each rounded to the model dtype
     first as the unfused projection's output is. Each weight tile is loaded one iteration ahead,
@@ -125,13 +116,12 @@ def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, scale_p
                 x = (x + tl.load(residual_ptr + start + cols, mask=col_ok, other=0.0).to(tl.float32)).to(dtype)
             weight = tl.load(norm_ptr + start + cols, mask=col_ok, other=0.0).to(tl.float32)
             x = (weight * (x.to(tl.float32) * inverse_rms)).to(dtype).to(tl.float32)
-        first_row = tl.program_id(0) * BLOCK_N
-        acc += _tile_sums(w, x, scale_ptr, rows, first_row, row_ok, start, K, stride_scale, BLOCK_N, BLOCK_K, SCALE_BN,
-                          SCALE_BK, WEIGHT_SCALE, SCALES_ON_X)
+        acc += _tile_sums(w, x, scale_ptr, rows, row_ok, start, K, stride_scale, BLOCK_N, BLOCK_K, SCALE_BN, SCALE_BK,
+                          WEIGHT_SCALE)
         w = _weight_tile(w_ptr, rows, row_ok, start + BLOCK_K, cols, K, stride_w)
         if SILU_MUL:
-            up_acc += _tile_sums(w_up, x, scale_ptr, rows + N, first_row + N, row_ok, start, K, stride_scale, BLOCK_N,
-                                 BLOCK_K, SCALE_BN, SCALE_BK, WEIGHT_SCALE, SCALES_ON_X)
+            up_acc += _tile_sums(w_up, x, scale_ptr, rows + N, row_ok, start, K, stride_scale, BLOCK_N, BLOCK_K,
+                                 SCALE_BN, SCALE_BK, WEIGHT_SCALE)
             w_up = _weight_tile(w_ptr, rows + N, row_ok, start + BLOCK_K, cols, K, stride_w)
     if WEIGHT_SCALE == "row":
         acc *= tl.load(scale_ptr + (rows // SCALE_BN) * stride_scale, mask=row_ok, other=0.0)
@@ -147,8 +137,22 @@ def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, scale_p
     tl.store(y_ptr + rows, acc.to(dtype), mask=row_ok)
 
 
-def tiles(k: int, silu_mul: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps) for W [n, k]; with silu_mul, BLOCK_N gate rows and as many up rows."""
+def tiles(k: int, silu_mul: bool = False, fp8: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps) for W [n, k]; with silu_mul, BLOCK_N gate rows and as many up rows.
+    An e4m3 W (half the bytes a tile) takes its own (bench/gemv.py --fp8 block --sweep, H100, the
+    model's calls, against the 16-bit tiles): four gate and four up rows of 1,024 columns with
+    SiLU-and-mul (8B 57.7 -> 50.0 us, 0.6B 6.3 -> 5.9), two rows of 2,048 on 8B down (26.3 -> 22.0),
+    eight of 1,024 on its q/k/v and o (15.1 -> 15.9 and 9.3 -> 8.2: 0.4 us less together), two rows a
+    program on 0.6B down (3.0 -> 2.8): an 8B layer 108 -> 96 us."""
+    if fp8:
+        if silu_mul:
+            return 4, min(1024, triton.next_power_of_2(k)), NUM_WARPS
+        if k >= LONG_K:
+            return 2, 2048, NUM_WARPS
+        if k >= WIDE_K:
+            return 8, 1024, NUM_WARPS
+        if k > 2048:
+            return 2, triton.next_power_of_2(k), NUM_WARPS
     if k >= WIDE_K:
         rows, block_k, warps = 4, 4096 if k >= LONG_K else 2048, NUM_WARPS
     else:
@@ -157,34 +161,32 @@ def tiles(k: int, silu_mul: bool = False) -> tuple[int, int, int]:
     return rows // 2 if silu_mul else rows, block_k, warps
 
 
-def _scale_args(weight_scale: torch.Tensor | None, block: tuple[int, int] | None, block_n: int, block_k: int,
-                n: int, scales_on_x: bool) -> dict:
-    """The kernel's WEIGHT_SCALE mode and scale geometry for an e4m3 weight (none for a 16-bit one).
-    Block scales go onto x when every program's rows (gate or up) lie in one scale block."""
+def _scale_args(weight_scale: torch.Tensor | None, block: tuple[int, int] | None, block_k: int) -> dict:
+    """The kernel's WEIGHT_SCALE mode and scale geometry for an e4m3 weight (none for a 16-bit one)."""
     if weight_scale is None:
         return dict(WEIGHT_SCALE="none")
     if weight_scale.shape[1] == 1:
         return dict(WEIGHT_SCALE="row", SCALE_BN=block[0])
     assert block_k % block[1] == 0, (block, block_k)  # whole scale groups in a tile
-    uniform_rows = block[0] % block_n == 0 and n % block_n == 0
-    return dict(WEIGHT_SCALE="block", SCALE_BN=block[0], SCALE_BK=block[1], SCALES_ON_X=scales_on_x and uniform_rows)
+    return dict(WEIGHT_SCALE="block", SCALE_BN=block[0], SCALE_BK=block[1])
 
 
 def takes_fp8(weight: torch.Tensor, block: tuple[int, int]) -> bool:
     """Whether this kernel reads the e4m3 weight of these scale blocks: their columns a power of two that
     divides the tiles (every checkpoint's 128 does), or one scale a row."""
     k = weight.shape[1]
-    return block[1] >= k or (block[1] & (block[1] - 1) == 0 and tiles(k)[1] % block[1] == 0)
+    return block[1] >= k or (block[1] & (block[1] - 1) == 0
+                             and all(tiles(k, silu_mul, fp8=True)[1] % block[1] == 0 for silu_mul in (False, True)))
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int | None = None,
             block_k: int | None = None, num_warps: int | None = None, residual: torch.Tensor | None = None,
             residual_out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
             prologue: str = "none", silu_mul: bool = False, weight_scale: torch.Tensor | None = None,
-            block: tuple[int, int] | None = None, scales_on_x: bool = True) -> torch.Tensor:
+            block: tuple[int, int] | None = None) -> torch.Tensor:
     n, k = weight.shape
     assert x.shape == (1, k) and x.stride(1) == 1 and weight.stride(1) == 1
-    chosen = tiles(k, silu_mul)
+    chosen = tiles(k, silu_mul, fp8=weight_scale is not None)
     block_n, block_k, num_warps = block_n or chosen[0], block_k or chosen[1], num_warps or chosen[2]
     if silu_mul:  # gate rows, then as many up rows
         assert n % 2 == 0
@@ -194,19 +196,16 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bl
         x, residual, residual_out, norm_weight, weight, weight_scale, bias, y, n, k, weight.stride(0),
         0 if weight_scale is None else weight_scale.stride(0), eps, BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul,
-        num_warps=num_warps, **_scale_args(weight_scale, block, block_n, block_k, n, scales_on_x),
-        **pdl_launch(x.device))
+        num_warps=num_warps, **_scale_args(weight_scale, block, block_k), **pdl_launch(x.device))
     return y
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
          block_k: int | None = None, num_warps: int | None = None, weight_scale: torch.Tensor | None = None,
-         block: tuple[int, int] | None = None, scales_on_x: bool = True) -> torch.Tensor:
+         block: tuple[int, int] | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for one row x [1, K] (tiles chosen by `tiles` unless given); of an e4m3
-    weight given its scales and their block (scales_on_x: False keeps block scales on the products'
-    groups, for bench/gemv.py's comparison)."""
-    return _launch(x, weight, bias, block_n, block_k, num_warps, weight_scale=weight_scale, block=block,
-                   scales_on_x=scales_on_x)
+    weight given its scales and their block."""
+    return _launch(x, weight, bias, block_n, block_k, num_warps, weight_scale=weight_scale, block=block)
 
 
 def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
