@@ -10,7 +10,10 @@ best), to check the heuristic of `tiles`. `--fused` instead times, at the same s
 separate kernels (the compiled functions, as the model runs them without
 nanoserve_model/row_fusion.py) against the gemv with them fused in.
 
-    PYTHONPATH=.:proto python bench/gemv.py [--sweep | --fused] [--models 0.6b 8b] [--out bench/out/gemv.json]
+`--fp8 block|row` runs the same with e4m3 weights (128 x 128 block scales, or one scale a row) against
+the same layers in bf16 through cuBLAS, the kernel's e4m3 tiles in place of the 16-bit ones.
+
+    PYTHONPATH=.:proto python bench/gemv.py [--sweep | --fused] [--fp8 block|row] [--models 0.6b 8b] [--out F]
 """
 import argparse
 import itertools
@@ -29,6 +32,7 @@ SHAPES = {  # (name, N, K) of one layer's projections: W is [N, K]
 LM_HEADS = {"0.6b": ("lm_head", 151936, 1024), "8b": ("lm_head", 151936, 4096)}  # once a step, not a layer
 REPLAYS = 64
 L2_BYTES = 50 * 2**20
+FP8_BLOCKS = {"block": lambda k: (128, 128), "row": lambda k: (1, k)}  # scale block of each --fp8 layout
 
 
 def weight_copies(w: torch.Tensor) -> list[torch.Tensor]:
@@ -71,21 +75,37 @@ def model_call(name: str, x: torch.Tensor):
                                                 **tile_args)[0]
 
 
-def sweep(call, weights: list[torch.Tensor]) -> dict[tuple[int, int, int], float]:
-    """Seconds per call of every (block_n, block_k, warps) whose column tile fits the row twice at most."""
+def sweep(call, weights: list, k: int, fp8: str | None) -> dict[tuple[int, int, int], float]:
+    """Seconds per call of every (block_n, block_k, warps) whose column tile fits the row twice at most
+    (e4m3 rows are half as long in bytes, so one more row count)."""
     timings = {}
-    for block_n, block_k, warps in itertools.product((1, 2, 4, 8), (1024, 2048, 4096), (4, 8)):
-        if block_k > 2 * triton_pow2(weights[0].shape[1]):
+    for block_n, block_k, warps in itertools.product((2, 4, 8, 16) if fp8 else (1, 2, 4, 8), (1024, 2048, 4096), (4, 8)):
+        if block_k > 2 * triton_pow2(k):
             continue
         timings[block_n, block_k, warps] = time_per_call(
             lambda w: call(w, block_n=block_n, block_k=block_k, num_warps=warps), weights, 7)
     return timings
 
 
+def fp8_weights(w: torch.Tensor, fp8: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copies of w in e4m3 with their scales (exceeding L2 as weight_copies does), as (weight, scale)."""
+    from nanoserve_kernels.fp8_reference import quantize_weight
+    quantized, scale = quantize_weight(w, FP8_BLOCKS[fp8](w.shape[1]))
+    copies = max(2, 4 * L2_BYTES // quantized.nbytes + 1)
+    return [(quantized.clone(), scale.clone()) for _ in range(copies)]
+
+
+def fp8_call(call, fp8: str, k: int):
+    """call(x-side args) taking a (weight, scale) pair as the model's FP8 linear passes them."""
+    block = FP8_BLOCKS[fp8](k)
+    return lambda pair, **tile_args: call(pair[0], weight_scale=pair[1], block=block, **tile_args)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true", help="time every tile shape and warp count too")
     parser.add_argument("--fused", action="store_true", help="time the norm and SiLU-and-mul fusions instead")
+    parser.add_argument("--fp8", choices=list(FP8_BLOCKS), help="e4m3 weights with these scales")
     parser.add_argument("--models", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--out", type=Path, help="default bench/out/gemv.json, or gemv_fused.json with --fused")
     args = parser.parse_args()
@@ -98,7 +118,7 @@ def main() -> None:
     device = torch.device("cuda")
     rows, report = [], []
     for model in args.models:
-        for name, n, k in SHAPES[model] + [LM_HEADS[model]]:
+        for name, n, k in SHAPES[model] + ([] if args.fp8 else [LM_HEADS[model]]):
             x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
             w = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k ** 0.5
             ref = F.linear(x.float(), w.float())
@@ -106,13 +126,20 @@ def main() -> None:
             assert error < 1e-2, (model, name, error)
             weights = weight_copies(w)
             cublas, ours = time_per_call(lambda w: F.linear(x, w), weights), time_per_call(lambda w: gemv(x, w), weights)
-            entry = dict(model=model, layer=name, n=n, k=k, tiles=tiles(k)[:2], cublas_us=cublas * 1e6,
-                         gemv_us=ours * 1e6, cublas_tbps=w.nbytes / cublas / 1e12, gemv_tbps=w.nbytes / ours / 1e12)
+            weight_bytes = w.nbytes
+            if args.fp8:  # "cuBLAS" stays the bf16 F.linear; "gemv" reads e4m3
+                del weights
+                weights, weight_bytes = fp8_weights(w, args.fp8), w.numel()
+                ours = time_per_call(fp8_call(lambda w, **t: gemv(x, w, **t), args.fp8, k), weights)
+            entry = dict(model=model, layer=name, n=n, k=k, tiles=tiles(k, fp8=bool(args.fp8))[:2], cublas_us=cublas * 1e6,
+                         gemv_us=ours * 1e6, cublas_tbps=w.nbytes / cublas / 1e12,
+                         gemv_tbps=weight_bytes / ours / 1e12, fp8=args.fp8)
             line = (f"{model:<5}{name:<8}{n:>7}{k:>7}  {str(entry['tiles']):<11}{entry['cublas_us']:>9.2f}"
                     f"{entry['gemv_us']:>9.2f}{entry['cublas_tbps']:>8.2f}{entry['gemv_tbps']:>8.2f}")
             if args.sweep:
                 call = model_call(name, x)
-                timings = sweep(call, weights)
+                call = fp8_call(call, args.fp8, k) if args.fp8 else call
+                timings = sweep(call, weights, k, args.fp8)
                 best = min(timings, key=timings.get)
                 entry.update(model_call_us=time_per_call(call, weights) * 1e6, best_us=timings[best] * 1e6,
                              best=best, sweep_us={str(config): seconds * 1e6 for config, seconds in timings.items()})
@@ -121,7 +148,7 @@ def main() -> None:
             rows.append(line)
             del weights
             print(line, flush=True)
-    out = args.out or Path("bench/out/gemv.json")
+    out = args.out or Path(f"bench/out/gemv{'_fp8_' + args.fp8 if args.fp8 else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print("model layer      N      K  tiles       cuBLAS us  gemv us  cuBLAS TB/s  gemv TB/s"

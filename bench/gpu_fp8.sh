@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # FP8 weights (issue 38) on a lent GPU, from the repo root; results under $OUT (default bench/out).
-#   bench/gpu_fp8.sh [all|quick|tune]
+#   bench/gpu_fp8.sh [all|quick|bench|tune]
 # all (< 9 minutes): tests/gpu/test_fp8_weights_gpu.py (kernels vs reference in bf16, the dispatch at
 #   M = 1, 2, 7, 64, 300, 4096, scaled_mm, the step graphs, the W8A8 next-token KL beside the bf16 floor),
 #   then on dummy weights, each set one after the other: the 8B shape's batch-1 decode (bench/latency.py)
@@ -8,6 +8,7 @@
 #   on the 8B shape bf16, FP8, FP8 + FP8 KV; the 0.6B shape bf16 vs FP8 on throughput and batch 1.
 #   Launch choices: nanoserve_kernels/fp8_configs.json.
 # quick (< 6 minutes): the tests, then the 8B shape's batch-1 decode and throughput, bf16 vs FP8.
+# bench (< 8 minutes): all but the tests (for a call that runs tests/gpu whole).
 # tune (~5 minutes): bench/tune_fp8.py for the 0.6B and 8B shapes on this GPU; the table it writes is
 #   copied to $OUT/fp8_configs.json (commit it as nanoserve_kernels/fp8_configs.json).
 set -uo pipefail
@@ -24,7 +25,7 @@ if [ "$mode" = tune ]; then
   cp nanoserve_kernels/fp8_configs.json "$out/"
   exit
 fi
-timeout 120 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_weights_gpu.py 2>&1 \
+[ "$mode" = bench ] || timeout 120 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_weights_gpu.py 2>&1 \
   | tee "$out/fp8_gpu_tests.log" | grep -v "^Loading weights" | tail -12
 for shape in qwen3-8b qwen3-0.6b; do
   python3 -m nanoserve_cli.demo_model ".cache/$shape-dummy" --shape "$shape" --no-weights >/dev/null
@@ -44,9 +45,9 @@ latency qwen3-8b-fp8-dummy 8b_fp8
 throughput qwen3-8b-dummy 8b_bf16
 throughput qwen3-8b-fp8-dummy 8b_fp8
 [ "$mode" = quick ] && exit
-latency qwen3-8b-dummy 8b_fp8_per_channel "--quantization fp8"
-throughput qwen3-8b-fp8-dummy 8b_fp8_kvfp8 "--kv-cache-dtype fp8"
 throughput qwen3-0.6b-dummy 06b_bf16
 throughput qwen3-0.6b-fp8-dummy 06b_fp8
 latency qwen3-0.6b-dummy 06b_bf16
 latency qwen3-0.6b-fp8-dummy 06b_fp8
+throughput qwen3-8b-fp8-dummy 8b_fp8_kvfp8 "--kv-cache-dtype fp8"
+latency qwen3-8b-dummy 8b_fp8_per_channel "--quantization fp8"

@@ -6,8 +6,8 @@ and 8B, 128 x 128 weight blocks) and each batch-size bucket, every candidate is 
 checked against the plain-torch reference first:
   - the weight-only Triton GEMM (up to 256 rows), in a few launch shapes;
   - the W8A8 Triton GEMM, in a few launch shapes, with the activations' quantization pass;
-  - torch's blockwise scaled_mm (sm90; not for gate/up, whose SiLU-and-mul it cannot fuse), with the
-    same quantization pass.
+  - torch's blockwise scaled_mm (sm90), with the same quantization pass; for gate/up followed by the
+    SiLU-and-mul pass (it cannot fuse it), against the Triton GEMM's fused epilogue.
 The fastest per (N, K, bucket) is kept. Times are CUDA-graph replays of 20 calls (what serving runs).
 
     python3 bench/tune_fp8.py [--shapes 0.6b 8b] [--buckets 2 4 ... 8192] [--budget-s 240] [--out FILE]
@@ -70,6 +70,7 @@ def graph_time(fn, calls: int = 20) -> float:
 def candidates(x, weight, scale, silu_mul: bool):
     """(choice, callable) pairs for this shape and batch."""
     from nanoserve_kernels.fp8_linear import scaled_mm, takes_scaled_mm
+    from nanoserve_kernels.triton_activation import silu_and_mul
     from nanoserve_kernels.triton_fp8_gemm import fp8_gemm
     from nanoserve_kernels.triton_fp8_quant import quantize_activation
     rows = x.shape[0]
@@ -82,9 +83,9 @@ def candidates(x, weight, scale, silu_mul: bool):
             q, s = quantize_activation(x)
             return fp8_gemm(q, weight, scale, BLOCK, launch, x_scale=s, silu_mul=silu_mul, out_dtype=x.dtype)
         yield Fp8Choice(W8A8, TRITON, launch), w8a8
-    if not silu_mul and takes_scaled_mm(x, weight, BLOCK):
+    if takes_scaled_mm(x, weight, BLOCK):
         yield Fp8Choice(W8A8, SCALED_MM, fp8_configs.default_choice(fp8_configs.bucket(rows)).launch), \
-            lambda: scaled_mm(x, weight, scale)
+            lambda: silu_and_mul(scaled_mm(x, weight, scale)) if silu_mul else scaled_mm(x, weight, scale)
 
 
 def reference(x, weight, scale, mode: str, silu_mul: bool) -> torch.Tensor:

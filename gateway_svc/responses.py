@@ -98,7 +98,6 @@ class Chunks:
         self.num_top = reply.output.logprobs
         self.offsets: dict[int, CompletionLogprobs] = {}
         self.usages: dict[int, llm_pb2.Usage] = {}
-        self.num_calls: dict[int, int] = {}  # per choice: tool calls streamed so far
         # Events differ only in their one choice: the envelope up to `"choices":[` is serialized once
         # (about a third of an event's JSON work; the gateway's loop does this for every token).
         self._head = b"data: " + _dumps(reply.envelope(self.reply.chunk_object, [])).removesuffix(b"]}")
@@ -139,13 +138,15 @@ class Chunks:
             choice["token_ids"] = list(msg.token_ids)
         return calls + self._event({**choice, **ending})
 
-    def _tool_call(self, index: int, call: llm_pb2.ToolCall) -> bytes:
-        """A call as OpenAI streams one: its index, id and name, then its arguments."""
-        number = self.num_calls[index] = self.num_calls.get(index, -1) + 1
-        opening = {"index": number, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-        return b"".join(self._event({"index": index, "delta": {"tool_calls": [part]}, "logprobs": None,
-                                     "finish_reason": None, "stop_reason": None})
-                        for part in (opening, {"index": number, "function": {"arguments": call.arguments}}))
+    def _tool_call(self, index: int, part: llm_pb2.ToolCall) -> bytes:
+        """A part of a call as OpenAI streams it: the call's index, id and name first, then its
+        arguments' text as it comes."""
+        deltas = [{"index": part.index, "function": {"arguments": part.arguments}}] if part.arguments else []
+        if part.id:
+            deltas.insert(0, {"index": part.index, "id": part.id, "type": "function",
+                              "function": {"name": part.name, "arguments": ""}})
+        return b"".join(self._event({"index": index, "delta": {"tool_calls": [delta]}, "logprobs": None,
+                                     "finish_reason": None, "stop_reason": None}) for delta in deltas)
 
     def usage(self) -> bytes:
         """The last event before [DONE] (stream_options.include_usage): every choice's usage."""

@@ -3,7 +3,7 @@ batch size: one row reads W through the matrix-vector kernel, dequantizing in re
 (triton_gemv.py); larger batches take what fp8_configs.py chose for the shape and bucket: the
 weight-only GEMM against the 16-bit activations (small decode batches), or the activations quantized
 per token and 128 columns (triton_fp8_quant.py) and the W8A8 GEMM, ours (triton_fp8_gemm.py) or torch's
-blockwise scaled_mm. Off CUDA, and for scale blocks the kernels do not tile, the plain-torch reference.
+blockwise scaled_mm (for gate/up followed by the SiLU-and-mul pass, where cuBLAS's rate repays it). Off CUDA, and for scale blocks the kernels do not tile, the plain-torch reference.
 Every path has fixed shapes for a given row count, so the step graphs capture it.
 
 The projections' fusions take the same kernels: the RMSNorm before q/k/v and gate/up at one row is
@@ -41,6 +41,7 @@ def choice(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> Fp8
 def _gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
           bias: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
     """The GEMM of more than one row, as chosen for the shape and bucket."""
+    from nanoserve_kernels.triton_activation import silu_and_mul
     from nanoserve_kernels.triton_fp8_gemm import fp8_gemm
     from nanoserve_kernels.triton_fp8_quant import quantize_activation
     chosen = choice(x, weight, silu_mul)
@@ -48,9 +49,10 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tup
     launch = chosen.launch if per_row else dict(chosen.launch, BLOCK_K=min(chosen.launch["BLOCK_K"], block[1]))
     if chosen.mode != W8A8:
         return fp8_gemm(x, weight, scale, block, launch, bias=bias, silu_mul=silu_mul)
-    if chosen.backend == SCALED_MM and not silu_mul and takes_scaled_mm(x, weight, block):
+    if chosen.backend == SCALED_MM and takes_scaled_mm(x, weight, block):
         y = scaled_mm(x, weight, scale)
-        return y if bias is None else y + bias
+        y = y if bias is None else y + bias
+        return silu_and_mul(y) if silu_mul else y  # each half rounded first, as the fused epilogue
     x_quantized, x_scale = quantize_activation(x)
     return fp8_gemm(x_quantized, weight, scale, block, launch, x_scale=x_scale, bias=bias, silu_mul=silu_mul,
                     out_dtype=x.dtype)

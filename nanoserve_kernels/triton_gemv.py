@@ -137,8 +137,22 @@ def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, scale_p
     tl.store(y_ptr + rows, acc.to(dtype), mask=row_ok)
 
 
-def tiles(k: int, silu_mul: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps) for W [n, k]; with silu_mul, BLOCK_N gate rows and as many up rows."""
+def tiles(k: int, silu_mul: bool = False, fp8: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps) for W [n, k]; with silu_mul, BLOCK_N gate rows and as many up rows.
+    An e4m3 W (half the bytes a tile) takes its own (bench/gemv.py --fp8 block --sweep, H100, the
+    model's calls, against the 16-bit tiles): four gate and four up rows of 1,024 columns with
+    SiLU-and-mul (8B 57.7 -> 50.0 us, 0.6B 6.3 -> 5.9), two rows of 2,048 on 8B down (26.3 -> 22.0),
+    eight of 1,024 on its q/k/v and o (15.1 -> 15.9 and 9.3 -> 8.2: 0.4 us less together), two rows a
+    program on 0.6B down (3.0 -> 2.8): an 8B layer 108 -> 96 us."""
+    if fp8:
+        if silu_mul:
+            return 4, min(1024, triton.next_power_of_2(k)), NUM_WARPS
+        if k >= LONG_K:
+            return 2, 2048, NUM_WARPS
+        if k >= WIDE_K:
+            return 8, 1024, NUM_WARPS
+        if k > 2048:
+            return 2, triton.next_power_of_2(k), NUM_WARPS
     if k >= WIDE_K:
         rows, block_k, warps = 4, 4096 if k >= LONG_K else 2048, NUM_WARPS
     else:
@@ -161,7 +175,8 @@ def takes_fp8(weight: torch.Tensor, block: tuple[int, int]) -> bool:
     """Whether this kernel reads the e4m3 weight of these scale blocks: their columns a power of two that
     divides the tiles (every checkpoint's 128 does), or one scale a row."""
     k = weight.shape[1]
-    return block[1] >= k or (block[1] & (block[1] - 1) == 0 and tiles(k)[1] % block[1] == 0)
+    return block[1] >= k or (block[1] & (block[1] - 1) == 0
+                             and all(tiles(k, silu_mul, fp8=True)[1] % block[1] == 0 for silu_mul in (False, True)))
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int | None = None,
@@ -171,7 +186,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bl
             block: tuple[int, int] | None = None) -> torch.Tensor:
     n, k = weight.shape
     assert x.shape == (1, k) and x.stride(1) == 1 and weight.stride(1) == 1
-    chosen = tiles(k, silu_mul)
+    chosen = tiles(k, silu_mul, fp8=weight_scale is not None)
     block_n, block_k, num_warps = block_n or chosen[0], block_k or chosen[1], num_warps or chosen[2]
     if silu_mul:  # gate rows, then as many up rows
         assert n % 2 == 0

@@ -9,17 +9,15 @@ from typing import TYPE_CHECKING
 
 import grpc
 from google.protobuf.json_format import MessageToDict
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
 from nanoserve.checkpoint import TOKENIZER_FILE, CheckpointError, check_files
 from nanoserve.gc_freeze import freeze_start_up_objects
 from nanoserve.grammar_tokenizer import GrammarTokenizer
-from nanoserve.healthcheck import LIVENESS
 from nanoserve.hub import ModelNotFound
 from nanoserve.listen import ListenError, check_port_free, listen
 from nanoserve.mathutil import cdiv
-from nanoserve.stopping import SHUTTING_DOWN
 from nanoserve.tls import TLSConfigError, tls_files
 from nanoserve.v1 import llm_pb2, llm_pb2_grpc, worker_pb2
 from nanoserve.wire import SERVER_OPTIONS
@@ -35,7 +33,7 @@ from scheduler_svc.request_validation import (BadRequest, RequestLimits, check_r
                                               completions_to_generate, prompt_ids, sampling_options)
 from scheduler_svc.scheduler import AdmissionError
 from scheduler_svc.sequence import SamplingOptions
-from scheduler_svc.shutdown import DrainGuard, Shutdown, Stopped
+from scheduler_svc.shutdown import DrainGuard, ServingHealth, Shutdown, Stopped
 from scheduler_svc.structured_outputs import ConstraintError, GrammarCompiler, constraint_key
 from scheduler_svc.tool_calls import ToolCallParser
 from scheduler_svc.tokenizer import TextTokenizer
@@ -311,20 +309,11 @@ async def _serve(args: argparse.Namespace) -> int:
     shutdown.listen()
     service = LLMService(args.max_waiting)
     llm_pb2_grpc.add_LLMServicer_to_server(service, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     llm_service = llm_pb2.DESCRIPTOR.services_by_name["LLM"].full_name
+    serving_health = ServingHealth(server, llm_service, shutdown)
     reflection.enable_server_reflection((llm_service, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     await server.start()
-
-    async def set_health(healthy: bool) -> None:
-        serving = healthy and not shutdown.draining  # a recovered group does not bring a draining server back
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", llm_service):
-            await health_servicer.set(name, status)
-
-    await set_health(False)
-    await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+    await serving_health.start()
     log.info("listening on %s; connecting to workers %s", address, args.workers)
 
     group = WorkerGroup([a.strip() for a in args.workers.split(",") if a.strip()], args.worker_token, worker_tls,
@@ -352,45 +341,30 @@ async def _serve(args: argparse.Namespace) -> int:
     service.grammars = GrammarCompiler(GrammarTokenizer(service.tokenizer.directory / TOKENIZER_FILE,
                                                         group.infos[0].vocab_size, config.eos_token_ids))
     engine = Engine(group, config, args.worker_restart_timeout, kv_events)
-    engine.requests.on_health_change = lambda healthy: asyncio.get_running_loop().create_task(set_health(healthy))
+    engine.requests.on_health_change = lambda healthy: asyncio.get_running_loop().create_task(
+        serving_health.set(healthy))
     engine.start()
     service.engine = engine
     if args.metrics_port:
         engine.metrics.serve(args.host, args.metrics_port)
-    await set_health(True)
+    await serving_health.set(True)
     freeze_start_up_objects()
     log.info("serving %s (%d KV blocks, max model len %d)", service.info.model, config.num_kv_blocks,
              config.max_model_len)
 
-    asked = asyncio.ensure_future(shutdown.asked.wait())
-    await asyncio.wait((asked, engine.task), return_when=asyncio.FIRST_COMPLETED)
-    if not asked.done():  # the engine ended: no worker group can ever serve this scheduler
-        asked.cancel()
+    if not await shutdown.asked_before(engine.task):  # the engine ended: no worker group can ever serve again
         if kv_events is not None:
             kv_events.close()
         log.error("exiting: %s", engine.requests.failure)
         await server.stop(grace=1)
         return 1
-    await _drain(shutdown, engine, set_health)
+    await shutdown.drain(serving_health, engine.requests.give_up)
     await server.stop(grace=2)  # the calls ended above write their status
     await engine.close()
     if kv_events is not None:
         kv_events.close()
     log.info("stopped")
     return 0
-
-
-async def _drain(shutdown: Shutdown, engine: Engine, set_health) -> None:
-    """Lets the generation calls in flight finish (new ones are refused meanwhile), within the
-    timeout; then ends the rest UNAVAILABLE."""
-    await set_health(False)
-    log.info("stopping: NOT_SERVING and refusing new requests; %d request(s) in flight may finish within %gs "
-             "(--shutdown-timeout); a second Ctrl-C or SIGTERM stops at once", shutdown.in_flight, shutdown.timeout)
-    if await shutdown.drained():
-        log.info("every request in flight finished")
-        return
-    log.info("ending %d request(s) still in flight: %s", shutdown.in_flight, SHUTTING_DOWN)
-    engine.requests.give_up(SHUTTING_DOWN)
 
 
 def _kv_event_publisher(config: KVEventsConfig, block_size: int) -> "KVEventPublisher | None":

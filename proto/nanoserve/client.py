@@ -29,14 +29,18 @@ class Completion:
     usage: llm_pb2.Usage | None = None
     logprobs: list[llm_pb2.TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[llm_pb2.TokenLogprob] = field(default_factory=list)
-    tool_calls: list[llm_pb2.ToolCall] = field(default_factory=list)  # Chat with tools
+    tool_calls: list[llm_pb2.ToolCall] = field(default_factory=list)  # Chat with tools: its calls, whole
 
     def add(self, msg: llm_pb2.GenerateResponse) -> None:
         self.token_ids.extend(msg.token_ids)
         self.text += msg.text
         self.logprobs.extend(msg.logprobs)
         self.prompt_logprobs.extend(msg.prompt_logprobs)
-        self.tool_calls.extend(msg.tool_calls)
+        for part in msg.tool_calls:  # a call's first part has its id; the next ones go on with its arguments
+            if part.id:
+                self.tool_calls.append(llm_pb2.ToolCall(id=part.id, name=part.name, arguments=part.arguments))
+            else:
+                self.tool_calls[part.index].arguments += part.arguments
         if msg.finish_reason:
             self.finish_reason = llm_pb2.FinishReason.Name(msg.finish_reason)
             self.usage = msg.usage

@@ -1,10 +1,10 @@
 """Structured output and function calling through the gateway, with the official `openai` SDK (and
 LangChain's ChatOpenAI): response_format json_schema outputs that stop validate with `jsonschema`;
 tool_choice required and a named function return calls whose arguments follow the tool's schema,
-with finish_reason tool_calls, the same streamed (OpenAI's deltas, reassembled) as whole; a
-conversation carrying the calls and their results goes on; the gRPC Chat gives the same calls;
-bad schemas and tools are 400s naming the parameter. The demo model does not reason, so requests
-turn Qwen3's thinking off (the grammar would otherwise wait for its </think>)."""
+with finish_reason tool_calls, the same streamed (OpenAI's deltas, the arguments in fragments,
+reassembled) as whole; a conversation carrying the calls and their results goes on; the gRPC Chat
+gives the same calls; bad schemas and tools are 400s naming the parameter. The demo model does not
+reason, so requests turn Qwen3's thinking off (the grammar would otherwise wait for its </think>)."""
 import json
 
 import jsonschema
@@ -82,6 +82,21 @@ def test_tool_choice_required_calls_tools_streamed_as_whole(oai, model_name):
     assert finish == "tool_calls" and content is None
     check_calls(calls)
     assert create(oai, model_name, True, tools=TOOLS, tool_choice="required") == whole
+
+
+def test_a_streamed_call_opens_then_its_arguments_arrive_in_fragments(oai, model_name):
+    """As OpenAI streams a call: a delta with its index, id, type and name (arguments ""), then its
+    arguments' text over several deltas, which joined are the non-streamed call's arguments exactly."""
+    params = {"model": model_name, "messages": MESSAGES, "max_tokens": 96, "temperature": 0, "extra_body": NO_THINKING,
+              "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    deltas = [delta for chunk in oai.chat.completions.create(**params, stream=True) for choice in chunk.choices
+              for delta in choice.delta.tool_calls or []]
+    opening, fragments = deltas[0], [delta.function.arguments for delta in deltas[1:]]
+    assert (opening.index, opening.type, opening.function.name, opening.function.arguments) == (
+        0, "function", "get_weather", "") and opening.id.startswith("call_")
+    assert all(delta.index == 0 and delta.id is None for delta in deltas[1:]) and len(fragments) > 2
+    whole = oai.chat.completions.create(**params).choices[0].message.tool_calls
+    assert "".join(fragments) == whole[0].function.arguments
 
 
 def test_a_named_function_is_called_once(oai, model_name):

@@ -161,14 +161,16 @@ class ToolChoice(_message.Message):
     def __init__(self, mode: _Optional[_Union[ToolChoice.Mode, str]] = ..., function: _Optional[str] = ...) -> None: ...
 
 class ToolCall(_message.Message):
-    __slots__ = ("id", "name", "arguments")
+    __slots__ = ("id", "name", "arguments", "index")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     arguments: str
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+    index: int
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
     __slots__ = ("request_id", "messages", "sampling", "add_generation_prompt", "chat_template_kwargs", "resume", "tools", "tool_choice", "parallel_tool_calls")
