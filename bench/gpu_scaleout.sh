@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Scale-out on a lent multi-GPU machine (2 or 4 H100s), from the repo root, in under 9 minutes:
-#   bench/gpu_scaleout.sh            (results under $OUT, default bench/out/scaleout: JSON per run,
+#   bench/gpu_scaleout.sh [all|dp]   (results under $OUT, default bench/out/scaleout: JSON per run,
 #                                     summary.json and summary.md from bench/scaleout_summary.py)
 # Every run goes through the OpenAI port (bench/serve.py --openai, prompts as text for SMG):
 #   1. the throughput workload (docs/benchmarks.md) on one replica direct (its gateway), then on N replicas (N = the
@@ -15,6 +15,7 @@
 # Carried wheels in .whl/ (smg, setproctitle, fastapi and its needs, uvicorn, grpcio-health-checking,
 # grpcio-reflection, ...: docs/scale-out.md lists them) are installed first.
 set -uo pipefail
+mode=${1:-all}  # dp: part 1's throughput runs only (one replica direct, N through SMG), then the summary
 out=${OUT:-bench/out}/scaleout; mkdir -p "$out"
 export PYTHONPATH=$PWD:$PWD/proto PYTHONUNBUFFERED=1 NANOSERVE_CACHE=$PWD/.cache
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -63,16 +64,18 @@ in_time() { (( SECONDS - started < ${1:-480} )) || { echo "skipped (time): $2"; 
 # 1 and 2: one replica direct, then every GPU a replica behind SMG
 if up dp1_small --model "$small"; then
   bench dp1_small "$small" "${design[@]}" --num-prompts 256
-  bench ttft_direct_dp1 "$small" "${ttft[@]}"
+  [ "$mode" = dp ] || bench ttft_direct_dp1 "$small" "${ttft[@]}"
   down
 fi
 if up "dp${gpus}_small" --model "$small" --data-parallel-size "$gpus"; then
   bench "dp${gpus}_small" "$small" "${design[@]}" --num-prompts $((256 * gpus)) --replicas $(replicas "$gpus")
-  BENCH_URL=http://127.0.0.1:8001 bench ttft_replica "$small" "${ttft[@]}"
-  bench ttft_router "$small" "${ttft[@]}" --replicas $(replicas "$gpus")
-  BENCH_URL=http://127.0.0.1:8001 bench ttft_replica_again "$small" "${ttft[@]}"
+  [ "$mode" = dp ] || {
+    BENCH_URL=http://127.0.0.1:8001 bench ttft_replica "$small" "${ttft[@]}"
+    bench ttft_router "$small" "${ttft[@]}" --replicas $(replicas "$gpus")
+    BENCH_URL=http://127.0.0.1:8001 bench ttft_replica_again "$small" "${ttft[@]}"; }
   down
 fi
+[ "$mode" = dp ] && { python3 bench/scaleout_summary.py "$out" "$gpus"; exit; }
 # 3: the tenants' system prompts fill ~70% of the combined KV: 256 blocks of 256 tokens per replica. A
 # prompt is a 4,096-token system prompt and a 64-token question, so these runs need a longer
 # --max-model-len than the common one (a later flag wins); all at once, to saturate the replicas (at
