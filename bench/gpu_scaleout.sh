@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # Scale-out on a lent multi-GPU machine (2 or 4 H100s), from the repo root, in under 9 minutes:
-#   bench/gpu_scaleout.sh            (results under $OUT, default bench/out/scaleout: JSON per run,
+#   bench/gpu_scaleout.sh [all|dp]   (results under $OUT, default bench/out/scaleout: JSON per run,
 #                                     summary.json and summary.md from bench/scaleout_summary.py)
 # Every run goes through the OpenAI port (bench/serve.py --openai, prompts as text for SMG):
 #   1. the throughput workload (docs/benchmarks.md) on one replica direct (its gateway), then on N replicas (N = the
 #      GPUs) through SMG with N x the requests: the ratio to N x one replica (target >= 0.95);
-#   2. the router's added TTFT at low load: the same requests through SMG and straight to replica 0's
-#      gateway, on the same server;
+#   2. the router's added TTFT at low load: one request at a time (150 of them), straight to replica 0's
+#      gateway before and after, and through SMG in between, on the same server;
 #   3. the multi-tenant prefix workload (long shared system prompts, several users each, Poisson
 #      arrivals, sized to ~70% of the replicas' combined KV): SMG round robin against cache-aware;
 #   4. DP2 through SMG against TP2 direct, on the 0.6B and the 8B shapes (random weights, dummy load).
+# Every run through SMG also records how many requests each replica finished (bench/serve.py --replicas).
 # A part that would not end in time is skipped (the summary says what is missing).
 # Carried wheels in .whl/ (smg, setproctitle, fastapi and its needs, uvicorn, grpcio-health-checking,
 # grpcio-reflection, ...: docs/scale-out.md lists them) are installed first.
 set -uo pipefail
+mode=${1:-all}  # dp: part 1's throughput runs only (one replica direct, N through SMG), then the summary
 out=${OUT:-bench/out}/scaleout; mkdir -p "$out"
 export PYTHONPATH=$PWD:$PWD/proto PYTHONUNBUFFERED=1 NANOSERVE_CACHE=$PWD/.cache
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -30,6 +32,8 @@ common=(--load-format dummy --attention-backend triton --max-model-len 4096 --sh
         --port 50051 --worker-base-port 50061 --openai-port 8000)
 url=http://127.0.0.1:8000
 design=(--request-rates inf --input-len 100 1024 --output-len 100 1024 --temperature 0.6)
+# one request in flight at a time: no request waits for another, so a TTFT difference is the path's
+ttft=(--request-rates inf --max-concurrency 1 --num-prompts 150 --input-len 512 512 --output-len 16 16)
 
 up() {  # name, then `nanoserve up` flags: starts it and waits until it serves (or gives up)
   local name=$1; shift
@@ -52,21 +56,26 @@ bench() {  # name, model, then bench/serve.py flags
   timeout 150 python3 bench/serve.py --openai "${BENCH_URL:-$url}" --text-prompts "$model" --warmup 8 "$@" \
     --out "$out/$name.json" 2>&1 | grep -v " INFO " | tail -3
 }
+replicas() {  # the schedulers of `up --data-parallel-size $1`: replica d's gRPC port is --port + d
+  for d in $(seq 0 $(($1 - 1))); do echo "127.0.0.1:$((50051 + d))"; done
+}
 in_time() { (( SECONDS - started < ${1:-480} )) || { echo "skipped (time): $2"; return 1; }; }
 
 # 1 and 2: one replica direct, then every GPU a replica behind SMG
 if up dp1_small --model "$small"; then
   bench dp1_small "$small" "${design[@]}" --num-prompts 256
-  bench ttft_direct_dp1 "$small" --request-rates 4 --num-prompts 40 --input-len 512 512 --output-len 16 16
+  [ "$mode" = dp ] || bench ttft_direct_dp1 "$small" "${ttft[@]}"
   down
 fi
 if up "dp${gpus}_small" --model "$small" --data-parallel-size "$gpus"; then
-  bench "dp${gpus}_small" "$small" "${design[@]}" --num-prompts $((256 * gpus))
-  bench ttft_router "$small" --request-rates 4 --num-prompts 40 --input-len 512 512 --output-len 16 16
-  BENCH_URL=http://127.0.0.1:8001 bench ttft_replica "$small" --request-rates 4 --num-prompts 40 \
-    --input-len 512 512 --output-len 16 16
+  bench "dp${gpus}_small" "$small" "${design[@]}" --num-prompts $((256 * gpus)) --replicas $(replicas "$gpus")
+  [ "$mode" = dp ] || {
+    BENCH_URL=http://127.0.0.1:8001 bench ttft_replica "$small" "${ttft[@]}"
+    bench ttft_router "$small" "${ttft[@]}" --replicas $(replicas "$gpus")
+    BENCH_URL=http://127.0.0.1:8001 bench ttft_replica_again "$small" "${ttft[@]}"; }
   down
 fi
+[ "$mode" = dp ] && { python3 bench/scaleout_summary.py "$out" "$gpus"; exit; }
 # 3: the tenants' system prompts fill ~70% of the combined KV: 256 blocks of 256 tokens per replica. A
 # prompt is a 4,096-token system prompt and a 64-token question, so these runs need a longer
 # --max-model-len than the common one (a later flag wins); all at once, to saturate the replicas (at
@@ -77,7 +86,7 @@ in_time 300 "the tenants' runs" && for policy in round_robin cache_aware; do
   up "tenants_$policy" --model "$small" --data-parallel-size "$gpus" --max-model-len 8192 \
     --router-policy "$policy" --num-kv-blocks 256 && {
       bench "tenants_$policy" "$small" --tenants "$tenants" --users 8 --system-len 4096 --input-len 64 64 \
-        --output-len 64 64 --request-rates inf --temperature 0.6; down; }
+        --output-len 64 64 --request-rates inf --temperature 0.6 --replicas $(replicas "$gpus"); down; }
 done
 # 4: DP2 against TP2 on each shape, both runs or neither; the 8B first (with two GPUs the 0.6B DP2 run
 # is the N-replica one above, so the 0.6B pair needs one run more)
@@ -86,7 +95,7 @@ for shape in big small; do
   in_time $([ "$shape" = big ] && echo 375 || { [ -n "$reuse" ] && echo 470 || echo 420; }) "DP2 against TP2 ($shape)" \
     || continue
   if [ -z "$reuse" ] && up "dp2_$shape" --model "$model" --data-parallel-size 2; then
-    bench "dp2_$shape" "$model" "${design[@]}" --num-prompts 512; down
+    bench "dp2_$shape" "$model" "${design[@]}" --num-prompts 512 --replicas $(replicas 2); down
   fi
   up "tp2_$shape" --model "$model" --tensor-parallel-size 2 \
     && { bench "tp2_$shape" "$model" "${design[@]}" --num-prompts 512; down; }

@@ -44,10 +44,7 @@ def summarize(folder: Path, gpus: int) -> dict:
                       "ratio_to_n_x_one": ratio(field(many, "output_tok_per_s"),
                                                 gpus * (field(one, "output_tok_per_s") or 0)),
                       "target": 0.95},
-        "router_added_ttft_ms": {p: (field(run.get("ttft_router"), "ttft_ms", p) or 0)
-                                 - (field(run.get("ttft_replica"), "ttft_ms", p) or 0)
-                                 for p in ("p50", "p90")} if run.get("ttft_router") and run.get("ttft_replica")
-        else None,
+        "router_added_ttft_ms": router_added_ttft(run),
         "dp2_vs_tp2": {shape: {"dp2_smg_tok_s": field(run.get(f"dp2_{shape}"), "output_tok_per_s"),
                                "tp2_direct_tok_s": field(run.get(f"tp2_{shape}"), "output_tok_per_s"),
                                "dp2_over_tp2": ratio(field(run.get(f"dp2_{shape}"), "output_tok_per_s"),
@@ -56,6 +53,8 @@ def summarize(folder: Path, gpus: int) -> dict:
         "tenants": {policy: _tenants(run.get(f"tenants_{policy}"), folder / f"tenants_{policy}.server.log")
                     for policy in ("round_robin", "cache_aware")},
         "failed_requests": {name: r["failed"] for name, r in run.items() if r and r["failed"]},
+        "requests_per_replica": {name: r["requests_per_replica"] for name, r in sorted(run.items())
+                                 if r and "requests_per_replica" in r},
     }
     rr, ca = summary["tenants"]["round_robin"], summary["tenants"]["cache_aware"]
     summary["tenants"]["cache_aware_over_round_robin"] = {
@@ -66,6 +65,15 @@ def summarize(folder: Path, gpus: int) -> dict:
         summary["dp2_vs_tp2"]["small"]["dp2_over_tp2"] = ratio(field(many, "output_tok_per_s"),
                                                                field(run.get("tp2_small"), "output_tok_per_s"))
     return summary
+
+
+def router_added_ttft(run: dict) -> dict | None:
+    """TTFT through SMG minus straight to replica 0, whose runs came before and after it (their mean),
+    one request at a time; None unless all three ran."""
+    router, direct = run.get("ttft_router"), [run.get("ttft_replica"), run.get("ttft_replica_again")]
+    if router is None or None in direct:
+        return None
+    return {p: field(router, "ttft_ms", p) - sum(field(d, "ttft_ms", p) for d in direct) / 2 for p in ("p50", "p90")}
 
 
 def _tenants(run: dict | None, server_log: Path) -> dict | None:
@@ -97,8 +105,9 @@ def markdown(s: dict) -> str:
              f"| {s['gpus']} replicas through SMG, output tok/s | {num(replicas, 0)} |",
              f"| ... over {s['gpus']} x one replica (target >= 0.95) | {num(so['ratio_to_n_x_one'])} |"]
     if s["router_added_ttft_ms"]:
-        lines.append(f"| router's added TTFT at 4 req/s, p50 / p90 ms | {num(s['router_added_ttft_ms']['p50'])} / "
-                     f"{num(s['router_added_ttft_ms']['p90'])} |")
+        added = s["router_added_ttft_ms"]
+        lines.append(f"| router's added TTFT, one request at a time, p50 / p90 ms | {num(added['p50'])} / "
+                     f"{num(added['p90'])} |")
     for shape, row in s["dp2_vs_tp2"].items():
         name = "0.6B" if shape == "small" else "8B"
         lines.append(f"| {name}: DP2 via SMG / TP2 direct, output tok/s | {num(row['dp2_smg_tok_s'], 0)} / "
@@ -112,6 +121,8 @@ def markdown(s: dict) -> str:
     lines.append(f"| tenants, cache-aware over round robin: output tok/s (target >= 1.6), TTFT p90 (target <= 0.1) "
                  f"| {num(ratios['output_tok_s'])}, {num(ratios['ttft_p90'])} |")
     lines.append(f"| failed requests | {s['failed_requests'] or 'none'} |")
+    for name, counts in s["requests_per_replica"].items():
+        lines.append(f"| {name}: requests per replica | {' / '.join(map(str, counts))} |")
     return "\n".join(lines) + "\n"
 
 

@@ -5,8 +5,9 @@ SMG takes the OpenAI API on --openai-port and sends each request to one replica'
 policy (--router-policy; cache_aware by default: a request goes where its prefix was last served,
 unless that replica is far busier). It is set up for replicas that come and go: it probes their
 /health every second and leaves one out after two failures (a draining replica answers 503 at once),
-and it retries a request that a replica refused (503 while draining) or could not take (connection
-refused) on another one, so a rolling restart loses no request.
+it polls their load every second (LOAD_POLL_SECONDS says why), and it retries a request that a
+replica refused (503 while draining) or could not take (connection refused) on another one, so a
+rolling restart loses no request.
 """
 import importlib.util
 import json
@@ -60,7 +61,8 @@ def wait_routing(url: str, replicas: int, alive, timeout: float) -> None:
         except (OSError, ValueError, KeyError):
             pass
         time.sleep(0.2)
-    raise RuntimeError(f"the router at {url} did not route to all {replicas} replicas within {timeout:.0f}s")
+    raise RuntimeError(f"the router at {url} did not find all {replicas} replicas healthy and their loads polled "
+                       f"within {timeout:.0f}s")
 
 
 def _get(url: str) -> dict:

@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 from llguidance import LLExecutor, LLMatcher
-from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
+from llguidance.numpy import consume_token_par, fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from nanoserve.grammar_tokenizer import GrammarTokenizer
 from nanoserve_kernels.token_bitmask import apply_token_bitmask, bitmask_words
@@ -32,7 +32,7 @@ log = logging.getLogger("nanoserve.worker")
 
 # Distinct grammars whose compiled template is kept.
 TEMPLATE_CACHE_SIZE = 256
-# llguidance's threads filling a step's masks, a row each at a time (~40 us a row of a JSON schema on a
+# llguidance's threads filling a step's masks and consuming its tokens, a row each at a time (~40 us a row of a JSON schema on a
 # busy 2-core machine): half the cores, at most 8, leaving the rest to the step loop, the reply thread
 # and the scheduler (llguidance's default takes 80% of them).
 MASK_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
@@ -95,9 +95,7 @@ class GrammarMasks:
             matcher, index = live[0]
             fill_next_token_bitmask(matcher, bitmask, index)
         elif live:
-            if self.executor is None:
-                self.executor = LLExecutor(MASK_THREADS)
-            fill_next_token_bitmask_par(self.executor, live, bitmask)
+            fill_next_token_bitmask_par(self._executor(), live, bitmask)
         for i in np.flatnonzero([matcher is None for matcher in matchers]):  # failed to compile: it can only end
             bitmask[i] = 0
             for eos in self.tokenizer.eos_token_ids:
@@ -124,13 +122,23 @@ class GrammarMasks:
         self.pending.append(([self.matchers[slot] for slot in slots[rows].tolist()], drawn, event))
 
     def advance(self) -> None:
-        """Feeds the tokens that have come home to their matchers, in step order."""
+        """Feeds the tokens that have come home to their matchers, in step order: a step's rows on
+        llguidance's threads (the mask fill's pool), as its masks are filled, since this wait sits
+        between a step's draw and the next step's masks."""
         for matchers, drawn, event in self.pending:
             if event is not None:
                 event.synchronize()
-            for future, token in zip(matchers, drawn.tolist()):
-                matcher = future.result()
-                if matcher is not None:  # a refused token leaves it in error: it then allows only eos
-                    matcher.consume_token(token)
+            # a refused token leaves its matcher in error: it then allows only eos
+            live = [(future.result(), token) for future, token in zip(matchers, drawn.tolist())]
+            live = [(matcher, token) for matcher, token in live if matcher is not None]
+            if len(live) == 1:
+                live[0][0].consume_token(live[0][1])
+            elif live:
+                consume_token_par(self._executor(), live)
         self.pending.clear()
+
+    def _executor(self) -> LLExecutor:
+        if self.executor is None:
+            self.executor = LLExecutor(MASK_THREADS)
+        return self.executor
 
