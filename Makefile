@@ -63,10 +63,14 @@ serve: install
 	  kill -0 $$up 2>/dev/null || { wait $$up; exit 1; }; sleep 1; done; \
 	$(VENV)/bin/nanoserve generate "Tell me about the sea." --address 127.0.0.1:$(PORT) --max-tokens 32
 
-# One pytest worker per core (pytest-xdist). --dist loadgroup: a file's tests stay on one worker, in
-# order, so its module fixtures (a running server) start once; tests/conftest.py says which spread.
+# Two pytest workers per core (pytest-xdist): a third of a worker's time goes to waiting on the
+# processes its tests start, and one thread a process (OMP_NUM_THREADS=1), as the workers and their
+# servers already fill the cores (intra-op threads spun idle beside them). --dist loadgroup: a file's
+# tests stay on one worker, in order, so its module fixtures (a running server) start once;
+# tests/conftest.py says which spread.
+TEST_WORKERS ?= $(shell echo $$((2 * $$(nproc))))
 test: install tiny-model
-	$(PY) -m pytest -q -p no:cacheprovider -n auto --dist loadgroup tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup tests
 
 bench: install
 	$(PY) bench/scheduler.py

@@ -27,13 +27,34 @@ def tiny_tied_model_dir() -> Path:
     return _tiny_model(tied=True)
 
 
+# Folders whose files share the servers of their conftest.py's session fixtures: one group, so that
+# one worker starts them once (each worker would start its own).
+SHARED_SERVER_FOLDERS = ("tests/gateway/", "tests/routers/")
+# Folders whose files start servers: tens of seconds a file, handed out first (below).
+LONG_FOLDERS = ("tests/services/", "tests/deploy/", *SHARED_SERVER_FOLDERS)
+
+
+def _group(item: pytest.Item) -> str:
+    folder = next((f for f in SHARED_SERVER_FOLDERS if item.nodeid.startswith(f)), None)
+    return folder or item.nodeid.split("::")[0]
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """For pytest-xdist's --dist loadgroup (make test): each file is one group, run by one worker in
-    order, so the servers its module fixtures start are started once; a test that names a group of
-    its own (independent and long: the Triton interpreter cases) runs wherever a worker is free."""
+    """For pytest-xdist's --dist loadgroup (make test): each file is one group (or its folder, where the
+    folder's files share servers), run by one worker in order, so the servers its fixtures start are
+    started once; a test that names a group of its own (independent and long: the Triton interpreter
+    cases) runs wherever a worker is free. Workers take groups in collection order: the long ones
+    (named groups, server files) go first, so that the run ends on short files that fill the
+    workers' last minutes evenly."""
+    def order(item: pytest.Item) -> int:
+        if item.get_closest_marker("xdist_group") is not None:
+            return 0
+        return 1 if item.nodeid.startswith(LONG_FOLDERS) else 2
+
+    items.sort(key=order)  # stable: a file's tests keep their order
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+            item.add_marker(pytest.mark.xdist_group(_group(item)))
 
 
 @pytest.fixture(autouse=True)

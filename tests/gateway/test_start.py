@@ -1,6 +1,7 @@
 """Starting the gateway as users do: beside scheduler and workers with `nanoserve up --openai-port`,
 alone with `nanoserve gateway`, probed with `python -m gateway_svc.healthcheck`; it waits for its
 scheduler and says so."""
+import os
 import signal
 import subprocess
 import sys
@@ -16,9 +17,17 @@ from nanoserve.client import Client
 from nanoserve_cli import replica
 from nanoserve_cli.cli import build_parser
 from tests.gateway.gateway_process import wait_listening
-from tests.services.processes import CLI, ENV, free_port, health_status, shown_on_failure, stop
+from tests.services.processes import CLI, ENV, children, free_port, health_status, shown_on_failure, stop
 
 PROBE = [sys.executable, "-m", "gateway_svc.healthcheck"]
+
+
+def wait_for_child(parent: subprocess.Popen, module: str, timeout: float = 60) -> int:
+    deadline = time.monotonic() + timeout
+    while not (found := children(parent.pid, module)):
+        assert parent.poll() is None and time.monotonic() < deadline, f"no {module} child started"
+        time.sleep(0.01)
+    return found[0][1]
 
 
 def wait_for_line(log: Path, text: str, proc: subprocess.Popen, timeout: float = 180) -> None:
@@ -40,6 +49,14 @@ def test_up_with_openai_port_serves_the_openai_client_and_stops_it_with_the_rest
     address, url = f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}"
     with shown_on_failure(log):  # a read timeout here once in CI, unexplained: the log would say more
         try:
+            # The worker held (SIGSTOP) until a gateway found the scheduler not serving: however quickly
+            # the worker loads, a gateway started beside the scheduler meets it before it serves.
+            worker = wait_for_child(up, "worker_svc")
+            os.kill(worker, signal.SIGSTOP)
+            try:
+                wait_for_line(log, f"waiting for the scheduler: the scheduler at {address}", up)
+            finally:
+                os.kill(worker, signal.SIGCONT)
             wait_for_line(log, f"the OpenAI API on {url}/v1); Ctrl-C stops it", up)
             text = log.read_text()  # started beside the scheduler, the gateway waited for it and said so
             waiting = text.index(f"waiting for the scheduler: the scheduler at {address}")

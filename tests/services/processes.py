@@ -91,6 +91,20 @@ def wait_serving(address: str, procs: list[subprocess.Popen], log: Path, timeout
         raise RuntimeError(f"{err}:\n{log.read_text()[-4000:]}") from None
 
 
+def children(parent: int, module: str) -> list[tuple[list[bytes], int]]:
+    """(argv, pid) of `parent`'s live child processes that run `module` (a launcher's services), from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError):
+            continue
+        if ppid == parent and module.encode() in argv:
+            found.append((argv, int(stat.parent.name)))
+    return found
+
+
 def wait_answering(address: str, timeout: float = 20) -> str | None:
     """The health status once the server answers at all (None if it never does)."""
     deadline = time.monotonic() + timeout

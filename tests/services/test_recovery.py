@@ -15,7 +15,7 @@ import pytest
 import grpc
 
 from nanoserve.client import Client
-from tests.services.processes import CLI, ENV, free_port, free_ports, wait_serving
+from tests.services.processes import CLI, ENV, children, free_port, free_ports, wait_serving
 
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds up's workers in /proc")
 
@@ -49,16 +49,8 @@ class Up:
 
     def workers(self) -> list[int]:
         """Pids of the launcher's live worker ranks, in rank order."""
-        found = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-                argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
-            except (OSError, IndexError):
-                continue
-            if ppid == self.launcher.pid and b"worker_svc" in argv:
-                found.append((int(argv[argv.index(b"--rank") + 1]), int(stat.parent.name)))
-        return [pid for _, pid in sorted(found)]
+        ranks = [(int(argv[argv.index(b"--rank") + 1]), pid) for argv, pid in children(self.launcher.pid, "worker_svc")]
+        return [pid for _, pid in sorted(ranks)]
 
     def metric(self, name: str) -> float:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as reply:

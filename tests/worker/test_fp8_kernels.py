@@ -15,7 +15,7 @@ import torch
 
 from nanoserve_kernels import fp8_reference
 from nanoserve_kernels.fp8_reference import quantize_weight
-from tests.worker.test_triton_kernels import TOLERANCE, same_bits
+from tests.worker.test_triton_kernels import TOLERANCE, each_in_its_own_group, same_bits
 
 REPO = Path(__file__).resolve().parents[2]
 ROWS = (1, 2, 7, 64, 300)
@@ -104,7 +104,7 @@ def run_interpreted_cases(kernel: str) -> None:
         {"quantize": check_quantize, "gemv": check_gemv}[kernel]("cpu", dtype)
 
 
-@pytest.mark.parametrize("kernel", ["quantize", "gemm", "gemv"])
+@pytest.mark.parametrize("kernel", each_in_its_own_group("fp8-interpreter", ("quantize", "gemm", "gemv")))
 def test_fp8_kernel_matches_reference_in_interpreter(kernel: str) -> None:
     pythonpath = os.pathsep.join(filter(None, [str(REPO), str(REPO / "proto"), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath}

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from nanoserve_kernels.moe_reference import experts_reference, route
+from tests.worker.test_triton_kernels import each_in_its_own_group
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -111,7 +112,7 @@ def run_interpreted_cases(kernel: str) -> None:
         check_layers(fused_experts, "cpu", getattr(torch, kernel), (SMALL_TILES, None))
 
 
-@pytest.mark.parametrize("kernel", ["route", "align", "float32", "float16"])
+@pytest.mark.parametrize("kernel", each_in_its_own_group("moe-interpreter", ("route", "align", "float32", "float16")))
 def test_moe_kernels_match_the_reference_in_interpreter(kernel: str) -> None:
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath}

@@ -673,10 +673,15 @@ def _stand_in_for_libdevice() -> None:
     libdevice.rsqrt, libdevice.exp = (lambda x: tl.math.rsqrt(x)), (lambda x: tl.math.exp(x))
 
 
-@pytest.mark.parametrize("kernel", [  # each its own process: `make test` spreads them over its workers
-    pytest.param(name, marks=pytest.mark.xdist_group(f"interpreter-{name}"))
-    for name in ("store", "prefill", "decode", "sampling", "rotary", "rotary_store", "gemv", "activation", "gate_up",
-                 "token_bitmask")])
+def each_in_its_own_group(prefix: str, names: tuple[str, ...]) -> list:
+    """Interpreted cases run each in a process of their own, sharing nothing: `make test` (--dist
+    loadgroup) spreads them over its workers instead of keeping their file's on one."""
+    return [pytest.param(name, marks=pytest.mark.xdist_group(f"{prefix}-{name}")) for name in names]
+
+
+@pytest.mark.parametrize("kernel", each_in_its_own_group("interpreter", (
+    "store", "prefill", "decode", "sampling", "rotary", "rotary_store", "gemv", "activation", "gate_up",
+    "token_bitmask")))
 def test_triton_kernel_matches_reference_in_interpreter(kernel: str) -> None:
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath}
