@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from nanoserve_kernels.fp8_reference import dequantize_weight
+from nanoserve_kernels.fp8_reference import dequantize_weight, quantize_weight
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,6 +48,13 @@ class BlockScales(NamedTuple):
     of each expert's matrix: [experts, ceil(rows / bn), ceil(columns / bk)] (fp8_reference.py's layout)."""
     scale: torch.Tensor
     block: tuple[int, int]
+
+
+def quantize_experts(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, BlockScales]:
+    """Every expert's matrix of `weight` [experts, rows, columns] in e4m3 with its block scales (as the
+    checkpoint's per-expert tensors stack)."""
+    quantized = [quantize_weight(matrix, block) for matrix in weight]
+    return torch.stack([q for q, _ in quantized]), BlockScales(torch.stack([s for _, s in quantized]), block)
 
 
 def dequantize_experts(weight: torch.Tensor, scales: BlockScales, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoserve_kernels.fp8_reference import quantize_weight
-from nanoserve_kernels.moe_reference import BlockScales, dequantize_experts, experts_reference, route
+from nanoserve_kernels.moe_reference import BlockScales, dequantize_experts, experts_reference, quantize_experts, route
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -105,20 +104,15 @@ def check_layers(fused_experts, device: str, dtype: torch.dtype, launches: tuple
             assert error < TOLERANCE[dtype], (tokens, experts, top_k, dtype, how, error)
 
 
-def fp8_experts(weight: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, BlockScales]:
-    """Each expert's matrix quantized to e4m3 by the reference: (values, scales)."""
-    block = block or (1, weight.shape[2])
-    quantized = [quantize_weight(matrix, block) for matrix in weight]
-    return torch.stack([q for q, _ in quantized]), BlockScales(torch.stack([s for _, s in quantized]), block)
-
-
 def check_fp8_layers(fused_experts, device: str, dtype: torch.dtype, launches: tuple[dict | None, ...]) -> None:
     """e4m3 experts with block (or per-channel) scales against the per-expert loop on their dequantized values."""
     for seed, (tokens, experts, top_k, hidden_size, width, idle, block) in enumerate(FP8_CASES):
         g = torch.Generator().manual_seed(200 + seed)
         hidden = torch.randn(tokens, hidden_size, generator=g).to(device, dtype)
-        gate_up, gate_up_scales = fp8_experts(torch.randn(experts, 2 * width, hidden_size, generator=g) * 0.2, block)
-        down, down_scales = fp8_experts(torch.randn(experts, hidden_size, width, generator=g) * 0.2, block)
+        gate_up, gate_up_scales = quantize_experts(torch.randn(experts, 2 * width, hidden_size, generator=g) * 0.2,
+                                                   block or (1, hidden_size))
+        down, down_scales = quantize_experts(torch.randn(experts, hidden_size, width, generator=g) * 0.2,
+                                             block or (1, width))
         weights, ids = route(separated_logits(tokens, experts, seed, idle), top_k, True)
         expected = experts_reference(hidden.double().cpu(), dequantize_experts(gate_up, gate_up_scales, torch.float64),
                                      dequantize_experts(down, down_scales, torch.float64), weights.double(), ids)
