@@ -17,15 +17,22 @@ RECOMPILE_LIMIT = 64
 
 
 def configure_compiler() -> None:
-    """The process-wide dynamo setting the fused ops need; idempotent, called at worker start-up
-    (ModelRunner construction), never on import."""
+    """The process-wide dynamo setting the fused ops need; idempotent, made before the first compile,
+    never on import."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
 
 def fused_on_cuda(fn: Callable) -> Callable:
-    compiled = torch.compile(fn, dynamic=True)  # compiles lazily, on the first CUDA call
+    """`fn`, compiled on the first CUDA call. torch.compile is only reached then: importing dynamo and
+    inductor costs ~3 s of CPU, which a process that never computes on CUDA (a CPU worker, a test)
+    does not pay."""
+    @functools.cache
+    def compiled() -> Callable:
+        configure_compiler()
+        return torch.compile(fn, dynamic=True)
 
     @functools.wraps(fn)
     def dispatch(x: torch.Tensor, *args):
-        return compiled(x, *args) if x.is_cuda else fn(x, *args)
+        return compiled()(x, *args) if x.is_cuda else fn(x, *args)
+    dispatch.compiled = compiled
     return dispatch

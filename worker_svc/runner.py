@@ -17,7 +17,6 @@ from nanoserve_kernels.compile_watch import warn_on_compiles
 from nanoserve_kernels.fp8_reference import FP8_DTYPE
 from nanoserve_kernels.kv_quant import bytes_per_row, is_quantized, kv_cache_dtype, scales_shape
 from nanoserve_model.checkpoint import CONFIG_FILES, weight_files
-from nanoserve_model.compiled import configure_compiler
 from nanoserve_model.config import ModelConfig, resolve_dtype
 from nanoserve_model.loader import load_model
 from nanoserve_model.parallel import broadcast_from_first_rank, tp_rank, tp_world_size
@@ -81,13 +80,11 @@ class ModelRunner:
     StepRequest) is validated against the sequence table, staged into the step buffers, run through
     one forward pass and, on rank 0, sampled.
 
-    Construction is the worker's start-up: it makes the process settings the model needs, loads
-    the weights, and (on CUDA) measures what serving needs beside the KV cache to learn how many KV
+    Construction is the worker's start-up: it loads the weights, and (on CUDA) measures what serving needs beside the KV cache to learn how many KV
     blocks fit; the KV cache itself waits for allocate_kv_cache, which takes the block count every
     rank agreed on, and captures the graphs over it."""
 
     def __init__(self, config: WorkerConfig):
-        configure_compiler()
         self.config = config
         if (tp_rank(), tp_world_size()) != (config.rank, config.tensor_parallel_size):
             raise ValueError(f"rank {config.rank} of {config.tensor_parallel_size} was asked for, but this "

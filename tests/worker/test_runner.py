@@ -171,17 +171,20 @@ def test_pipelined_decode_feeds_in_its_own_tokens(runner):
     assert len(set(plain[3])) > 3
 
 
-def test_process_settings_are_made_by_the_runner_not_on_import(tiny_model_dir):
-    """Importing the model changes no process-wide setting; constructing a runner (the worker's
-    start-up) raises dynamo's recompile limit for the fused ops."""
+def test_process_settings_are_made_by_the_first_compile_not_on_import(tiny_model_dir):
+    """Importing the model changes no process-wide setting, and a CPU runner (the worker's start-up)
+    loads no compiler at all (dynamo's import alone costs seconds of CPU); the fused ops' compile,
+    on the first CUDA call, raises dynamo's recompile limit before it compiles."""
     code = f"""
-import torch
-default = torch._dynamo.config.recompile_limit
+import sys, torch
 import nanoserve_model.qwen3, nanoserve_model.sampler, worker_svc.runner
 from nanoserve_model.compiled import RECOMPILE_LIMIT
+from nanoserve_model.norm import add_rms_norm, rms_norm
 from worker_svc.config import WorkerConfig
-assert torch._dynamo.config.recompile_limit == default < RECOMPILE_LIMIT
 worker_svc.runner.ModelRunner(WorkerConfig(model={str(tiny_model_dir)!r}, device="cpu", num_kv_blocks=8))
+assert "torch._dynamo" not in sys.modules
+assert torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT
+assert rms_norm.compiled() is rms_norm.compiled() is not add_rms_norm.compiled()
 assert torch._dynamo.config.recompile_limit == RECOMPILE_LIMIT
 """
     repo = Path(__file__).resolve().parents[2]
