@@ -45,7 +45,7 @@ def layer_matrices(name: str, layer: nn.Module, packed_modules: dict[str, tuple[
         return []
     slices = layer.weight_slices()
     last = list(slices)[-1]
-    return [Matrix(source, layer.weight.checkpoint_shapes[shard_id], *slices[shard_id][:3], shard_id != last)
+    return [Matrix(source, layer.weight.checkpoint_shapes[shard_id], *slices[shard_id], shard_id != last)
             for source, shard_id in checkpoint_modules(name, packed_modules).items()]
 
 
