@@ -60,7 +60,6 @@ def tile_grid(block_m: int, fp8: bool) -> list[dict]:
     return [tile for tile in grid if not fp8 or tile["BLOCK_K"] <= FP8_BLOCK[1]]
 
 
-
 def time_us(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=20) * 1e3
 
