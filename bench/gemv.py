@@ -79,7 +79,8 @@ def sweep(call, weights: list, k: int, fp8: str | None) -> dict[tuple[int, int, 
     """Seconds per call of every (block_n, block_k, warps) whose column tile fits the row twice at most
     (e4m3 rows are half as long in bytes, so one more row count)."""
     timings = {}
-    for block_n, block_k, warps in itertools.product((2, 4, 8, 16) if fp8 else (1, 2, 4, 8), (1024, 2048, 4096), (4, 8)):
+    block_ns = (2, 4, 8, 16) if fp8 else (1, 2, 4, 8)
+    for block_n, block_k, warps in itertools.product(block_ns, (1024, 2048, 4096), (4, 8)):
         if block_k > 2 * triton_pow2(k):
             continue
         timings[block_n, block_k, warps] = time_per_call(
@@ -131,8 +132,8 @@ def main() -> None:
                 del weights
                 weights, weight_bytes = fp8_weights(w, args.fp8), w.numel()
                 ours = time_per_call(fp8_call(lambda w, **t: gemv(x, w, **t), args.fp8, k), weights)
-            entry = dict(model=model, layer=name, n=n, k=k, tiles=tiles(k, fp8=bool(args.fp8))[:2], cublas_us=cublas * 1e6,
-                         gemv_us=ours * 1e6, cublas_tbps=w.nbytes / cublas / 1e12,
+            entry = dict(model=model, layer=name, n=n, k=k, tiles=tiles(k, fp8=bool(args.fp8))[:2],
+                         cublas_us=cublas * 1e6, gemv_us=ours * 1e6, cublas_tbps=w.nbytes / cublas / 1e12,
                          gemv_tbps=weight_bytes / ours / 1e12, fp8=args.fp8)
             line = (f"{model:<5}{name:<8}{n:>7}{k:>7}  {str(entry['tiles']):<11}{entry['cublas_us']:>9.2f}"
                     f"{entry['gemv_us']:>9.2f}{entry['cublas_tbps']:>8.2f}{entry['gemv_tbps']:>8.2f}")

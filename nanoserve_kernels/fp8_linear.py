@@ -3,8 +3,9 @@ batch size: one row reads W through the matrix-vector kernel, dequantizing in re
 (triton_gemv.py); larger batches take what fp8_configs.py chose for the shape and bucket: the
 weight-only GEMM against the 16-bit activations (small decode batches), or the activations quantized
 per token and 128 columns (triton_fp8_quant.py) and the W8A8 GEMM, ours (triton_fp8_gemm.py) or torch's
-blockwise scaled_mm (for gate/up followed by the SiLU-and-mul pass, where cuBLAS's rate repays it). Off CUDA, and for scale blocks the kernels do not tile, the plain-torch reference.
-Every path has fixed shapes for a given row count, so the step graphs capture it.
+blockwise scaled_mm (for gate/up followed by the SiLU-and-mul pass, where cuBLAS's rate repays it).
+Off CUDA, and for scale blocks the kernels do not tile, the plain-torch reference. Every path has
+fixed shapes for a given row count, so the step graphs capture it.
 
 The projections' fusions take the same kernels: the RMSNorm before q/k/v and gate/up at one row is
 the matrix-vector kernel's prologue (triton_gemv.rms_norm_gemv with the weight's scales), and the

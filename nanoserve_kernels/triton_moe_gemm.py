@@ -8,19 +8,42 @@ accumulators and writes silu(gate) * up: the [pairs, 2 d] gate/up output never g
 GEMM reads the pair's activation row and multiplies its rows by their routing weights in float32 before
 the one rounding. Programs past the step's padded rows return at once (the grid is the static bound).
 float32 inputs multiply in full precision (tests, the CPU-equal path), never TF32.
+With FP8 experts (e4m3 weights, float32 scales per block of each expert's matrix, moe_reference.BlockScales)
+the GEMMs are weight-only, as triton_fp8_gemm.py's mode of that name: each weight tile is converted to the
+activations' dtype in registers (exact) and its product scaled per output column by the tile's block scale
+as it is added into the float32 accumulator; BLOCK_K divides the blocks' 128 columns, so a step has one
+scale per column. Activations are never quantized here (no W8A8).
 The rounding of SiLU-and-mul is the unfused path's: gate and up rounded to the model dtype first.
 """
+import math
+
 import torch
 import triton
 import triton.language as tl
 
+from nanoserve_kernels.moe_reference import BlockScales
 from nanoserve_kernels.triton_activation import silu_mul
 
 
 @triton.jit
+def _accumulate(acc, a, b_ptrs, b_mask, scale_ptrs, col_ok, FP8_WEIGHTS: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a @ one BLOCK_K step's weight tile; an e4m3 tile converted to a's dtype (exact) and its
+    product scaled per output column by the step's block scale, in float32."""
+    b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+    if FP8_WEIGHTS:
+        scale = tl.load(scale_ptrs, mask=col_ok, other=0.0)
+        acc += tl.dot(a, b.to(a.dtype), input_precision=PRECISION) * scale[None, :]
+    else:
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, pair_weights_ptr, sorted_pairs_ptr, block_experts_ptr,
-                         num_padded_ptr, n_size, k_size, num_pairs, stride_a, stride_be, stride_bn, stride_c,
+                         num_padded_ptr, b_scale_ptr, n_size, k_size, num_pairs, stride_a, stride_be, stride_bn,
+                         stride_c, stride_se, stride_sn, stride_sk,
                          PAIRS_PER_A_ROW: tl.constexpr, SILU_MUL: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
+                         FP8_WEIGHTS: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
     # Programs in groups of GROUP_M row blocks by every column block, so neighbours share input rows.
@@ -40,6 +63,8 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, pair_weights_ptr, sorted_pairs_ptr
     k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + (pair // PAIRS_PER_A_ROW).to(tl.int64)[:, None] * stride_a + k[None, :]
     b_ptrs = b_ptr + expert * stride_be + col.to(tl.int64)[None, :] * stride_bn + k[:, None]
+    scale_ptrs = b_scale_ptr + expert * stride_se + (col // SCALE_BN) * stride_sn  # FP8_WEIGHTS only
+    up_offset, up_scale_offset = n_size * stride_bn, (n_size // SCALE_BN) * stride_sn  # the up rows follow gate's
     col_ok = col < n_size
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if SILU_MUL:
@@ -47,11 +72,12 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, pair_weights_ptr, sorted_pairs_ptr
     for start in range(0, k_size, BLOCK_K):
         k_ok = k < k_size - start
         a = tl.load(a_ptrs + start, mask=is_pair[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(a, tl.load(b_ptrs + start, mask=k_ok[:, None] & col_ok[None, :], other=0.0), acc,
-                     input_precision=PRECISION)
-        if SILU_MUL:  # the up rows follow all n_size gate rows
-            up = tl.load(b_ptrs + n_size * stride_bn + start, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            up_acc = tl.dot(a, up, up_acc, input_precision=PRECISION)
+        b_mask = k_ok[:, None] & col_ok[None, :]
+        step_scales = scale_ptrs + (start // SCALE_BK) * stride_sk
+        acc = _accumulate(acc, a, b_ptrs + start, b_mask, step_scales, col_ok, FP8_WEIGHTS, PRECISION)
+        if SILU_MUL:
+            up_acc = _accumulate(up_acc, a, b_ptrs + up_offset + start, b_mask, step_scales + up_scale_offset,
+                                 col_ok, FP8_WEIGHTS, PRECISION)
     if SILU_MUL:
         dtype = c_ptr.dtype.element_ty
         acc = silu_mul(acc.to(dtype).to(tl.float32), up_acc.to(dtype).to(tl.float32))
@@ -73,19 +99,33 @@ def _sum_kernel(partial_ptr, out_ptr, size, TOP_K: tl.constexpr, BLOCK: tl.const
 
 def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
                  block_experts: torch.Tensor, num_padded: torch.Tensor, num_pairs: int, pairs_per_a_row: int,
-                 launch: dict, silu_mul: bool = False, pair_weights: torch.Tensor | None = None) -> torch.Tensor:
+                 launch: dict, silu_mul: bool = False, pair_weights: torch.Tensor | None = None,
+                 scales: BlockScales | None = None) -> torch.Tensor:
     """out [num_pairs, n] = for each pair p: a[p // pairs_per_a_row] @ weights[expert of p].T, n rows of
     weights [experts, n (2 n with silu_mul), K]; with silu_mul, silu of the first n rows' output times the
-    next n rows'; with pair_weights [num_pairs] float32, each row times its weight. `launch`: BLOCK_M (the
-    sort's), BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages."""
+    next n rows'; with pair_weights [num_pairs] float32, each row times its weight; with `scales`, weights
+    are e4m3 and each expert's matrix is dequantized by its blocks' scales (weight-only: a stays 16-bit).
+    `launch`: BLOCK_M (the sort's), BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages; with block scales
+    BLOCK_K is cut to divide the blocks' columns."""
     n_size = weights.shape[1] // 2 if silu_mul else weights.shape[1]
+    k_size = weights.shape[2]
     assert a.stride(1) == weights.stride(2) == out.stride(1) == 1 and out.shape[1] == n_size
     tiles = {name: launch[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
+    scale_ptr, scale_strides, scale_block = weights, (0, 0, 0), (1, 1)  # without FP8 weights: never read
+    if scales is not None:
+        scale_ptr, scale_block = scales
+        per_row = scale_ptr.shape[2] == 1  # one scale along K (per channel, or K within one block): stride 0
+        scale_strides = (*scale_ptr.stride()[:2], 0 if per_row else scale_ptr.stride(2))
+        assert not silu_mul or n_size % scale_block[0] == 0, (n_size, scale_block)  # up's scales start a row
+        if not per_row:
+            tiles["BLOCK_K"] = math.gcd(tiles["BLOCK_K"], scale_block[1])  # a step within one scale block
+            assert tiles["BLOCK_K"] >= 16, f"scale blocks of {scale_block[1]} columns: K steps need 16 at least"
     grid = (block_experts.numel() * triton.cdiv(n_size, tiles["BLOCK_N"]),)
-    _grouped_gemm_kernel[grid](a, weights, out, pair_weights, sorted_pairs, block_experts, num_padded, n_size,
-                               weights.shape[2], num_pairs, a.stride(0), weights.stride(0), weights.stride(1),
-                               out.stride(0), PAIRS_PER_A_ROW=pairs_per_a_row, SILU_MUL=silu_mul,
-                               MUL_WEIGHTS=pair_weights is not None, **tiles,
+    _grouped_gemm_kernel[grid](a, weights, out, pair_weights, sorted_pairs, block_experts, num_padded, scale_ptr,
+                               n_size, k_size, num_pairs, a.stride(0), weights.stride(0), weights.stride(1),
+                               out.stride(0), *scale_strides, PAIRS_PER_A_ROW=pairs_per_a_row, SILU_MUL=silu_mul,
+                               MUL_WEIGHTS=pair_weights is not None, FP8_WEIGHTS=scales is not None,
+                               SCALE_BN=scale_block[0], SCALE_BK=scale_block[1], **tiles,
                                PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=launch["num_warps"],
                                num_stages=launch["num_stages"])
     return out

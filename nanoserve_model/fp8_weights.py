@@ -82,37 +82,47 @@ class QuantizedAtLoad:
         return dequantize_weight(quantized, scale, self.scheme.weight_block(quantized.shape[1]))
 
 
-def new_weight(layer: nn.Module, rows: int, columns: int) -> nn.Parameter:
-    """The layer's weight [rows, columns] as it is being built: e4m3 beside a `weight_scale` parameter
-    and its `weight_block` under fp8_storage, else in the default dtype with `weight_scale` None."""
+def new_weight(layer: nn.Module, rows: int, columns: int, name: str = "weight", stacked: int | None = None
+               ) -> nn.Parameter:
+    """The layer's weight `name` [rows, columns] (one such per expert when `stacked`: [stacked, rows, columns])
+    as it is being built: e4m3 beside a `{name}_scale` parameter and its `{name}_block` under fp8_storage,
+    else in the default dtype with `{name}_scale` None."""
+    lead = () if stacked is None else (stacked,)
     scheme = storage_scheme()
     if scheme is None:
-        layer.weight_scale, layer.weight_block = None, None
-        return nn.Parameter(torch.empty(rows, columns))
-    layer.weight_block = scheme.weight_block(columns)
-    layer.weight_scale = nn.Parameter(torch.empty(scheme.scales_shape(rows, columns), dtype=torch.float32),
-                                      requires_grad=False)
-    return nn.Parameter(torch.empty(rows, columns, dtype=FP8_DTYPE), requires_grad=False)
+        setattr(layer, f"{name}_scale", None)
+        setattr(layer, f"{name}_block", None)
+        return nn.Parameter(torch.empty(*lead, rows, columns))
+    setattr(layer, f"{name}_block", scheme.weight_block(columns))
+    setattr(layer, f"{name}_scale", nn.Parameter(torch.empty(*lead, *scheme.scales_shape(rows, columns),
+                                                             dtype=torch.float32), requires_grad=False))
+    return nn.Parameter(torch.empty(*lead, rows, columns, dtype=FP8_DTYPE), requires_grad=False)
 
 
-def unquantize_storage(layer: nn.Module, dtype: torch.dtype) -> None:
-    """A layer built under fp8_storage that the checkpoint leaves unquantized: `dtype` after all (its
-    weight loader, kept, now takes unquantized tensors)."""
-    if layer.weight_scale is None:
+def unquantize_storage(layer: nn.Module, dtype: torch.dtype, name: str = "weight") -> None:
+    """A weight built under fp8_storage that the checkpoint leaves unquantized: `dtype` after all (its
+    weight loader and checkpoint names, kept, now take unquantized tensors)."""
+    if getattr(layer, f"{name}_scale") is None:
         return
-    old = layer.weight
-    layer.weight = nn.Parameter(torch.empty(old.shape, device=old.device, dtype=dtype))
-    layer.weight.weight_loader, layer.weight.checkpoint_shapes = old.weight_loader, old.checkpoint_shapes
-    layer.weight_scale, layer.weight_block = None, None
+    old = getattr(layer, name)
+    new = nn.Parameter(torch.empty(old.shape, device=old.device, dtype=dtype))
+    new.__dict__.update(old.__dict__)  # weight_loader, checkpoint_shapes (and checkpoint_names when stacked)
+    setattr(layer, name, new)
+    setattr(layer, f"{name}_scale", None)
+    setattr(layer, f"{name}_block", None)
 
 
 def copy_weight(layer: nn.Module, dim: int, destination: int, loaded: CheckpointTensor | Fp8Source, start: int,
-                length: int) -> None:
+                length: int, name: str = "weight", expert: int | None = None) -> None:
     """The loaded weight's `length` rows (dim 0) or columns (dim 1) from `start` into the layer's weight
-    from `destination`: e4m3 values and their scales into an FP8 layer, the model dtype into another."""
-    if layer.weight_scale is None:
-        layer.weight.data.narrow(dim, destination, length).copy_(loaded.narrow(dim, start, length))
+    `name` (of `expert`, when stacked) from `destination`: e4m3 values and their scales into an FP8
+    weight, the model dtype into another."""
+    weight, scale, block = (getattr(layer, name + suffix) for suffix in ("", "_scale", "_block"))
+    weight = weight.data if expert is None else weight.data[expert]
+    if scale is None:
+        weight.narrow(dim, destination, length).copy_(loaded.narrow(dim, start, length))
         return
+    scale = scale.data if expert is None else scale.data[expert]
     quantized, scales = loaded.narrow_quantized(dim, start, length)
-    layer.weight.data.narrow(dim, destination, length).copy_(quantized)
-    layer.weight_scale.data.narrow(dim, destination // layer.weight_block[dim], scales.shape[dim]).copy_(scales)
+    weight.narrow(dim, destination, length).copy_(quantized)
+    scale.narrow(dim, destination // block[dim], scales.shape[dim]).copy_(scales)

@@ -69,9 +69,9 @@ class ColumnParallelLinear(nn.Module):
         part = self.parts[shard_id]
         param.data.narrow(0, self.offsets[shard_id], part.rows).copy_(loaded.narrow(0, part.start, part.rows))
 
-    def weight_slices(self) -> dict[int | str, tuple[int, int, int, int]]:
-        """Per checkpoint matrix: (dim, start, length, full length) of the slice this rank holds."""
-        return {shard_id: (0, part.start, part.rows, part.full_rows) for shard_id, part in self.parts.items()}
+    def weight_slices(self) -> dict[int | str, tuple[int, int, int]]:
+        """Per checkpoint matrix: (dim, start, length) of the slice this rank holds."""
+        return {shard_id: (0, part.start, part.rows) for shard_id, part in self.parts.items()}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.weight_scale, self.weight_block)
@@ -118,7 +118,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
-        self.rank, self.input_size = tp_rank(), input_size
+        self.rank = tp_rank()
         columns = divide(input_size, tp_world_size(), "input features")
         self.weight = set_weight_loader(new_weight(self, output_size, columns), self.load_columns,
                                         {None: (output_size, input_size)})
@@ -129,10 +129,10 @@ class RowParallelLinear(nn.Module):
         columns = param.shape[1]
         copy_weight(self, 1, 0, loaded, self.rank * columns, columns)
 
-    def weight_slices(self) -> dict[None, tuple[int, int, int, int]]:
-        """(dim, start, length, full length) of the checkpoint weight's slice this rank holds."""
+    def weight_slices(self) -> dict[None, tuple[int, int, int]]:
+        """(dim, start, length) of the checkpoint weight's slice this rank holds."""
         columns = self.weight.shape[1]
-        return {None: (1, self.rank * columns, columns, self.input_size)}
+        return {None: (1, self.rank * columns, columns)}
 
     @staticmethod
     def load_whole(param: nn.Parameter, loaded: CheckpointTensor) -> None:

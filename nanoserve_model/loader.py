@@ -2,8 +2,8 @@
 reading only its shard, or (load format `dummy`) with random values generated on the device from the
 config alone. Checkpoint tensors that do not match the model one to one (missing, unexpected,
 mis-shaped) are errors found from the files' headers, before any weight is read. With an FP8 scheme
-(nanoserve_model/quantization.py) the quantized layers hold e4m3 weights on CUDA and load dequantized
-elsewhere (nanoserve_model/fp8_weights.py); each reads its scales with its weight."""
+(nanoserve_model/quantization.py) the quantized layers and experts hold e4m3 weights on CUDA and load
+dequantized elsewhere (nanoserve_model/fp8_weights.py); each reads its scales with its weight."""
 import contextlib
 import zlib
 from contextlib import ExitStack
@@ -94,7 +94,7 @@ def expected_tensors(model: DecoderForCausalLM) -> dict[str, Target]:
             module = name.rpartition(".")[0]
             expected |= {f"{module}.{tensor}": Target(param, shard_id) for tensor, shard_id in stacked.items()}
             continue
-        if name.endswith(".weight_scale"):  # an FP8 layer's scales: read with its weight (Fp8Plan)
+        if not hasattr(param, "weight_loader"):  # FP8 scales: read with their weight (Fp8Plan)
             continue
         packed = [(source, target, shard_id) for source, (target, shard_id) in model.packed_modules.items()
                   if f".{target}." in name]

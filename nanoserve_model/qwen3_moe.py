@@ -37,9 +37,6 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     @classmethod
     def moe_config(cls, raw_config: dict, where: str) -> MoeConfig:
-        if raw_config.get("quantization_config"):
-            raise ConfigError(f"{where}: `quantization_config`: quantized experts are not supported; serve the "
-                              "bf16 checkpoint (--quantization fp8 quantizes its attention and dense layers)")
         for field, feature in UNSUPPORTED.items():
             if raw_config.get(field):
                 raise ConfigError(f"{where}: `{field}` is {raw_config[field]!r}: {feature} is not supported")

@@ -1,7 +1,8 @@
 """Qwen3-MoE over two tensor-parallel ranks on two GPUs (each expert's width split in two, one NCCL
 all-reduce a layer), CUDA graphs on, against one rank on one GPU, in float32 (the GEMMs' dots in full
 precision): the checkpoint's routers clear the margin on the sequences run (moe_models), so both group
-sizes route alike.
+sizes route alike; and the same over its block-FP8 copy, each rank holding its half of every e4m3 expert
+with its scales.
 
 Needs two GPUs, from the repo root:
     PYTHONPATH=.:proto python3 -m pytest tests/gpu/test_moe_tensor_parallel_gpu.py -q
@@ -29,9 +30,9 @@ def sequences(hf) -> dict[str, list[int]]:
             **{f"greedy{i}": p + hf_greedy(hf, p, GREEDY_TOKENS) for i, p in PROMPTS.items()}}
 
 
-@pytest.fixture(scope="module")
-def model() -> str:
-    return str(moe_model("tp-gpu", sequences, SHAPE_128 | MOE_128)[0])
+@pytest.fixture(scope="module", params=[False, True], ids=["unquantized", "fp8"])
+def model(request) -> str:
+    return str(moe_model("tp-gpu", sequences, SHAPE_128 | MOE_128, fp8=request.param)[0])
 
 
 def _rank(rank: int, port: int, model_dir: str, out: str) -> None:

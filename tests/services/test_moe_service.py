@@ -2,7 +2,8 @@
 one all-reduce a layer) generate transformers' greedy tokens for concurrent prompts, one of them
 prefilled in two chunks and one a prefix-cache hit; and two ranks driven by hand give the logits one
 rank gives. The checkpoint is the top-8-of-16 variant with a dense first layer (moe_models), its
-routers clear of near-ties on every sequence run here."""
+routers clear of near-ties on every sequence run here, and its block-FP8 copy (every expert in e4m3 with
+per-expert block scales, dequantized at load on CPU), whose oracle is transformers on its dequantized weights."""
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanoserve.client import Client
-from tests.services.processes import free_port, running_service
+from tests.services.processes import DEVICE, free_port, running_service
 from tests.services.test_tensor_parallel import SCHEDULER_FLAGS, WORKER_FLAGS, token_prompt
 from tests.worker.moe_models import hf_greedy, moe_model
 from tests.worker.worker_steps import StepWriter, cpu_runner
@@ -32,12 +33,32 @@ def model():
     return moe_model(VARIANT, sequences)
 
 
+@pytest.fixture(scope="module")
+def fp8_model():
+    """The variant's block-FP8 copy (16 x 16 blocks: each rank's half of an expert is whole blocks), and
+    transformers on its dequantized weights."""
+    return moe_model(VARIANT, sequences, fp8=True)
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_greedy_tokens_are_transformers_over_one_and_two_ranks(model, ranks, tmp_path):
+    assert_serves_transformers_greedy_tokens(model, ranks, tmp_path)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on CUDA the experts stay e4m3: tests/gpu/test_moe_fp8_gpu.py")
+def test_an_fp8_checkpoint_over_two_ranks_gives_transformers_greedy_tokens_on_its_dequantized_weights(fp8_model,
+                                                                                                      tmp_path):
+    info = assert_serves_transformers_greedy_tokens(fp8_model, 2, tmp_path)
+    assert (info.quantization, info.weight_dtype) == ("fp8, 16x16 blocks, dequantized at load", "float32")
+
+
+def assert_serves_transformers_greedy_tokens(model, ranks: int, tmp_path: Path):
+    """The concurrent prompts, then the prefix-cache hit, through the services; returns the model info."""
     path, hf, run = model
     expected = [run[str(i)][len(p):] for i, p in enumerate([*PROMPTS, CACHED])]
     with running_service(path, tmp_path / "services.log", tensor_parallel_size=ranks, worker_flags=WORKER_FLAGS,
                          scheduler_flags=SCHEDULER_FLAGS) as svc, Client(svc["address"]) as client:
+        info = client.model_info()
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             results = list(pool.map(lambda p: client.generate(p, max_tokens=MAX_TOKENS, temperature=0,
                                                               ignore_eos=True), PROMPTS))
@@ -45,6 +66,7 @@ def test_greedy_tokens_are_transformers_over_one_and_two_ranks(model, ranks, tmp
         cached = client.generate(CACHED, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
         assert cached.token_ids == expected[-1] and cached.usage.cached_prompt_tokens == 64
     assert "(Qwen3MoeForCausalLM)" in (tmp_path / "services.log").read_text()
+    return info
 
 
 PREFILL = {1: token_prompt(20), 2: token_prompt(7), 3: token_prompt(33)}
@@ -66,8 +88,9 @@ def _run_rank(rank: int, port: int, path: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_two_ranks_give_one_ranks_logits(model, tmp_path):
-    path = model[0]
+@pytest.mark.parametrize("checkpoint", ["model", "fp8_model"])
+def test_two_ranks_give_one_ranks_logits(request, checkpoint, tmp_path):
+    path = request.getfixturevalue(checkpoint)[0]
     mp.spawn(_run_rank, args=(free_port(), str(path), str(tmp_path)), nprocs=2)
     two = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     for ours, one in zip(two[0], _steps(cpu_runner(path, BLOCK_SIZE, NUM_KV_BLOCKS))):

@@ -3,7 +3,10 @@ compare with transformers, and the guard that makes those comparisons meaningful
 and (k+1)-th router logits nearly tie may pick a different expert in two correct implementations (their
 roundings differ by ~1e-6), so a checkpoint is only used once every token of every sequence the tests
 run clears MARGIN in every sparse layer. A checkpoint that does not gets its routers re-drawn from the
-next seed, deterministically, so every machine uses the same one."""
+next seed, deterministically, so every machine uses the same one. Each variant has a block-FP8 copy too
+(its experts in e4m3), whose oracle is transformers on the copy's dequantized weights."""
+import os
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -11,6 +14,8 @@ import torch
 
 from nanoserve_cli.cache import cache_dir
 from nanoserve_cli.demo_model import TINY_MOE, WEIGHT_STD, config_json, random_weights, write_checkpoint
+from nanoserve_cli.fp8_checkpoint import write_fp8_checkpoint
+from tests.worker.fp8_models import TINY_BLOCK, write_dequantized
 
 VARIANTS = {
     # 3 layers, 8 experts, top-2, renormalised
@@ -53,20 +58,40 @@ def _redraw_routers(weights: dict[str, torch.Tensor], seed: int) -> dict[str, to
             for name, tensor in weights.items()}
 
 
-def moe_model(variant: str, sequences: Callable[[torch.nn.Module], dict[str, list[int]]], shape: dict | None = None
-              ) -> tuple[Path, torch.nn.Module, dict[str, list[int]]]:
+def _checkpoint(variant: str, shape: dict, redraw: int) -> Path:
+    path = cache_dir() / f"tiny-qwen3-moe-{variant}-r{redraw}"
+    if not (path / "model.safetensors").exists():  # written last: its presence means a whole build
+        weights = random_weights(False, shape, family="qwen3_moe")
+        write_checkpoint(path, config_json(False, shape, family="qwen3_moe"),
+                         _redraw_routers(weights, redraw) if redraw else weights)
+    return path
+
+
+def _fp8_copies(source: Path) -> tuple[Path, Path]:
+    """(the block-FP8 copy of `source`, its dequantized weights unquantized), built once into the cache."""
+    fp8, dequantized = source.with_name(source.name + "-fp8"), source.with_name(source.name + "-fp8-dequantized")
+    for path, write in ((fp8, lambda target: write_fp8_checkpoint(source, target, "fp8", TINY_BLOCK)),
+                        (dequantized, lambda target: write_dequantized(fp8, target))):
+        if not (path / "model.safetensors").exists():
+            staged = write(path.with_name(f"{path.name}.{os.getpid()}.staged"))
+            shutil.rmtree(path, ignore_errors=True)
+            staged.rename(path)
+    return fp8, dequantized
+
+
+def moe_model(variant: str, sequences: Callable[[torch.nn.Module], dict[str, list[int]]], shape: dict | None = None,
+              fp8: bool = False) -> tuple[Path, torch.nn.Module, dict[str, list[int]]]:
     """The variant's checkpoint (cached), transformers' model of it and `sequences(hf)` (the sequences
     the tests run: prompts and transformers' continuations), routers re-drawn until every token of
     those clears MARGIN, so no comparison rests on a lucky tie-break. `shape`: a variant of the caller's
-    own, named `variant`."""
+    own, named `variant`. `fp8`: the checkpoint's block-FP8 copy (every expert's matrices in e4m3 with
+    TINY_BLOCK scales, the routers unquantized, as Qwen's), transformers holding its dequantized weights."""
     shape = shape or VARIANTS[variant]
     for redraw in range(MAX_REDRAWS):
-        path = cache_dir() / f"tiny-qwen3-moe-{variant}-r{redraw}"
-        if not (path / "model.safetensors").exists():  # written last: its presence means a whole build
-            weights = random_weights(False, shape, family="qwen3_moe")
-            write_checkpoint(path, config_json(False, shape, family="qwen3_moe"),
-                             _redraw_routers(weights, redraw) if redraw else weights)
-        hf = hf_model(path)
+        path = oracle = _checkpoint(variant, shape, redraw)
+        if fp8:
+            path, oracle = _fp8_copies(path)
+        hf = hf_model(oracle)
         run = sequences(hf)
         if min(router_margin(hf, seq) for seq in run.values()) > MARGIN:
             return path, hf, run

@@ -1,9 +1,10 @@
 """The fused MoE kernels (nanoserve_kernels/fused_moe.py) against the plain per-expert loop
 (moe_reference.py) on CPU through Triton's interpreter, in float32 and float16 (its bf16 dot is wrong):
 routing, sort-and-pad, and whole layers at batch 1 and with experts that get no token, with tiles that
-leave tails in every dimension. Each case runs in a fresh process with TRITON_INTERPRET=1 set from the
+leave tails in every dimension, their experts in the model dtype or e4m3 with block (or per-channel) scales
+(against the loop on the dequantized weights). Each case runs in a fresh process with TRITON_INTERPRET=1 set from the
 start (as tests/worker/test_triton_kernels.py explains); tests/gpu/test_moe_gpu.py reuses the checks in
-bf16 on CUDA. Also: the GEMM compiles for sm_90 in bf16."""
+bf16 on CUDA. Also: the GEMM compiles for sm_90 in bf16, of bf16 and of e4m3 experts."""
 import json
 import os
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoserve_kernels.moe_reference import experts_reference, route
+from nanoserve_kernels.moe_reference import BlockScales, dequantize_experts, experts_reference, quantize_experts, route
 from tests.worker.test_triton_kernels import each_in_its_own_group
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,6 +23,11 @@ SMALL_TILES = dict(BLOCK_M=16, gate_up=dict(BLOCK_N=16, BLOCK_K=32, GROUP_M=2, n
                    down=dict(BLOCK_N=32, BLOCK_K=16, GROUP_M=1, num_warps=4, num_stages=2))
 # (tokens, experts, top_k, hidden, expert width, experts left without a token)
 LAYER_CASES = ((1, 8, 2, 64, 32, 0), (5, 8, 2, 72, 24, 3), (33, 16, 4, 48, 40, 5))
+# FP8 experts: (tokens, experts, top_k, hidden, expert width, idle experts, scale block; None: per channel).
+# Widths are whole row blocks (gate packs up right after it); hidden 72 leaves a K tail inside gate/up's last
+# block and a row tail in down's last block.
+FP8_CASES = ((1, 8, 2, 64, 32, 0, (16, 32)), (5, 8, 2, 72, 32, 3, (16, 32)), (17, 16, 4, 48, 48, 5, (16, 16)),
+             (7, 8, 2, 40, 24, 2, None))
 
 
 def separated_logits(tokens: int, experts: int, seed: int, idle: int = 0, device: str = "cpu") -> torch.Tensor:
@@ -99,6 +105,27 @@ def check_layers(fused_experts, device: str, dtype: torch.dtype, launches: tuple
             assert error < TOLERANCE[dtype], (tokens, experts, top_k, dtype, how, error)
 
 
+def check_fp8_layers(fused_experts, device: str, dtype: torch.dtype, launches: tuple[dict | None, ...]) -> None:
+    """e4m3 experts with block (or per-channel) scales against the per-expert loop on their dequantized values."""
+    for seed, (tokens, experts, top_k, hidden_size, width, idle, block) in enumerate(FP8_CASES):
+        g = torch.Generator().manual_seed(200 + seed)
+        hidden = torch.randn(tokens, hidden_size, generator=g).to(device, dtype)
+        gate_up, gate_up_scales = quantize_experts(torch.randn(experts, 2 * width, hidden_size, generator=g) * 0.2,
+                                                   block or (1, hidden_size))
+        down, down_scales = quantize_experts(torch.randn(experts, hidden_size, width, generator=g) * 0.2,
+                                             block or (1, width))
+        weights, ids = route(separated_logits(tokens, experts, seed, idle), top_k, True)
+        expected = experts_reference(hidden.double().cpu(), dequantize_experts(gate_up, gate_up_scales, torch.float64),
+                                     dequantize_experts(down, down_scales, torch.float64), weights.double(), ids)
+        on = [t.to(device) for t in (gate_up, gate_up_scales.scale, down, down_scales.scale)]
+        scales = dict(gate_up_scales=BlockScales(on[1], gate_up_scales.block),
+                      down_scales=BlockScales(on[3], down_scales.block))
+        for launch in launches:
+            out = fused_experts(hidden, on[0], on[2], weights.to(device), ids.int().to(device), launch, **scales)
+            error = ((out.double().cpu() - expected).norm() / expected.norm()).item()
+            assert out.dtype == dtype and error < TOLERANCE[dtype], (tokens, experts, block, dtype, launch, error)
+
+
 def run_interpreted_cases(kernel: str) -> None:
     if kernel == "route":
         from nanoserve_kernels.triton_moe_routing import route as route_kernel
@@ -107,12 +134,17 @@ def run_interpreted_cases(kernel: str) -> None:
         from nanoserve_kernels.triton_moe_align import align_block_size, route_and_align
         check_align(align_block_size, "cpu")
         check_route_and_align(route_and_align, align_block_size, "cpu")
+    elif kernel == "fp8":  # float32 in full precision, float16 through the defaults' tiles too
+        from nanoserve_kernels.fused_moe import fused_experts
+        check_fp8_layers(fused_experts, "cpu", torch.float32, (SMALL_TILES,))
+        check_fp8_layers(fused_experts, "cpu", torch.float16, (SMALL_TILES, None))
     else:
         from nanoserve_kernels.fused_moe import fused_experts
         check_layers(fused_experts, "cpu", getattr(torch, kernel), (SMALL_TILES, None))
 
 
-@pytest.mark.parametrize("kernel", each_in_its_own_group("moe-interpreter", ("route", "align", "float32", "float16")))
+@pytest.mark.parametrize("kernel", each_in_its_own_group("moe-interpreter", ("route", "align", "float32", "float16",
+                                                                     "fp8")))
 def test_moe_kernels_match_the_reference_in_interpreter(kernel: str) -> None:
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath}
@@ -134,10 +166,12 @@ def test_a_step_takes_the_config_tuned_for_the_next_batch_size_up(monkeypatch, t
     moe_launch.tuned_configs.cache_clear()
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "e4m3"])
 @pytest.mark.parametrize("silu_mul, block_m", [(True, 16), (False, 64)])
-def test_grouped_gemm_compiles_for_hopper_in_bf16(silu_mul: bool, block_m: int) -> None:
+def test_grouped_gemm_compiles_for_hopper_in_bf16(silu_mul: bool, block_m: int, fp8: bool) -> None:
     """The interpreter runs float32 dots without wgmma: each GEMM's bf16 form must compile for sm_90, with
-    the epilogue it has (SiLU-and-mul for gate/up, the routing weights for down)."""
+    the epilogue it has (SiLU-and-mul for gate/up, the routing weights for down), of bf16 experts and of
+    e4m3 ones with 128 x 128 block scales (their tiles converted to bf16 in registers)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -145,9 +179,11 @@ def test_grouped_gemm_compiles_for_hopper_in_bf16(silu_mul: bool, block_m: int) 
     from nanoserve_kernels import triton_moe_gemm
     from tests.worker.test_triton_kernels import _hopper_signature
     kernel = triton_moe_gemm._grouped_gemm_kernel
-    types = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "pair_weights_ptr": "*fp32",
-             "sorted_pairs_ptr": "*i32", "block_experts_ptr": "*i32", "num_padded_ptr": "*i32"}
+    types = {"a_ptr": "*bf16", "b_ptr": "*fp8e4nv" if fp8 else "*bf16", "c_ptr": "*bf16", "pair_weights_ptr": "*fp32",
+             "sorted_pairs_ptr": "*i32", "block_experts_ptr": "*i32", "num_padded_ptr": "*i32",
+             "b_scale_ptr": "*fp32" if fp8 else "*bf16"}
     constexprs = dict(PAIRS_PER_A_ROW=8 if silu_mul else 1, SILU_MUL=silu_mul, MUL_WEIGHTS=not silu_mul,
+                      FP8_WEIGHTS=fp8, SCALE_BN=128 if fp8 else 1, SCALE_BK=128 if fp8 else 1,
                       BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, PRECISION="tf32")
     source = ASTSource(kernel, _hopper_signature(kernel, types), constexprs=constexprs)
     options = dict(num_warps=4, num_stages=3)

@@ -99,10 +99,10 @@ def test_moe_layers_hold_every_expert_stacked(variant):
         assert torch.equal(experts.down_proj, layer.mlp.experts.down_proj)
 
 
-def test_online_fp8_quantizes_attention_and_keeps_the_experts(top2):
-    """--quantization fp8 (dequantized at load on CPU) quantizes q/k/v and o and leaves the experts and
-    router as they are: the logits are transformers' once its attention holds the same dequantized
-    weights (the routers still clear the margin on the prompt)."""
+def test_online_fp8_quantizes_attention_and_the_experts_and_keeps_the_routers(top2):
+    """--quantization fp8 (dequantized at load on CPU) quantizes q/k/v, o and every expert and leaves the
+    routers as they are: the logits are transformers' once it holds the same dequantized weights (the
+    routers still clear the margin on the prompt)."""
     path, _, run = top2
     runner, writer = cpu_runner(path, BLOCK_SIZE, quantization="fp8"), StepWriter(BLOCK_SIZE)
     logits = runner.step_logits(writer.request(writer.entry(0, PREFILL[4], reset=True)))
@@ -114,9 +114,12 @@ def test_online_fp8_quantizes_attention_and_keeps_the_experts(top2):
                                                             attention.k_proj.weight.shape[0],
                                                             attention.v_proj.weight.shape[0]])
             assert not torch.equal(q, attention.q_proj.weight)  # quantized
-            for weight, into in ((q, attention.q_proj), (k, attention.k_proj), (v, attention.v_proj),
-                                 (ours.self_attn.o_proj.weight, attention.o_proj)):
-                into.weight.copy_(weight)
-            assert torch.equal(ours.mlp.experts.gate_up_proj, theirs.mlp.experts.gate_up_proj)
+            assert not torch.equal(ours.mlp.experts.down_proj, theirs.mlp.experts.down_proj)
+            for weight, into in ((q, attention.q_proj.weight), (k, attention.k_proj.weight),
+                                 (v, attention.v_proj.weight), (ours.self_attn.o_proj.weight, attention.o_proj.weight),
+                                 (ours.mlp.experts.gate_up_proj, theirs.mlp.experts.gate_up_proj),
+                                 (ours.mlp.experts.down_proj, theirs.mlp.experts.down_proj)):
+                into.copy_(weight)
+            assert torch.equal(ours.mlp.gate.weight, theirs.mlp.gate.weight)
     assert router_margin(hf, PREFILL[4]) > MARGIN
     assert_close(logits[0], hf_logits(hf, PREFILL[4])[-1])
