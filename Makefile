@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 export PYTHONPATH := $(CURDIR):$(CURDIR)/proto
+# The tests start hundreds of Python processes, each compiling what it imports where no bytecode is
+# cached (uv writes none at install): the first import writes it, whatever the environment says.
+unexport PYTHONDONTWRITEBYTECODE
 # The demo model and tokenizer live where `nanoserve up` keeps them: $NANOSERVE_CACHE, else ~/.cache/nanoserve.
 PROTOS := proto/nanoserve/v1/llm.proto proto/nanoserve/v1/worker.proto
 PORT ?= 50051
