@@ -76,6 +76,8 @@ class Subscriber:
         self.context = zmq.Context()
         self.sub = self.context.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self.sub.setsockopt(zmq.RECONNECT_IVL, 10)  # a publisher bound later is joined within ~10 ms
+        self.monitor = self.sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.sub.connect(endpoint)
         self.replay_socket = self.context.socket(zmq.DEALER)
         self.replay_socket.connect(replay_endpoint)
@@ -83,6 +85,13 @@ class Subscriber:
 
     def close(self) -> None:
         self.context.destroy(linger=0)
+
+    def wait_joined(self, timeout: float = 30) -> None:
+        """Blocks until the SUB socket has met the publisher (a PUB drops what it sends before a
+        subscriber joins: a loaded machine can take longer to join than a short run takes to publish)."""
+        assert self.monitor.poll(int(timeout * 1000)), "the subscriber never reached the publisher"
+        self.monitor.recv_multipart()
+        time.sleep(0.1)  # its subscription, sent right after the handshake, reaches the publisher
 
     def live(self, timeout: float) -> dict[int, bytes]:
         """Sequence -> payload of the batches that arrive until none has for `timeout` seconds."""

@@ -56,6 +56,7 @@ def test_replayed_events_reproduce_the_cached_hashes(tmp_path):
                             replay_endpoint=f"tcp://127.0.0.1:{free_port()}", topic="kv@test")
     subscriber = Subscriber(config.endpoint, config.replay_endpoint)
     publisher = KVEventPublisher(config, BLOCK_SIZE)
+    subscriber.wait_joined()
     scheduler = Scheduler(SchedulerConfig(num_kv_blocks=40, block_size=BLOCK_SIZE, max_model_len=120,
                                           max_num_seqs=6, max_num_batched_tokens=32), publisher.log)
     try:
