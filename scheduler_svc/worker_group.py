@@ -15,6 +15,14 @@ from scheduler_svc.step_plan import StepPlan
 
 log = logging.getLogger("nanoserve.scheduler")
 
+# How often a rank that is not serving yet is asked again: a restarted rank is taken within this of
+# its load ending (a loading rank answers UNAVAILABLE at once, so asking costs it nothing).
+HANDSHAKE_POLL_SECONDS = 0.2
+# A channel to a rank that refused connections (restarting) waits this long before it tries again;
+# gRPC's default backoff grows from 1 s to 120 s, and a restarted rank waited seconds to be seen.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 200)]
+
 
 class WorkerUnavailable(Exception):
     """A rank could not be reached, failed a step or hung; the message names it. `final`: it
@@ -49,7 +57,7 @@ class WorkerGroup:
         self.step_timeout = step_timeout
         self.session_id = secrets.token_hex(16)
         self.metadata = ((SESSION_KEY, self.session_id),) + (((TOKEN_KEY, TOKEN_SCHEME + token),) if token else ())
-        self.channels = [open_aio_channel(a, tls, options=GRPC_OPTIONS) for a in addresses]
+        self.channels = [open_aio_channel(a, tls, options=GRPC_OPTIONS + RECONNECT_OPTIONS) for a in addresses]
         self.stubs = [worker_pb2_grpc.WorkerStub(c) for c in self.channels]
         self.infos: list[worker_pb2.WorkerInfo] = []
         self.streams: list = []
@@ -122,7 +130,7 @@ class WorkerGroup:
                 if now >= next_log:
                     log.info("waiting for %s (%s: %s)", self.name(rank), err.code().name, err.details())
                     next_log = now + 10
-                await asyncio.sleep(1)
+                await asyncio.sleep(HANDSHAKE_POLL_SECONDS)
 
     def _check_agreement(self) -> None:
         first = self.infos[0]

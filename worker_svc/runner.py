@@ -40,6 +40,7 @@ from worker_svc.platform_info import describe_platform
 from worker_svc.prefill_graphs import token_buckets
 from worker_svc.sampling_extras import SamplingExtras
 from worker_svc.sequence_table import SequenceTable, StepWork
+from worker_svc.startup_phases import StartupPhases
 from worker_svc.step_buffers import StepBuffers
 from worker_svc.step_inputs import StepInputs, build_step_inputs
 
@@ -84,8 +85,9 @@ class ModelRunner:
     blocks fit; the KV cache itself waits for allocate_kv_cache, which takes the block count every
     rank agreed on, and captures the graphs over it."""
 
-    def __init__(self, config: WorkerConfig):
+    def __init__(self, config: WorkerConfig, phases: StartupPhases | None = None):
         self.config = config
+        self.phases = phases or StartupPhases()
         if (tp_rank(), tp_world_size()) != (config.rank, config.tensor_parallel_size):
             raise ValueError(f"rank {config.rank} of {config.tensor_parallel_size} was asked for, but this "
                              f"process is rank {tp_rank()} of {tp_world_size()} in torch.distributed")
@@ -93,6 +95,7 @@ class ModelRunner:
                        else torch.device("cpu"))
         self.platform = describe_platform(self.device)
         log.info("rank %d runs on %s", config.rank, self.platform)
+        self.phases.end("distributed+CUDA")
         path, self.model_config = fetch_checkpoint(config)
         self.dtype = resolve_dtype(config.dtype, self.model_config)
         self.max_model_len = self.model_config.context_limit(config.max_model_len)
@@ -119,7 +122,9 @@ class ModelRunner:
         self.graphs: StepGraphs | None = None
         self.buffers = StepBuffers(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
                                    config.block_size, self.device)
+        self.phases.end("weights")
         self.max_kv_blocks = self._max_kv_blocks()
+        self.phases.end("KV profile")
         log.info("rank %d: %s (%s%s) in %s, weights in %s%s, %s attention, room for %d KV blocks of %d tokens in %s",
                  config.rank, config.model, self.model_config.architecture,
                  ", dummy weights" if config.load_format == "dummy" else "", self.dtype, self._weight_dtype(),
@@ -249,9 +254,11 @@ class ModelRunner:
             log.info("rank %d: captured %d decode and %d prefill buckets in %.1fs; they hold %.2f GiB",
                      self.config.rank, len(self.graphs.decode.buckets), len(self.graphs.prefill.buckets),
                      time.perf_counter() - started, (self._reserved_bytes() - reserved) / 2**30)
+        self.phases.end("graphs")
         if self.device.type == "cuda":
             self._first_steps(num_blocks)
             warn_on_compiles(log)
+        self.phases.end("first steps")
 
     def _first_steps(self, num_blocks: int) -> None:
         """The longest prefill a step can hold, then a two-token prefill, a mixed step (its decode

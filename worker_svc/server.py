@@ -21,6 +21,7 @@ from worker_svc.guard import WorkerGuard
 from worker_svc.launched_step import MAX_STEPS_IN_FLIGHT, LaunchedStep, RefusedStep
 from worker_svc.preflight import StartupError, check_startup
 from worker_svc.sessions import Sessions
+from worker_svc.startup_phases import StartupPhases
 from worker_svc.stopping import StoppedWhileLoading, WorkerStop
 from worker_svc.watchdog import StepWatchdog
 
@@ -56,6 +57,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def AllocateKVCache(self, request, context) -> worker_pb2.AllocateKVCacheResponse:
         self._require_runner(context)
         with self.lock:
+            if not self.runner.phases.logged:
+                self.runner.phases.end("handshake")  # serving, until a scheduler allocated the cache
             try:
                 self.runner.allocate_kv_cache(request.num_blocks)
             except ValueError as err:
@@ -64,6 +67,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 exit_broken_rank(f"allocating the KV cache failed: {err!r}")
         freeze_start_up_objects()  # the model, its compiled kernels and graphs: nothing a collection need walk
         log.info("KV cache allocated: %d blocks", request.num_blocks)
+        self.runner.phases.log_ready(log, self.runner.config.rank)
         return worker_pb2.AllocateKVCacheResponse(num_blocks=request.num_blocks)
 
     def Step(self, requests: Iterator[worker_pb2.StepRequest], context) -> Iterator[worker_pb2.StepResponse]:
@@ -134,7 +138,7 @@ _END = object()
 
 
 def serve_worker(config: WorkerConfig, host: str, port: int, tls: TLSFiles = TLSFiles(),
-                 token: str = "", shutdown_timeout: float = 0.0) -> int:
+                 token: str = "", shutdown_timeout: float = 0.0, phases: StartupPhases | None = None) -> int:
     """Takes the port first (a busy one fails before anything loads), answers UNAVAILABLE while the
     model loads, then serves until stopped (stopping.py); returns the exit status."""
     sys.setswitchinterval(GIL_SWITCH_SECONDS)
@@ -156,7 +160,7 @@ def serve_worker(config: WorkerConfig, host: str, port: int, tls: TLSFiles = TLS
     _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
     log.info("rank %d listening on %s%s while it loads", config.rank, address, " (TLS)" if tls.enabled else "")
     try:
-        service.runner = _load(config)
+        service.runner = _load(config, phases or StartupPhases())
     except (StartupError, StoppedWhileLoading) as err:
         server.stop(grace=0).wait()
         if isinstance(err, StoppedWhileLoading):
@@ -178,13 +182,14 @@ def serve_worker(config: WorkerConfig, host: str, port: int, tls: TLSFiles = TLS
     return 0
 
 
-def _load(config: WorkerConfig):
+def _load(config: WorkerConfig, phases: StartupPhases):
     from worker_svc.runner import ModelRunner
 
+    phases.end("imports")
     try:
         init_distributed(config)
         log.info("rank %d/%d loading %s", config.rank, config.tensor_parallel_size, config.model)
-        return ModelRunner(config)
+        return ModelRunner(config, phases)
     # ranks that cannot meet; a tensor-parallel size that does not divide the model, a missing file
     except (GroupError, ValueError, OSError) as err:
         raise StartupError(str(err)) from None
