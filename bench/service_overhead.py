@@ -32,6 +32,7 @@ import sys
 import time
 from concurrent import futures
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterator
 
 import grpc
@@ -43,6 +44,7 @@ from nanoserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 from nanoserve.wire import STEP_FORMAT  # noqa: E402
 from nanoserve_cli.cache import cache_dir  # noqa: E402
 from nanoserve_cli.launcher import free_port, stop_all, wait_serving  # noqa: E402
+from worker_svc.startup_phases import StartupPhases  # noqa: E402
 from latency import percentiles  # noqa: E402
 from throughput import drive, workload  # noqa: E402
 
@@ -73,6 +75,8 @@ class NullRunner:
         self.step_seconds, self.launch_seconds = step_ms / 1e3, launch_ms / 1e3
         self.device_free = None  # when the emulated device finishes the work queued so far
         self.idles: list[tuple[int, float]] = []  # (step id, the device's wait before it): decode steps
+        self.phases = StartupPhases()  # the worker service logs its start-up line from these two
+        self.config = SimpleNamespace(rank=0)
 
     def info(self) -> worker_pb2.WorkerInfo:
         return self.info_message
