@@ -212,6 +212,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.router and not args.gateways:
         p.error("--router needs the --gateways behind it")
+    if "power_of_two" in args.policies and not args.router and (len(args.gateways) or args.replicas) < 2:
+        p.error("SMG's power_of_two policy needs at least 2 replicas")
     if args.backend == "echo" and not args.gateways:
         args.tokenizer = None  # its prompts are words: it reads nothing
     else:
