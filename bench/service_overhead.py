@@ -76,6 +76,7 @@ class NullRunner:
         self.device_free = None  # when the emulated device finishes the work queued so far
         self.idles: list[tuple[int, float]] = []  # (step id, the device's wait before it): decode steps
         self.config, self.phases = WorkerConfig(tokenizer_dir), StartupPhases()  # the service logs them at start-up
+        self.kv_sized = True  # its KV pool is the fixed max_kv_blocks above: nothing to measure at the handshake
 
     def info(self) -> worker_pb2.WorkerInfo:
         return self.info_message
