@@ -14,7 +14,8 @@
 # The throughput runs (1 and 4) send from `clients` (2) client processes per GPU on both sides of each
 # comparison (bench/serve.py --client-processes): one Python client spends ~15-20 us of CPU a streamed
 # event, so two replicas' ~35k events/s nearly filled its core; each run's JSON records every client
-# process's CPU share (client.cpu_per_wall), and the summary the busiest one's.
+# process's CPU share (client.cpu_per_wall), and the summary the busiest one's; bench/client_ceiling.py
+# measures what 1 and 2 client processes take on this host (client_ceiling/ceiling.json).
 # A part that would not end in time is skipped (the summary says what is missing).
 # Carried wheels in .whl/ (smg, setproctitle, fastapi and its needs, uvicorn, grpcio-health-checking,
 # grpcio-reflection, ...: docs/scale-out.md lists them) are installed first.
@@ -81,6 +82,8 @@ if up "dp${gpus}_small" --model "$small" --data-parallel-size "$gpus"; then
     BENCH_URL=http://127.0.0.1:8001 bench ttft_replica_again "$small" "${ttft[@]}"; }
   down
 fi
+# what one client process takes against a paced SSE server (no GPU): the messages a second and their CPU price
+timeout 120 python3 bench/client_ceiling.py --out "$out/client_ceiling/ceiling.json" 2>&1 | tail -4
 [ "$mode" = dp ] && { python3 bench/scaleout_summary.py "$out" "$gpus"; exit; }
 # 3: the tenants' system prompts fill ~70% of the combined KV: 256 blocks of 256 tokens per replica. A
 # prompt is a 4,096-token system prompt and a 64-token question, so these runs need a longer
