@@ -1,10 +1,10 @@
 """Where each worker restart of a bench/chaos.py run spent its time, read from `nanoserve up`'s log
 (docs/recovery-time.md): from the kill to the scheduler seeing it ("worker group failed"), to the new
-rank's clock starting (its process created, or its standby reading the word to go, once its imports
-are done: the launcher's detection and back-off), the rank's start-up phases (its "ready in" line), to the scheduler's "worker group back",
-and on to the next token any client received after it. The parts add up to the recovery: the kill to
-that token (unlike chaos.py's own measure, never a token of a step that finished before the kill and
-arrived late)."""
+rank's clock starting (its process created, or its standby reading the word to go once its imports
+are done: the launcher's detection and back-off), the rank's start-up phases (its "ready in" line),
+to the scheduler's "worker group back", and on to the next token any client received after it. The
+parts add up to the recovery: the kill to that token (unlike chaos.py's own measure, never a token
+of a step that finished before the kill and arrived late)."""
 import bisect
 import math
 import re
