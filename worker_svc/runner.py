@@ -33,8 +33,8 @@ from nanoserve.wire import STEP_FORMAT
 from worker_svc.config import WorkerConfig
 from worker_svc.cuda_graphs import StepGraphs, batch_buckets
 from worker_svc.distributed import uses_cuda
-from worker_svc.grammar_masks import GrammarMasks
 from worker_svc.fingerprints import kv_sizing, model_fingerprint
+from worker_svc.grammar_masks import GrammarMasks
 from worker_svc.launched_step import LaunchedStep, StepClock
 from worker_svc.platform_info import describe_platform
 from worker_svc.prefill_graphs import token_buckets
