@@ -10,6 +10,7 @@ would have sent. Each process also reports the CPU seconds it spent on the run: 
 CPU second per second was the limit.
 """
 import asyncio
+import contextlib
 import multiprocessing
 import time
 from dataclasses import dataclass
@@ -72,7 +73,8 @@ class ClientProcesses:
 
     def close(self) -> None:
         for pipe in self.pipes:
-            pipe.send(None)
+            with contextlib.suppress(OSError):  # a process that died has said why on stderr already
+                pipe.send(None)
         for process in self.processes:
             process.join(timeout=30)
             if process.is_alive():
