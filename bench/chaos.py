@@ -7,13 +7,16 @@ killed replica is started again, as its supervisor would.
     python bench/chaos.py                                   # CPU, the demo model, 10 kills of a rank
     python bench/chaos.py --replicas 2 --kill replica --kills 3 --kill-every 20   # CPU, whole replicas
     python bench/chaos.py --model DIR --extra "--load-format dummy" --rate 8 --kills 10   # on a GPU
+    python bench/chaos.py --extra "--device cpu --num-kv-blocks 2048 --standby-workers" --kills 3  # standbys
     python bench/chaos.py --model DIR --replicas 2 --replica-gpus 0 1 --kill replica --rate 8 --kill-every 30
 
 Reports requests completed and failed (the target is 0 failed), the recovery time of each kill
 (the kill to the first token any request receives after it) and the extra latency per failure
 (mean end-to-end latency of the requests in flight at a kill, less that of the requests no kill
-touched). Tokens arriving in the first KILL_GRACE_SECONDS after a kill are steps that completed
-before it, still on their way, so they do not count as recovered. Prints a table, writes JSON.
+touched); for rank kills, where each restart's time went (bench/restart_split.py: detection, the
+rank's start-up phases, the handshake, the first token). Tokens arriving in the first
+KILL_GRACE_SECONDS after a kill are steps that completed before it, still on their way, so they do
+not count as recovered. Prints a table, writes JSON.
 """
 import argparse
 import json
@@ -34,7 +37,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "proto"), str(REPO / "bench")]
 
 from nanoserve.client import Client  # noqa: E402
+from nanoserve.standby import PROCESS_NAME as STANDBY_PROCESS_NAME  # noqa: E402
 from nanoserve_cli.launcher import free_port, wait_serving  # noqa: E402
+from restart_split import describe, restart_splits  # noqa: E402
 from serve import arrival_times, make_requests  # noqa: E402
 
 KILL_GRACE_SECONDS = 0.25
@@ -80,8 +85,17 @@ def run_request(addresses: list[str], spec: RequestSpec, t0: float, outcome: Out
 
 
 def worker_pids(launcher: subprocess.Popen) -> list[int]:
-    """The launcher's live worker ranks (their parent is the launcher, their command worker_svc)."""
-    return [pid for pid, argv in children(launcher) if b"worker_svc" in argv]
+    """The launcher's live worker ranks (their parent is the launcher, their command worker_svc), not
+    its waiting standbys (--standby-workers: they name themselves so)."""
+    return [pid for pid, argv in children(launcher)
+            if b"worker_svc" in argv.split(b"\0") and process_name(pid) != STANDBY_PROCESS_NAME]
+
+
+def process_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def children(launcher: subprocess.Popen) -> list[tuple[int, bytes]]:
@@ -119,8 +133,10 @@ class Replicas:
         cmd = [sys.executable, "-m", "nanoserve_cli", "up", "--port", str(port), "--worker-base-port",
                str(worker_port), "--max-worker-restarts", str(args.kills + 1),
                *(["--model", args.model] if args.model else []), *args.extra.split()]
-        log = self.log.with_name(f"{self.log.stem}_{index}{self.log.suffix}")
-        return subprocess.Popen(cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+        return subprocess.Popen(cmd, env=env, stdout=self.log_of(index).open("ab"), stderr=subprocess.STDOUT)
+
+    def log_of(self, index: int) -> Path:
+        return self.log.with_name(f"{self.log.stem}_{index}{self.log.suffix}")
 
     def kill_rank(self, rng: random.Random) -> bool:
         pids = [pid for launcher in self.launchers for pid in worker_pids(launcher)]
@@ -148,12 +164,14 @@ class Replicas:
             launcher.wait(timeout=60)
 
 
-def killer(replicas: Replicas, kill: str, every: float, count: int, kills: list[float], done: threading.Event) -> None:
+def killer(replicas: Replicas, kill: str, every: float, count: int, kills: list[tuple[float, float]],
+           done: threading.Event) -> None:
+    """Kills every `every` seconds; `kills` gets each kill's time, monotonic and wall clock (the logs')."""
     rng = random.Random(1)
     for _ in range(count):
         if done.wait(every):
             return
-        killed_at = time.monotonic()
+        killed_at = time.monotonic(), time.time()
         if (replicas.kill_replica if kill == "replica" else replicas.kill_rank)(rng):
             kills.append(killed_at)
 
@@ -200,12 +218,12 @@ def main() -> None:
     replicas = Replicas(args, out.with_suffix(".log"))
     specs = online_requests(args.rate, args.kills * args.kill_every + args.kill_every / 2)
     outcomes = [Outcome() for _ in specs]
-    kills: list[float] = []
+    kill_times: list[tuple[float, float]] = []
     done = threading.Event()
     t0 = time.monotonic()
     threads = [threading.Thread(target=run_request, args=(replicas.addresses, spec, t0, outcome), daemon=True)
                for spec, outcome in zip(specs, outcomes)]
-    chaos = threading.Thread(target=killer, args=(replicas, args.kill, args.kill_every, args.kills, kills, done),
+    chaos = threading.Thread(target=killer, args=(replicas, args.kill, args.kill_every, args.kills, kill_times, done),
                              daemon=True)
     try:
         for thread in threads:
@@ -216,9 +234,15 @@ def main() -> None:
     finally:
         done.set()
         replicas.stop()
+    kills = [at for at, _ in kill_times]
     result = summarize(specs, outcomes, kills) | {"command": " ".join(sys.argv), "rate": args.rate,
                                                   "kill_every_seconds": args.kill_every, "kill": args.kill,
                                                   "replicas": args.replicas}
+    if args.kill == "rank":
+        logs = [replicas.log_of(index) for index in range(args.replicas)]
+        to_wall = kill_times[0][1] - kill_times[0][0] if kill_times else 0.0  # monotonic to wall clock
+        tokens = sorted(to_wall + t for o in outcomes for t in o.token_times)
+        result["restarts"] = restart_splits(logs, [wall for _, wall in kill_times], tokens)
     out.write_text(json.dumps(result, indent=2))
     recovered = [r for r in result["recovery_seconds"] if r is not None]
     print(f"requests {result['requests']}: completed {result['completed']}, failed {result['failed']} "
@@ -226,6 +250,11 @@ def main() -> None:
     if recovered:
         print(f"kills {result['kills']}: recovery (kill to the next token) mean {statistics.mean(recovered):.2f} s, "
               f"max {max(recovered):.2f} s")
+    for number, split in enumerate(result.get("restarts", []), 1):
+        print(f"kill {number}: {describe(split)}")
+    if after_back := [split["recovery"] for split in result.get("restarts", []) if split["recovery"] is not None]:
+        print(f"recovery (kill to the first token after the group is back) mean {statistics.mean(after_back):.2f} s, "
+              f"max {max(after_back):.2f} s")
     if result["extra_latency_per_failure_seconds"] is not None:
         print(f"extra latency per failure {result['extra_latency_per_failure_seconds']:.2f} s "
               f"(e2e {result['mean_e2e_disturbed_seconds']:.2f} s in flight at a kill, "

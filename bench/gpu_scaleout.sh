@@ -11,6 +11,11 @@
 #      arrivals, sized to ~70% of the replicas' combined KV): SMG round robin against cache-aware;
 #   4. DP2 through SMG against TP2 direct, on the 0.6B and the 8B shapes (random weights, dummy load).
 # Every run through SMG also records how many requests each replica finished (bench/serve.py --replicas).
+# The throughput runs (1 and 4) send from `clients` (2) client processes per GPU on both sides of each
+# comparison (bench/serve.py --client-processes): one Python client spends ~15-20 us of CPU a streamed
+# event, so two replicas' ~35k events/s nearly filled its core; each run's JSON records every client
+# process's CPU share (client.cpu_per_wall), and the summary the busiest one's; bench/client_ceiling.py
+# measures what 1 and 2 client processes take on this host (client_ceiling/ceiling.json).
 # A part that would not end in time is skipped (the summary says what is missing).
 # Carried wheels in .whl/ (smg, setproctitle, fastapi and its needs, uvicorn, grpcio-health-checking,
 # grpcio-reflection, ...: docs/scale-out.md lists them) are installed first.
@@ -32,6 +37,7 @@ common=(--load-format dummy --attention-backend triton --max-model-len 4096 --sh
         --port 50051 --worker-base-port 50061 --openai-port 8000)
 url=http://127.0.0.1:8000
 design=(--request-rates inf --input-len 100 1024 --output-len 100 1024 --temperature 0.6)
+clients=2  # client processes per GPU in the throughput runs
 # one request in flight at a time: no request waits for another, so a TTFT difference is the path's
 ttft=(--request-rates inf --max-concurrency 1 --num-prompts 150 --input-len 512 512 --output-len 16 16)
 
@@ -63,18 +69,21 @@ in_time() { (( SECONDS - started < ${1:-480} )) || { echo "skipped (time): $2"; 
 
 # 1 and 2: one replica direct, then every GPU a replica behind SMG
 if up dp1_small --model "$small"; then
-  bench dp1_small "$small" "${design[@]}" --num-prompts 256
+  bench dp1_small "$small" "${design[@]}" --num-prompts 256 --client-processes $clients
   [ "$mode" = dp ] || bench ttft_direct_dp1 "$small" "${ttft[@]}"
   down
 fi
 if up "dp${gpus}_small" --model "$small" --data-parallel-size "$gpus"; then
-  bench "dp${gpus}_small" "$small" "${design[@]}" --num-prompts $((256 * gpus)) --replicas $(replicas "$gpus")
+  bench "dp${gpus}_small" "$small" "${design[@]}" --num-prompts $((256 * gpus)) --replicas $(replicas "$gpus") \
+    --client-processes $((clients * gpus))
   [ "$mode" = dp ] || {
     BENCH_URL=http://127.0.0.1:8001 bench ttft_replica "$small" "${ttft[@]}"
     bench ttft_router "$small" "${ttft[@]}" --replicas $(replicas "$gpus")
     BENCH_URL=http://127.0.0.1:8001 bench ttft_replica_again "$small" "${ttft[@]}"; }
   down
 fi
+# what one client process takes against a paced SSE server (no GPU): the messages a second and their CPU price
+timeout 120 python3 bench/client_ceiling.py --out "$out/client_ceiling/ceiling.json" 2>&1 | tail -4
 [ "$mode" = dp ] && { python3 bench/scaleout_summary.py "$out" "$gpus"; exit; }
 # 3: the tenants' system prompts fill ~70% of the combined KV: 256 blocks of 256 tokens per replica. A
 # prompt is a 4,096-token system prompt and a 64-token question, so these runs need a longer
@@ -95,10 +104,11 @@ for shape in big small; do
   in_time $([ "$shape" = big ] && echo 375 || { [ -n "$reuse" ] && echo 470 || echo 420; }) "DP2 against TP2 ($shape)" \
     || continue
   if [ -z "$reuse" ] && up "dp2_$shape" --model "$model" --data-parallel-size 2; then
-    bench "dp2_$shape" "$model" "${design[@]}" --num-prompts 512 --replicas $(replicas 2); down
+    bench "dp2_$shape" "$model" "${design[@]}" --num-prompts 512 --replicas $(replicas 2) \
+      --client-processes $((clients * 2)); down
   fi
   up "tp2_$shape" --model "$model" --tensor-parallel-size 2 \
-    && { bench "tp2_$shape" "$model" "${design[@]}" --num-prompts 512; down; }
+    && { bench "tp2_$shape" "$model" "${design[@]}" --num-prompts 512 --client-processes $((clients * 2)); down; }
 done
 python3 bench/scaleout_summary.py "$out" "$gpus"
 echo "done in $((SECONDS - started)) s"

@@ -18,9 +18,10 @@ _ERROR_LINE = re.compile(r'\b(ERROR|CRITICAL)\b|"level": "(ERROR|CRITICAL)"|^\w+
 class Child(subprocess.Popen):
     """A service process whose output passes through the launcher."""
 
-    def __init__(self, argv: list[str], env: dict[str, str] | None = None):
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None, stdin: int | None = None):
         env = {**(os.environ if env is None else env), LAUNCHER_PID_ENV: str(os.getpid())}
-        super().__init__(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        super().__init__(argv, env=env, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         start_new_session=True)
         self.last_error = ""
         self.relay = threading.Thread(target=self._relay, name=f"relay-{self.pid}", daemon=True)
         self.relay.start()

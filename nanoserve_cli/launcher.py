@@ -17,6 +17,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -27,7 +28,7 @@ from nanoserve.checkpoint import CONFIG_FILE, TOKENIZER_FILE, CheckpointError, c
 from nanoserve.healthcheck import SERVING, serving_status
 from nanoserve.listen import ListenError, check_port_free
 from nanoserve_cli import layout
-from nanoserve_cli.cache import demo_model_dir
+from nanoserve_cli.cache import compile_caches, demo_model_dir
 from nanoserve_cli.children import Child, describe, failure
 from nanoserve_cli.replica import Replica
 from nanoserve_cli.router import RouterMissing, router_command, wait_routing
@@ -147,22 +148,25 @@ def run_local(args: argparse.Namespace) -> int:
         print(f"nanoserve up: {err}", file=sys.stderr)
         return 1
     # Only this launcher's schedulers can drive its workers.
-    env = {**os.environ, "NANOSERVE_WORKER_TOKEN": os.environ.get("NANOSERVE_WORKER_TOKEN") or secrets.token_hex(16)}
-    replicas = [Replica(args, model, d, env, None if gpus is None else gpus[d], _say)
+    env = {**compile_caches(), **os.environ,
+           "NANOSERVE_WORKER_TOKEN": os.environ.get("NANOSERVE_WORKER_TOKEN") or secrets.token_hex(16)}
+    worker_exited = threading.Event()  # wakes the supervision loop at once
+    replicas = [Replica(args, model, d, env, None if gpus is None else gpus[d], _say, worker_exited)
                 for d in range(args.data_parallel_size)]
     for replica in replicas:
         replica.start()
     routers: list[subprocess.Popen] = []
     front = [proc for replica in replicas for proc in replica.front]
     try:
-        outcome = _serve(args, model, replicas, front, routers, router, env)
+        outcome = _serve(args, model, replicas, front, routers, router, env, worker_exited)
     finally:
         for replica in replicas:
             replica.release()
         # The router first (it stops sending and lets what went through it finish), then the replicas'
         # schedulers and gateways (they drain), then their workers.
         stop_in_order([routers, [proc for replica in replicas for proc in replica.front],
-                       [proc for replica in replicas for proc in replica.workers.procs]], args.shutdown_timeout,
+                       [proc for replica in replicas for proc in replica.workers.procs + replica.workers.standbys]],
+                       args.shutdown_timeout,
                       signals)
     if outcome:  # after the children's own last lines
         print(outcome, file=sys.stderr, flush=True)
@@ -170,7 +174,8 @@ def run_local(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, model: Path, replicas: list[Replica], front: list[subprocess.Popen],
-           routers: list[subprocess.Popen], router: list[str] | None, env: dict[str, str]) -> str:
+           routers: list[subprocess.Popen], router: list[str] | None, env: dict[str, str],
+           worker_exited: threading.Event) -> str:
     """Waits for the replicas (and the router) to serve, then keeps the worker groups running until
     a stop or a failure; returns "" for a stop, else the line that says what failed."""
     try:
@@ -185,9 +190,10 @@ def _serve(args: argparse.Namespace, model: Path, replicas: list[Replica], front
                          60)
         print(_serving_line(args, model, replicas), flush=True)
         while all(p.poll() is None for p in front):
+            worker_exited.clear()
             for replica in replicas:
                 replica.workers.check()
-            time.sleep(0.5)
+            worker_exited.wait(0.5)
         dead = next(p for p in front if p.poll() is not None)
         return f"nanoserve up: {failure(dead)}; stopped the others"
     except (RuntimeError, GaveUp) as err:

@@ -7,12 +7,14 @@ flag table, as `up` parsed them, plus the ones only the launcher can know (ports
 """
 import subprocess
 import sys
+import threading
 from argparse import Namespace
 from pathlib import Path
 from typing import Callable
 
 from nanoserve import flags
 from nanoserve.listen import PortReservation
+from nanoserve.standby import GO, STANDBY_ENV
 from nanoserve_cli import layout
 from nanoserve_cli.children import Child, describe, failure
 from nanoserve_cli.supervision import WorkerGroupSupervisor
@@ -48,18 +50,20 @@ class Replica:
     `workers` the ranks' supervisor."""
 
     def __init__(self, args: Namespace, model: Path, index: int, env: dict[str, str], gpus: list[str] | None,
-                 log: Callable[[str], None]):
+                 log: Callable[[str], None], wake: threading.Event | None = None):
         self.args, self.model, self.index = args, model, index
         # A replica on GPUs sees its own alone: rank r is cuda:r there, as with one replica.
         self.env = env if gpus is None else {**env, "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
         self.gpus = gpus
         # Held until the group it was picked for is replaced: rank 0 binds it only once torch is imported.
         self.meeting: list[PortReservation] = []
+        self.standby_meeting: list[PortReservation] = []  # in the standbys' command lines: the next group's
         self.workers = WorkerGroupSupervisor(self._start_workers,
                                              [f"127.0.0.1:{port}" for port in layout.worker_ports(args, index)],
                                              describe, failure, args.max_worker_restarts, args.step_timeout,
                                              log if args.data_parallel_size == 1 else
-                                             lambda line: log(f"{line} (replica {index})"))
+                                             lambda line: log(f"{line} (replica {index})"),
+                                             self._start_standbys if args.standby_workers else None, wake)
         self.front: list[subprocess.Popen] = []
 
     @property
@@ -81,16 +85,42 @@ class Replica:
         if self.args.openai_port:  # started now: it waits for the scheduler itself, and says so
             self.front.append(Child(gateway_command(self.args, self.index), self.env))
 
-    def _start_workers(self) -> list[subprocess.Popen]:
+    def _start_workers(self, standbys: list[subprocess.Popen]) -> list[subprocess.Popen]:
+        """The group: its standbys told to go on (they wait with its command lines), else fresh processes."""
         for held in self.meeting:
             held.release()
+        if standbys and _told_to_go(standbys):
+            self.meeting[:], self.standby_meeting[:] = self.standby_meeting, []
+            return standbys
+        self.workers.stop_standbys()
         self.meeting[:] = [PortReservation()]  # a fresh meeting point: the last group's may linger
-        dist_init_addr = f"127.0.0.1:{self.meeting[0].port}"
-        return [Child(worker_command(self.args, self.model, rank, dist_init_addr, self.index), self.env)
+        return self._start_ranks(self.env)
+
+    def _start_standbys(self) -> list[subprocess.Popen]:
+        for held in self.standby_meeting:
+            held.release()
+        self.standby_meeting[:] = [PortReservation()]
+        return self._start_ranks({**self.env, STANDBY_ENV: "1"}, standby=True)
+
+    def _start_ranks(self, env: dict[str, str], standby: bool = False) -> list[subprocess.Popen]:
+        dist_init_addr = f"127.0.0.1:{(self.standby_meeting if standby else self.meeting)[0].port}"
+        return [Child(worker_command(self.args, self.model, rank, dist_init_addr, self.index), env,
+                      stdin=subprocess.PIPE if standby else None)
                 for rank in range(self.args.tensor_parallel_size)]
 
     def release(self) -> None:
-        """Stops watching the ranks and lets the meeting port go (the processes are stopped elsewhere)."""
+        """Stops watching the ranks and lets the meeting ports go (the processes are stopped elsewhere)."""
         self.workers.liveness.stop()
-        for held in self.meeting:
+        for held in self.meeting + self.standby_meeting:
             held.release()
+
+
+def _told_to_go(standbys: list[subprocess.Popen]) -> bool:
+    """Writes GO to every standby; False if one is gone (the group then starts afresh)."""
+    try:
+        for proc in standbys:
+            proc.stdin.write(GO)
+            proc.stdin.flush()
+    except OSError:
+        return False
+    return True

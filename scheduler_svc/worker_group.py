@@ -15,6 +15,14 @@ from scheduler_svc.step_plan import StepPlan
 
 log = logging.getLogger("nanoserve.scheduler")
 
+# How often a rank that is not serving yet is asked again: a restarted rank is taken within this of
+# its load ending (a loading rank answers UNAVAILABLE at once, so asking costs it nothing).
+HANDSHAKE_POLL_SECONDS = 0.2
+# A channel to a rank that refused connections (restarting) waits this long before it tries again;
+# gRPC's default backoff grows from 1 s to 120 s, and a restarted rank waited seconds to be seen.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 200)]
+
 
 class WorkerUnavailable(Exception):
     """A rank could not be reached, failed a step or hung; the message names it. `final`: it
@@ -43,22 +51,26 @@ class WorkerGroup:
     they are hung."""
 
     def __init__(self, addresses: list[str], token: str = "", tls: TLSFiles = TLSFiles(),
-                 step_timeout: float | None = None):
+                 step_timeout: float | None = None, kv_offer: tuple[int, list[str]] | None = None):
         self.addresses = addresses
         self.token, self.tls = token, tls
         self.step_timeout = step_timeout
+        self.kv_offer = kv_offer  # (blocks, each rank's kv_sizing) a previous group served with
         self.session_id = secrets.token_hex(16)
         self.metadata = ((SESSION_KEY, self.session_id),) + (((TOKEN_KEY, TOKEN_SCHEME + token),) if token else ())
-        self.channels = [open_aio_channel(a, tls, options=GRPC_OPTIONS) for a in addresses]
+        self.channels = [open_aio_channel(a, tls, options=GRPC_OPTIONS + RECONNECT_OPTIONS) for a in addresses]
         self.stubs = [worker_pb2_grpc.WorkerStub(c) for c in self.channels]
         self.infos: list[worker_pb2.WorkerInfo] = []
         self.streams: list = []
         self.num_blocks = 0
         self.max_steps_in_flight = 0  # the smallest any rank reports: steps sent ahead of the replies
 
-    def renewed(self) -> "WorkerGroup":
-        """A new group (and session) on the same workers, for after this one failed."""
-        return WorkerGroup(self.addresses, self.token, self.tls, self.step_timeout)
+    def renewed(self, offer_kv_pool: bool = False) -> "WorkerGroup":
+        """A new group (and session) on the same workers, for after this one failed; with
+        offer_kv_pool, it offers restarted ranks this group's KV pool (they take it where their
+        configuration is unchanged instead of measuring memory again; the pool keeps its shape)."""
+        offer = (self.num_blocks, [info.kv_sizing for info in self.infos]) if offer_kv_pool and self.infos else None
+        return WorkerGroup(self.addresses, self.token, self.tls, self.step_timeout, offer)
 
     def name(self, rank: int) -> str:
         return f"worker rank {rank} at {self.addresses[rank]}"
@@ -106,11 +118,16 @@ class WorkerGroup:
             raise WorkerUnavailable(f"{self.name(rank)} failed to allocate its KV cache: {err.details()}") from err
 
     async def _describe(self, rank: int, timeout: float) -> worker_pb2.WorkerInfo:
+        """The rank's answer once it has loaded; its first answer may take a forward pass (sizing its KV room)."""
         deadline = time.monotonic() + timeout
         next_log = 0.0
+        request = worker_pb2.DescribeRequest()
+        if self.kv_offer is not None:
+            request.num_kv_blocks, request.kv_sizing = self.kv_offer[0], self.kv_offer[1][rank]
         while True:
             try:
-                return await self.stubs[rank].Describe(worker_pb2.DescribeRequest(), timeout=5, metadata=self.metadata)
+                return await self.stubs[rank].Describe(request, timeout=max(1.0, deadline - time.monotonic()),
+                                                       metadata=self.metadata)
             except grpc.aio.AioRpcError as err:
                 now = time.monotonic()
                 if err.code() in _FINAL_CODES:
@@ -122,7 +139,7 @@ class WorkerGroup:
                 if now >= next_log:
                     log.info("waiting for %s (%s: %s)", self.name(rank), err.code().name, err.details())
                     next_log = now + 10
-                await asyncio.sleep(1)
+                await asyncio.sleep(HANDSHAKE_POLL_SECONDS)
 
     def _check_agreement(self) -> None:
         first = self.infos[0]

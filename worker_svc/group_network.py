@@ -44,8 +44,10 @@ def gloo_backend(config: WorkerConfig) -> str:
         options._timeout = timeout
         return dist.ProcessGroupGloo(store, rank, size, options)
 
+    # Registered for CUDA too, as torch's own gloo is: a group made while the default (NCCL) group is
+    # bound to a GPU asks its backend for that device, and a CPU-only registration has none.
     if BOUND_GLOO not in dist.Backend.backend_list:
-        dist.Backend.register_backend(BOUND_GLOO, create, devices=["cpu"])
+        dist.Backend.register_backend(BOUND_GLOO, create, devices=["cpu", "cuda"])
     return BOUND_GLOO
 
 

@@ -21,6 +21,7 @@ from worker_svc.guard import WorkerGuard
 from worker_svc.launched_step import MAX_STEPS_IN_FLIGHT, LaunchedStep, RefusedStep
 from worker_svc.preflight import StartupError, check_startup
 from worker_svc.sessions import Sessions
+from worker_svc.startup_phases import StartupPhases
 from worker_svc.stopping import StoppedWhileLoading, WorkerStop
 from worker_svc.watchdog import StepWatchdog
 
@@ -49,9 +50,24 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     def Describe(self, request, context) -> worker_pb2.WorkerInfo:
         self._require_runner(context)
+        if not self.runner.kv_sized:
+            with self.lock:  # the first one sizes the KV room, which may take a forward pass
+                self._size_kv_cache(request)
         info = self.runner.info()
         info.max_steps_in_flight = self.depth
         return info
+
+    def _size_kv_cache(self, request: worker_pb2.DescribeRequest) -> None:
+        """Once: takes the offered pool where it was sized for this rank's configuration, else
+        measures; a rank with no room for a KV cache cannot serve and exits, saying why."""
+        runner = self.runner
+        if runner.kv_sized:
+            return
+        runner.phases.end("handshake")  # serving, until a scheduler asked
+        try:
+            runner.size_kv_cache(request.num_kv_blocks if request.kv_sizing == runner.kv_sizing else 0)
+        except Exception as err:  # no room for it; on CUDA, the measuring forward's collectives or device
+            exit_broken_rank(f"rank {runner.config.rank} cannot serve {runner.config.model}: {err}")
 
     def AllocateKVCache(self, request, context) -> worker_pb2.AllocateKVCacheResponse:
         self._require_runner(context)
@@ -64,6 +80,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 exit_broken_rank(f"allocating the KV cache failed: {err!r}")
         freeze_start_up_objects()  # the model, its compiled kernels and graphs: nothing a collection need walk
         log.info("KV cache allocated: %d blocks", request.num_blocks)
+        self.runner.phases.log_ready(log, self.runner.config.rank)
         return worker_pb2.AllocateKVCacheResponse(num_blocks=request.num_blocks)
 
     def Step(self, requests: Iterator[worker_pb2.StepRequest], context) -> Iterator[worker_pb2.StepResponse]:
@@ -134,7 +151,7 @@ _END = object()
 
 
 def serve_worker(config: WorkerConfig, host: str, port: int, tls: TLSFiles = TLSFiles(),
-                 token: str = "", shutdown_timeout: float = 0.0) -> int:
+                 token: str = "", shutdown_timeout: float = 0.0, phases: StartupPhases | None = None) -> int:
     """Takes the port first (a busy one fails before anything loads), answers UNAVAILABLE while the
     model loads, then serves until stopped (stopping.py); returns the exit status."""
     sys.setswitchinterval(GIL_SWITCH_SECONDS)
@@ -156,7 +173,7 @@ def serve_worker(config: WorkerConfig, host: str, port: int, tls: TLSFiles = TLS
     _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
     log.info("rank %d listening on %s%s while it loads", config.rank, address, " (TLS)" if tls.enabled else "")
     try:
-        service.runner = _load(config)
+        service.runner = _load(config, phases or StartupPhases())
     except (StartupError, StoppedWhileLoading) as err:
         server.stop(grace=0).wait()
         if isinstance(err, StoppedWhileLoading):
@@ -178,13 +195,14 @@ def serve_worker(config: WorkerConfig, host: str, port: int, tls: TLSFiles = TLS
     return 0
 
 
-def _load(config: WorkerConfig):
+def _load(config: WorkerConfig, phases: StartupPhases):
     from worker_svc.runner import ModelRunner
 
+    phases.end("imports")
     try:
         init_distributed(config)
         log.info("rank %d/%d loading %s", config.rank, config.tensor_parallel_size, config.model)
-        return ModelRunner(config)
+        return ModelRunner(config, phases)
     # ranks that cannot meet; a tensor-parallel size that does not divide the model, a missing file
     except (GroupError, ValueError, OSError) as err:
         raise StartupError(str(err)) from None

@@ -226,8 +226,11 @@ FLAGS = (
     Flag("--worker-base-port", WORKER_PORT, "rank r of replica d listens on this port + d x "
          "--tensor-parallel-size + r", ("up",), limits=PORTS),
     Flag("--max-worker-restarts", 10, "restarts of a failed worker group in a row (each after a longer pause, up "
-         "to 30s) before up gives up and stops; a group that has run a minute resets the count", ("up",),
+         "to 30s) before up gives up and stops; a group that has served for 10s resets the count", ("up",),
          limits=(0, 2**31 - 1)),
+    Flag("--standby-workers", False, "keep a standby process per worker rank, its imports done (about 1 GB of "
+         "host memory each, no GPU memory), that takes the rank's place when its group is restarted: a restart "
+         "skips process start and imports", ("up",)),
     Flag("--openai-port", 0, "also start the OpenAI-compatible gateway, listening on --host at this port; "
          "0 = no gateway. With --data-parallel-size > 1 the router listens here, replica d's gateway on "
          "127.0.0.1 at this port + 1 + d and the router's metrics at this port + 1 + the replica count",

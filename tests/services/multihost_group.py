@@ -63,8 +63,8 @@ class Group:
         self.restarts = 0
         self.stopped = threading.Event()
         if policy == "group":
-            self.supervisor = WorkerGroupSupervisor(self._start_all, self.addresses, self._describe, self._failure,
-                                                    max_restarts=5, hang_seconds=300, log=self._note)
+            self.supervisor = WorkerGroupSupervisor(lambda _standbys: self._start_all(), self.addresses, self._describe,
+                                                    self._failure, max_restarts=5, hang_seconds=300, log=self._note)
             self.supervisor.start()
         else:
             self.procs = self._start_all()
