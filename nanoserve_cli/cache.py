@@ -20,7 +20,7 @@ def bench_model_dir() -> Path:
 
 
 def compile_caches() -> dict[str, str]:
-    """Where `up`'s workers keep Triton's and Inductor's compiled kernels (unless the environment says):
-    here rather than in /tmp, so that a restarted worker, or a container whose cache is a volume,
-    loads them instead of compiling again."""
-    return {"TRITON_CACHE_DIR": str(cache_dir() / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(cache_dir() / "inductor")}
+    """Where `up`'s workers keep Triton's compiled kernels (unless the environment says): here rather
+    than in /tmp, so that a restarted worker, or a container whose cache is a volume, loads them
+    instead of compiling again."""
+    return {"TRITON_CACHE_DIR": str(cache_dir() / "triton")}

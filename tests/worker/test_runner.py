@@ -188,21 +188,16 @@ def test_pipelined_decode_feeds_in_its_own_tokens(runner):
     assert len(set(plain[3])) > 3
 
 
-def test_process_settings_are_made_by_the_first_compile_not_on_import(tiny_model_dir):
-    """Importing the model changes no process-wide setting, and a CPU runner (the worker's start-up)
-    loads no compiler at all (dynamo's import alone costs seconds of CPU); the fused ops' compile,
-    on the first CUDA call, raises dynamo's recompile limit before it compiles."""
+def test_a_worker_loads_no_compiler(tiny_model_dir):
+    """Importing the model and starting a runner loads neither dynamo nor inductor (their import alone
+    costs seconds of CPU, and compiling took seconds of every GPU worker's start): the fused ops are
+    Triton kernels, whose compiled forms load from Triton's cache."""
     code = f"""
-import sys, torch
+import sys
 import nanoserve_model.qwen3, nanoserve_model.sampler, worker_svc.runner
-from nanoserve_model.compiled import RECOMPILE_LIMIT
-from nanoserve_model.norm import add_rms_norm, rms_norm
 from worker_svc.config import WorkerConfig
 worker_svc.runner.ModelRunner(WorkerConfig(model={str(tiny_model_dir)!r}, device="cpu", num_kv_blocks=8))
-assert "torch._dynamo" not in sys.modules
-assert torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT
-assert rms_norm.compiled() is rms_norm.compiled() is not add_rms_norm.compiled()
-assert torch._dynamo.config.recompile_limit == RECOMPILE_LIMIT
+assert not {{"torch._dynamo", "torch._inductor"}} & set(sys.modules), sorted(m for m in sys.modules if "_dynamo" in m)
 """
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "proto")])}
