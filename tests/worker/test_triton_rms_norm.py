@@ -2,19 +2,14 @@
 float64 from the same inputs and against the plain function of nanoserve_model/norm.py (run as the
 interpreter's float32 here; on CUDA, tests/gpu/test_kernels_gpu.py compares it in bf16 with what
 torch.compile makes of the plain function, the kernel it replaced). The interpreter must be set
-before the kernel's module is imported, so the cases run in a process of their own."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
+before the kernel's module is imported, so the cases run in a process of their own
+(tests/worker/interpreter.py)."""
 import pytest
 import torch
 
 from nanoserve_model.norm import rms_normalize
 from tests.worker.test_triton_kernels import TOLERANCE, assert_nearly_same, relative_error
 
-REPO = Path(__file__).resolve().parents[2]
 # (rows, columns): a masked tail, a Qwen3 hidden size, one row, no rows; and a 3-d input (tokens, heads, dim)
 SHAPES = ((5, 1000), (3, 1024), (1, 7), (0, 64), (2, 3, 128))
 
@@ -55,19 +50,13 @@ def check_rms_norm(device: str, dtype: torch.dtype, plain_differ: float, compile
         assert_nearly_same(got_norm, expected_norm, plain_differ, ("add and norm", shape))
 
 
-@pytest.mark.xdist_group("interpreter-rms_norm")
-def test_rms_norm_kernel_matches_the_references_in_the_interpreter() -> None:
-    pythonpath = os.pathsep.join(filter(None, [str(REPO), str(REPO / "proto"), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath}
-    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-
-
-if __name__ == "__main__":
-    from tests.worker.test_triton_kernels import _fix_interpreter_for_numpy_2_4, _stand_in_for_libdevice
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    _fix_interpreter_for_numpy_2_4()
-    _stand_in_for_libdevice()
-    # float32 on both sides: the plain function's summation order is torch's, the kernel's numpy's,
-    # and with a residual the plain function takes its statistics from the rounded sum: a step apart
+def run_interpreted_cases(case: str) -> None:
+    """In the interpreter's process: float32 on both sides. The plain function's summation order is torch's, the
+    kernel's numpy's, and with a residual the plain function takes its statistics from the rounded sum: a step
+    apart."""
     check_rms_norm("cpu", torch.float32, plain_differ=0.5)
+
+
+@pytest.mark.xdist_group("interpreter-rms_norm")
+def test_rms_norm_kernel_matches_the_references_in_the_interpreter(interpreter) -> None:
+    interpreter.run(__file__, "float32", timeout=300)
