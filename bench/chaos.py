@@ -14,8 +14,9 @@ Reports requests completed and failed (the target is 0 failed), the recovery tim
 (the kill to the first token any request receives after it) and the extra latency per failure
 (mean end-to-end latency of the requests in flight at a kill, less that of the requests no kill
 touched); for rank kills, where each restart's time went (bench/restart_split.py: detection, the
-rank's start-up phases, the handshake, the first token). Tokens arriving in the first KILL_GRACE_SECONDS after a kill are steps that completed
-before it, still on their way, so they do not count as recovered. Prints a table, writes JSON.
+rank's start-up phases, the handshake, the first token). Tokens arriving in the first
+KILL_GRACE_SECONDS after a kill are steps that completed before it, still on their way, so they do
+not count as recovered. Prints a table, writes JSON.
 """
 import argparse
 import json
@@ -239,7 +240,9 @@ def main() -> None:
                                                   "replicas": args.replicas}
     if args.kill == "rank":
         logs = [replicas.log_of(index) for index in range(args.replicas)]
-        result["restarts"] = restart_splits(logs, [wall for _, wall in kill_times], result["recovery_seconds"])
+        to_wall = kill_times[0][1] - kill_times[0][0] if kill_times else 0.0  # monotonic to wall clock
+        tokens = sorted(to_wall + t for o in outcomes for t in o.token_times)
+        result["restarts"] = restart_splits(logs, [wall for _, wall in kill_times], tokens)
     out.write_text(json.dumps(result, indent=2))
     recovered = [r for r in result["recovery_seconds"] if r is not None]
     print(f"requests {result['requests']}: completed {result['completed']}, failed {result['failed']} "
@@ -249,6 +252,9 @@ def main() -> None:
               f"max {max(recovered):.2f} s")
     for number, split in enumerate(result.get("restarts", []), 1):
         print(f"kill {number}: {describe(split)}")
+    if after_back := [split["recovery"] for split in result.get("restarts", []) if split["recovery"] is not None]:
+        print(f"recovery (kill to the first token after the group is back) mean {statistics.mean(after_back):.2f} s, "
+              f"max {max(after_back):.2f} s")
     if result["extra_latency_per_failure_seconds"] is not None:
         print(f"extra latency per failure {result['extra_latency_per_failure_seconds']:.2f} s "
               f"(e2e {result['mean_e2e_disturbed_seconds']:.2f} s in flight at a kill, "

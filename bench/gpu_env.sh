@@ -4,6 +4,8 @@ set -uo pipefail
 out=${OUT:-bench/out}; mkdir -p "$out"
 export PYTHONPATH=$PWD:$PWD/proto PYTHONUNBUFFERED=1 NANOSERVE_CACHE=$PWD/.cache
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  # once per machine: scripts run side by side (one per GPU) must not install over each other
+  [ -e /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    .whl/*.whl && touch /tmp/site/.installed; }
   export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi

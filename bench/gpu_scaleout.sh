@@ -15,6 +15,11 @@
 #   4. DP2 through SMG against TP2 direct, on the 0.6B and the 8B shapes (random weights, dummy load).
 # dp: part 1 only; ttft: part 2 only (with its server); tenants: part 3 only; each then the summary.
 # Every run through SMG also records how many requests each replica finished (bench/serve.py --replicas).
+# The throughput runs (1 and 4) send from `clients` (2) client processes per GPU on both sides of each
+# comparison (bench/serve.py --client-processes): one Python client spends ~15-20 us of CPU a streamed
+# event, so two replicas' ~35k events/s nearly filled its core; each run's JSON records every client
+# process's CPU share (client.cpu_per_wall), and the summary the busiest one's; bench/client_ceiling.py
+# measures what 1 and 2 client processes take on this host (client_ceiling/ceiling.json).
 # A part that would not end in time is skipped (the summary says what is missing).
 # Carried wheels in .whl/ (smg, setproctitle, fastapi and its needs, uvicorn, grpcio-health-checking,
 # grpcio-reflection, ...: docs/scale-out.md lists them) are installed first.
@@ -36,6 +41,7 @@ common=(--load-format dummy --attention-backend triton --max-model-len 4096 --sh
         --port 50051 --worker-base-port 50061 --openai-port 8000)
 url=http://127.0.0.1:8000
 design=(--request-rates inf --input-len 100 1024 --output-len 100 1024 --temperature 0.6)
+clients=2  # client processes per GPU in the throughput runs
 
 up() {  # name, then `nanoserve up` flags: starts it and waits until it serves (or gives up)
   local name=$1; shift
@@ -65,17 +71,22 @@ in_time() { (( SECONDS - started < ${1:-480} )) || { echo "skipped (time): $2"; 
 
 # 1 and 2: one replica direct, then every GPU a replica behind SMG
 if [ "$mode" = all ] || [ "$mode" = dp ]; then
-  up dp1_small --model "$small" && { bench dp1_small "$small" "${design[@]}" --num-prompts 256; down; }
+  up dp1_small --model "$small" && { bench dp1_small "$small" "${design[@]}" --num-prompts 256 \
+    --client-processes $clients; down; }
 fi
 if [ "$mode" != tenants ] && up "dp${gpus}_small" --model "$small" --data-parallel-size "$gpus"; then
   [ "$mode" = ttft ] || bench "dp${gpus}_small" "$small" "${design[@]}" --num-prompts $((256 * gpus)) \
-    --replicas $(replicas "$gpus")
+    --replicas $(replicas "$gpus") --client-processes $((clients * gpus))
   if [ "$mode" != dp ]; then  # replica d's gateway is on 8001 + d
     timeout 120 python3 bench/router_overhead.py --gateways $(for d in $(seq 0 $((gpus - 1))); do
       echo "http://127.0.0.1:$((8001 + d))"; done) --router "$url" --tokenizer "$small" --requests 150 \
       --prompt-tokens 512 --output-tokens 16 --out "$out/router_overhead.json" 2>&1 | grep -v " INFO " | tail -3
   fi
   down
+fi
+if [ "$mode" = all ] || [ "$mode" = dp ]; then
+  # what one client process takes against a paced SSE server (no GPU): the messages a second and their CPU price
+  timeout 120 python3 bench/client_ceiling.py --out "$out/client_ceiling/ceiling.json" 2>&1 | tail -4
 fi
 if [ "$mode" = all ] || [ "$mode" = ttft ]; then  # SMG's own cost: in front of backends that answer at once
   timeout 120 python3 bench/router_overhead.py --backend echo --replicas "$gpus" --requests 150 --prompt-tokens 16 512 \
@@ -117,10 +128,11 @@ for shape in big small; do
   in_time $([ "$shape" = big ] && echo 375 || { [ -n "$reuse" ] && echo 470 || echo 420; }) "DP2 against TP2 ($shape)" \
     || continue
   if [ -z "$reuse" ] && up "dp2_$shape" --model "$model" --data-parallel-size 2; then
-    bench "dp2_$shape" "$model" "${design[@]}" --num-prompts 512 --replicas $(replicas 2); down
+    bench "dp2_$shape" "$model" "${design[@]}" --num-prompts 512 --replicas $(replicas 2) \
+      --client-processes $((clients * 2)); down
   fi
   up "tp2_$shape" --model "$model" --tensor-parallel-size 2 \
-    && { bench "tp2_$shape" "$model" "${design[@]}" --num-prompts 512; down; }
+    && { bench "tp2_$shape" "$model" "${design[@]}" --num-prompts 512 --client-processes $((clients * 2)); down; }
 done
 python3 bench/scaleout_summary.py "$out" "$gpus"
 echo "done in $((SECONDS - started)) s"

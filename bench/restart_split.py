@@ -1,8 +1,11 @@
 """Where each worker restart of a bench/chaos.py run spent its time, read from `nanoserve up`'s log
 (docs/recovery-time.md): from the kill to the scheduler seeing it ("worker group failed"), to the new
-rank's clock starting (its process created, or its standby told to go: the launcher's detection and
-back-off), the rank's start-up phases (its "ready in" line), to the scheduler's "worker group back",
-and on to the next token any client received. The parts add up to the recovery time."""
+rank's clock starting (its process created, or its standby reading the word to go once its imports
+are done: the launcher's detection and back-off), the rank's start-up phases (its "ready in" line),
+to the scheduler's "worker group back", and on to the next token any client received after it. The
+parts add up to the recovery: the kill to that token (unlike chaos.py's own measure, never a token
+of a step that finished before the kill and arrived late)."""
+import bisect
 import math
 import re
 from datetime import datetime
@@ -23,25 +26,27 @@ def timed_lines(logs: list[Path]) -> list[tuple[float, str]]:
     return sorted(found)
 
 
-def restart_splits(logs: list[Path], kills: list[float], recoveries: list[float | None]) -> list[dict]:
-    """For each kill (wall clock) and its recovery (seconds to the next token, or None), the parts of
-    the restart in seconds; a part the log does not show is None."""
+def restart_splits(logs: list[Path], kills: list[float], tokens: list[float]) -> list[dict]:
+    """For each kill, the parts of the restart in seconds (a part the log does not show is None);
+    `kills` and `tokens` (every token's arrival, sorted) in wall-clock seconds."""
     lines = timed_lines(logs)
     splits = []
-    for i, (kill, recovery) in enumerate(zip(kills, recoveries)):
+    for i, kill in enumerate(kills):
         until = kills[i + 1] if i + 1 < len(kills) else math.inf
         window = [(at, line) for at, line in lines if kill <= at < until]
         detected = next((at for at, line in window if "worker group failed" in line), None)
         back = next((at for at, line in window if "worker group back after" in line), None)
         ready = [(at, parsed) for at, line in window if (parsed := parse_phase_line(line))]
-        split: dict = {"recovery": recovery, "detected": None if detected is None else detected - kill,
-                       "rank_started": None, "phases": {}, "group_back": None, "first_token": None}
+        after = bisect.bisect_right(tokens, back) if back is not None else len(tokens)
+        token = tokens[after] if after < len(tokens) else None
+        split: dict = {"recovery": None if token is None else token - kill,
+                       "detected": None if detected is None else detected - kill,
+                       "rank_started": None, "phases": {}, "group_back": None,
+                       "first_token": None if token is None else token - back}
         if ready:
             at, (_, total, phases) = max(ready, key=lambda item: item[0])  # the last rank ready
             split |= {"rank_started": at - total - kill, "phases": phases,
                       "group_back": None if back is None else back - at}
-        if back is not None and recovery is not None:
-            split["first_token"] = kill + recovery - back
         splits.append(split)
     return splits
 

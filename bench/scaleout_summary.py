@@ -64,6 +64,9 @@ def summarize(folder: Path, gpus: int) -> dict:
         "failed_requests": {name: r["failed"] for name, r in run.items() if r and r["failed"]},
         "requests_per_replica": {name: r["requests_per_replica"] for name, r in sorted(run.items())
                                  if r and "requests_per_replica" in r},
+        # the busiest client process's CPU seconds per second: near 1, the client set the pace
+        "client_cpu_per_wall": {name: {"processes": r["client"]["processes"], "max": max(r["client"]["cpu_per_wall"])}
+                                for name, r in sorted(run.items()) if r and "client" in r},
     }
     rr, ca = summary["tenants"]["round_robin"], summary["tenants"]["cache_aware"]
     summary["tenants"]["cache_aware_over_round_robin"] = {
@@ -144,6 +147,9 @@ def markdown(s: dict) -> str:
     lines.append(f"| failed requests | {s['failed_requests'] or 'none'} |")
     for name, counts in s["requests_per_replica"].items():
         lines.append(f"| {name}: requests per replica | {' / '.join(map(str, counts))} |")
+    for name, client in s["client_cpu_per_wall"].items():
+        lines.append(f"| {name}: client processes, busiest one's CPU s per s | {client['processes']}, "
+                     f"{num(client['max'])} |")
     return "\n".join(lines) + "\n"
 
 

@@ -40,6 +40,11 @@ tenants (from --seed) asking new questions:
     python3 bench/serve.py --openai http://HOST:8000 --text-prompts DIR --tenants 24 --users 8 --rounds 4 \
         --system-len 4096 --input-len 64 64 --output-len 64 64 --request-rates 32
 
+One Python client process takes some tens of thousands of streamed messages a second; above that,
+`--client-processes N` sends the requests from N processes on one arrival schedule and merges their
+results (bench/client_processes.py). Every rate reports each process's CPU seconds per second
+(`client.cpu_per_wall`): near 1, the client was the limit.
+
 `--openai` alone starts a gateway in front of the scheduler; `--null-worker` serves from a scheduler over
 a worker that computes nothing, so what is measured is the services' own cost (CPU is enough). On the GPU machine, whose image has no HTTP
 stack, carry the gateway's wheels in .whl/ (pip download --no-deps --only-binary=:all:
@@ -50,6 +55,7 @@ at the versions requirements*.txt pin) and install them with --no-deps; aiohttp,
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import os
@@ -67,6 +73,7 @@ import grpc
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "proto"), str(REPO / "bench")]
 
+from client_processes import ClientProcesses  # noqa: E402
 from latency import percentiles, start_server  # noqa: E402
 from nanoserve_cli.cache import cache_dir  # noqa: E402
 from nanoserve_cli.launcher import free_port, stop_all, wait_http_ok  # noqa: E402
@@ -95,6 +102,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # gaps between tokens after the first
     e2e: float | None = None
     error: str = ""
+    messages: int = 0  # streamed messages (SSE events) received, the client's unit of work
 
     @property
     def tpot(self) -> float | None:
@@ -165,6 +173,7 @@ async def run_request(target: Target, request: BenchRequest,
     try:
         async for count in target.stream(request):
             now = clock()
+            result.messages += 1
             if not count:
                 continue
             if result.ttft is None:
@@ -179,20 +188,47 @@ async def run_request(target: Target, request: BenchRequest,
     return result
 
 
-async def run_rate(target: Target, requests: list[BenchRequest], rate: float, seed: int = 0,
-                   max_concurrency: int = 0) -> tuple[list[RequestResult], float]:
-    """Every request sent at its arrival time (at most max_concurrency in flight, 0 = no limit);
-    the results in request order and the seconds from the first send to the last token."""
+async def run_schedule(target: Target, requests: list[BenchRequest], times: list[float], start: float,
+                       max_concurrency: int = 0) -> tuple[list[RequestResult], float]:
+    """Every request sent `times` seconds after `start` (perf_counter; at most max_concurrency in
+    flight, 0 = no limit): the results in request order and the perf_counter time the last one ended."""
     limit = asyncio.Semaphore(max_concurrency or len(requests) or 1)
-    start = time.perf_counter()
 
     async def send(request: BenchRequest, at: float) -> RequestResult:
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         async with limit:
             return await run_request(target, request)
 
-    results = await asyncio.gather(*(send(r, at) for r, at in zip(requests, arrival_times(len(requests), rate, seed))))
-    return list(results), time.perf_counter() - start
+    results = await asyncio.gather(*(send(r, at) for r, at in zip(requests, times)))
+    return list(results), time.perf_counter()
+
+
+async def run_rate(target: Target, requests: list[BenchRequest], rate: float, seed: int = 0,
+                   max_concurrency: int = 0) -> tuple[list[RequestResult], float]:
+    """Every request sent at its arrival time (at most max_concurrency in flight, 0 = no limit);
+    the results in request order and the seconds from the first send to the last token."""
+    start = time.perf_counter()
+    results, end = await run_schedule(target, requests, arrival_times(len(requests), rate, seed), start,
+                                      max_concurrency)
+    return results, end - start
+
+
+async def run_clients(target: Target, clients: ClientProcesses | None, requests: list[BenchRequest], rate: float,
+                      seed: int = 0, max_concurrency: int = 0) -> tuple[list[RequestResult], float, list[float]]:
+    """run_rate from this process (clients None) or from the client processes: the results in request
+    order, the seconds from the first send to the last token, and each client process's CPU seconds."""
+    if clients:
+        return await clients.run(requests, arrival_times(len(requests), rate, seed), max_concurrency)
+    cpu = time.process_time()
+    results, seconds = await run_rate(target, requests, rate, seed, max_concurrency)
+    return results, seconds, [time.process_time() - cpu]
+
+
+def client_load(cpu_seconds: list[float], seconds: float, messages: int) -> dict:
+    """How busy the client was: a process near 1 CPU second per second limited what was measured."""
+    return {"processes": len(cpu_seconds), "cpu_seconds": cpu_seconds,
+            "cpu_per_wall": [cpu / seconds for cpu in cpu_seconds],
+            "messages_per_cpu_second": messages / sum(cpu_seconds) if sum(cpu_seconds) else None}
 
 
 def summarize(results: list[RequestResult], seconds: float, slo_ttft: float, slo_tpot: float) -> dict:
@@ -210,6 +246,7 @@ def summarize(results: list[RequestResult], seconds: float, slo_ttft: float, slo
             "request_throughput": len(done) / seconds, "output_tok_per_s": output / seconds,
             "total_tok_per_s": (output + sum(r.prompt_tokens for r in done)) / seconds,
             "goodput_req_per_s": len(good) / seconds, "output_tokens": output,
+            "stream_messages": sum(r.messages for r in results),
             "ttft_ms": ms([r.ttft for r in done]), "tpot_ms": ms([r.tpot for r in done if r.tpot is not None]),
             "itl_ms": ms([gap for r in done for gap in r.itl]), "e2e_ms": ms([r.e2e for r in done])}
 
@@ -325,18 +362,21 @@ def workload(args: argparse.Namespace, seed: int, count: int) -> list[BenchReque
     return make_requests(count, tuple(args.input_len), tuple(args.output_len), args.shared_prefix_len, seed)
 
 
-async def run_rates(args: argparse.Namespace, target: GrpcTarget | OpenAITarget, label: str) -> dict:
-    """A warm-up, then each rate's run: its summary by rate."""
+async def run_rates(args: argparse.Namespace, target: GrpcTarget | OpenAITarget, label: str,
+                    clients: ClientProcesses | None = None) -> dict:
+    """A warm-up, then each rate's run (from the client processes when there are some): its summary by rate."""
     rates = {}
     warmup = make_requests(args.warmup, tuple(args.input_len), tuple(args.output_len), args.shared_prefix_len,
                            seed=args.seed + 10_000)
-    await run_rate(target, warmup, math.inf)  # first steps of each kind, connections, the shared prefix
+    await run_clients(target, clients, warmup, math.inf)  # first steps of each kind, connections, the shared prefix
     for index, rate in enumerate(args.request_rates):
         requests = workload(args, args.seed + index, args.num_prompts)
         before, replicas_before = await target.stats(), await replica_stats(args.replicas)
-        results, seconds = await run_rate(target, requests, rate, args.seed + index, args.max_concurrency)
+        results, seconds, cpu_seconds = await run_clients(target, clients, requests, rate, args.seed + index,
+                                                          args.max_concurrency)
         after, replicas_after = await target.stats(), await replica_stats(args.replicas)
         summary = summarize(results, seconds, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+        summary["client"] = client_load(cpu_seconds, seconds, summary["stream_messages"])
         summary["server_steps"] = {name: after[name] - before[name] for name in after}
         if args.replicas:  # where the router sent this rate's requests, and what all replicas found cached
             summary["requests_per_replica"] = [a.requests_finished - b.requests_finished
@@ -352,18 +392,24 @@ async def run_rates(args: argparse.Namespace, target: GrpcTarget | OpenAITarget,
 async def benchmark(args: argparse.Namespace, address: str) -> dict:
     apis = ["openai", "grpc"] if args.openai and args.compare_grpc else ["openai" if args.openai else "grpc"]
     report = {"address": address, "openai": args.openai or None, "api_server_count": args.api_server_count,
-              "num_prompts": args.num_prompts,
+              "num_prompts": args.num_prompts, "client_processes": args.client_processes,
               "workload": dict(input_len=args.input_len, output_len=args.output_len,
                                shared_prefix_len=args.shared_prefix_len, tenants=args.tenants, users=args.users,
                                rounds=args.rounds, system_len=args.system_len, text_prompts=bool(args.text_prompts)),
               "temperature": args.temperature, "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}}
     for api in apis:
         target = open_target(args, address, api)
+        clients = None
         try:
             report.update(await target.describe())
+            if args.client_processes > 1:
+                clients = ClientProcesses(args.client_processes, functools.partial(open_target, args, address, api),
+                                          run_schedule)
             report["rates" if api == apis[0] else "grpc_rates"] = await run_rates(
-                args, target, "grpc " if api == "grpc" and len(apis) > 1 else "")
+                args, target, "grpc " if api == "grpc" and len(apis) > 1 else "", clients)
         finally:
+            if clients:
+                clients.close()
             await target.close()
     if len(apis) > 1:  # what the gateway costs: its throughput over gRPC's, its TTFT p50 beyond gRPC's
         report["openai_vs_grpc"] = {rate: {
@@ -380,7 +426,7 @@ def format_rate(rate: float) -> str:
 def print_header() -> None:
     print(f"{'rate':>6} {'done':>6} {'req/s':>7} {'out tok/s':>10} {'goodput':>8}  "
           f"{'TTFT ms p50/p90/p99':>22}  {'TPOT ms p50/p90/p99':>22}  {'ITL ms p50/p90/p99':>22}  "
-          f"{'E2E s p50/p99':>14}")
+          f"{'E2E s p50/p99':>14} {'client CPU':>10}")
 
 
 def print_row(rate: str, s: dict) -> None:
@@ -390,7 +436,7 @@ def print_row(rate: str, s: dict) -> None:
     e2e = f"{s['e2e_ms']['p50'] / 1e3:.2f}/{s['e2e_ms']['p99'] / 1e3:.2f}" if s["e2e_ms"] else "-"
     print(f"{rate:>6} {s['completed']:>6} {s['request_throughput']:>7.2f} {s['output_tok_per_s']:>10.1f} "
           f"{s['goodput_req_per_s']:>8.2f}  {three(s['ttft_ms']):>22}  {three(s['tpot_ms']):>22}  "
-          f"{three(s['itl_ms']):>22}  {e2e:>14}", flush=True)
+          f"{three(s['itl_ms']):>22}  {e2e:>14} {max(s['client']['cpu_per_wall']):>10.2f}", flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -417,6 +463,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--no-ignore-eos", action="store_true", help="let eos end a request before its output length")
     p.add_argument("--max-concurrency", type=int, default=0, help="most requests in flight; 0 = no limit")
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="client processes that send the requests between them (bench/client_processes.py): one "
+                   "Python process takes some tens of thousands of streamed messages a second")
     p.add_argument("--warmup", type=int, default=4, help="requests sent together before the timed runs")
     p.add_argument("--slo-ttft-ms", type=float, default=200.0)
     p.add_argument("--slo-tpot-ms", type=float, default=25.0)
@@ -434,6 +483,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--compare-grpc compares the --openai runs with gRPC: give --openai")
     if args.openai not in ("", "start") and args.compare_grpc and not args.address:
         p.error("--compare-grpc against a running gateway needs its scheduler's --address")
+    if args.client_processes < 1 or args.max_concurrency % args.client_processes:
+        p.error("--client-processes must be >= 1 and divide --max-concurrency (each process takes an equal part)")
     if args.null_worker and args.address:
         p.error("--null-worker starts its own scheduler: leave out --address")
     for name in ("input_len", "output_len"):

@@ -32,7 +32,6 @@ import sys
 import time
 from concurrent import futures
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Iterator
 
 import grpc
@@ -44,6 +43,7 @@ from nanoserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 from nanoserve.wire import STEP_FORMAT  # noqa: E402
 from nanoserve_cli.cache import cache_dir  # noqa: E402
 from nanoserve_cli.launcher import free_port, stop_all, wait_serving  # noqa: E402
+from worker_svc.config import WorkerConfig  # noqa: E402
 from worker_svc.startup_phases import StartupPhases  # noqa: E402
 from latency import percentiles  # noqa: E402
 from throughput import drive, workload  # noqa: E402
@@ -75,8 +75,8 @@ class NullRunner:
         self.step_seconds, self.launch_seconds = step_ms / 1e3, launch_ms / 1e3
         self.device_free = None  # when the emulated device finishes the work queued so far
         self.idles: list[tuple[int, float]] = []  # (step id, the device's wait before it): decode steps
-        self.phases = StartupPhases()  # the worker service logs its start-up line from these two
-        self.config = SimpleNamespace(rank=0)
+        self.config, self.phases = WorkerConfig(tokenizer_dir), StartupPhases()  # the service logs them at start-up
+        self.kv_sized = True  # its KV pool is the fixed max_kv_blocks above: nothing to measure at the handshake
 
     def info(self) -> worker_pb2.WorkerInfo:
         return self.info_message

@@ -1,5 +1,6 @@
 """The one folder where nanoserve keeps what it builds or fetches once: the demo and benchmark
-models and the Qwen3 tokenizer files. $NANOSERVE_CACHE, else ~/.cache/nanoserve."""
+models, the Qwen3 tokenizer files and the workers' compiled kernels. $NANOSERVE_CACHE, else
+~/.cache/nanoserve."""
 import os
 from pathlib import Path
 
@@ -16,3 +17,10 @@ def demo_model_dir(tied: bool = False) -> Path:
 def bench_model_dir() -> Path:
     """The Qwen3-0.6B-shaped benchmark model (random weights)."""
     return cache_dir() / "qwen3-0.6b-random"
+
+
+def compile_caches() -> dict[str, str]:
+    """Where `up`'s workers keep Triton's compiled kernels (unless the environment says): here rather
+    than in /tmp, so that a restarted worker, or a container whose cache is a volume, loads them
+    instead of compiling again."""
+    return {"TRITON_CACHE_DIR": str(cache_dir() / "triton")}

@@ -28,7 +28,7 @@ from nanoserve.checkpoint import CONFIG_FILE, TOKENIZER_FILE, CheckpointError, c
 from nanoserve.healthcheck import SERVING, serving_status
 from nanoserve.listen import ListenError, check_port_free
 from nanoserve_cli import layout
-from nanoserve_cli.cache import demo_model_dir
+from nanoserve_cli.cache import compile_caches, demo_model_dir
 from nanoserve_cli.children import Child, describe, failure
 from nanoserve_cli.replica import Replica
 from nanoserve_cli.router import RouterMissing, router_command, wait_routing
@@ -148,7 +148,8 @@ def run_local(args: argparse.Namespace) -> int:
         print(f"nanoserve up: {err}", file=sys.stderr)
         return 1
     # Only this launcher's schedulers can drive its workers.
-    env = {**os.environ, "NANOSERVE_WORKER_TOKEN": os.environ.get("NANOSERVE_WORKER_TOKEN") or secrets.token_hex(16)}
+    env = {**compile_caches(), **os.environ,
+           "NANOSERVE_WORKER_TOKEN": os.environ.get("NANOSERVE_WORKER_TOKEN") or secrets.token_hex(16)}
     worker_exited = threading.Event()  # wakes the supervision loop at once
     replicas = [Replica(args, model, d, env, None if gpus is None else gpus[d], _say, worker_exited)
                 for d in range(args.data_parallel_size)]

@@ -33,22 +33,32 @@ BELOW_ONE = 1.0 - 2.0 ** -24  # the largest float32 below 1
 def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch.Tensor]
                ) -> tuple[torch.Tensor, ...]:
     """Philox4x32-10 on int64 tensors holding 32-bit words (broadcastable): the four output words.
-    Products of two words wrap around 2^64 in int64, which keeps their bit pattern."""
-    c0, c1, c2, c3 = counter
+    Products of two words wrap around 2^64 in int64, which keeps their bit pattern. The rounds work in
+    place on copies of the counter words in their common shape: on a CPU, allocating each operation's
+    result cost as much as the arithmetic."""
+    shape = torch.broadcast_shapes(*(word.shape for word in (*counter, *key)))
+    c0, c1, c2, c3 = (word.expand(shape).clone(memory_format=torch.contiguous_format) for word in counter)
     k0, k1 = key
+    spare0, spare1 = torch.empty_like(c0), torch.empty_like(c0)
     for _ in range(PHILOX_ROUNDS):
-        p0, p1 = PHILOX_M0 * c0, PHILOX_M1 * c2
-        hi0, hi1 = (p0 >> 32) & WORD, (p1 >> 32) & WORD
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, p1 & WORD, hi0 ^ c3 ^ k1, p0 & WORD
+        p0, p1 = c0.mul_(PHILOX_M0), c2.mul_(PHILOX_M1)
+        hi0 = torch.bitwise_right_shift(p0, 32, out=spare0).bitwise_and_(WORD)
+        hi1 = torch.bitwise_right_shift(p1, 32, out=spare1).bitwise_and_(WORD)
+        spare0, spare1 = c1, c3  # free once read below
+        c0, c1, c2, c3 = (hi1.bitwise_xor_(c1).bitwise_xor_(k0), p1.bitwise_and_(WORD),
+                          hi0.bitwise_xor_(c3).bitwise_xor_(k1), p0.bitwise_and_(WORD))
         k0, k1 = (k0 + PHILOX_W0) & WORD, (k1 + PHILOX_W1) & WORD
     return c0, c1, c2, c3
 
 
 def exponential_noise(words: torch.Tensor) -> torch.Tensor:
     """Exp(1) draws (float32) from uniform 32-bit words (int64 tensor)."""
-    v = ((words.float() + 0.5) * TWO_TO_MINUS_32).clamp(max=BELOW_ONE)
-    series = v + v * v * (0.5 + v * (THIRD + v * 0.25))
-    return torch.where(v < SERIES_BELOW, series, -torch.log(1.0 - v))
+    v = words.float().add_(0.5).mul_(TWO_TO_MINUS_32).clamp_(max=BELOW_ONE)
+    noise = torch.rsub(v, 1.0).log_().neg_()
+    small = v < SERIES_BELOW  # few entries (1 in 128): the series only there
+    s = v[small]
+    noise[small] = s + s * s * (0.5 + s * (THIRD + s * 0.25))
+    return noise
 
 
 def race_noise(keys: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -69,5 +79,5 @@ def race_sample(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Te
     if sampled.any():
         rows = sampled.nonzero().squeeze(1)
         noise = race_noise(keys[rows], counters[rows], logits.shape[-1])
-        scores[rows] = scores[rows] / temperatures[rows, None].float() - torch.log(noise)
+        scores[rows] = scores[rows] / temperatures[rows, None].float() - noise.log_()
     return scores.argmax(dim=-1)

@@ -9,17 +9,16 @@ from L2 by every program) and reduces in float32: W is read once, in long contig
 enough programs to keep every multiprocessor streaming, with no second pass. From two rows on,
 cuBLAS's tiles reuse each weight load across the rows and win (bench/gemv.py), so only one takes this path.
 
-A row's RMSNorm (with the residual add) before the q/k/v and gate/up projections is otherwise a
-kernel of its own, a few microseconds at batch 1. Here x is made from its inputs in registers (the
-"prologue"), with the float32 math and the rounding to the model dtype of the kernel torch.compile
-makes of nanoserve_model/norm.py (libdevice rsqrt; no rounding between fused elementwise ops,
-Inductor's default), so only x's source changes, not the products or their order. The statistics are
-a float32 sum over the row, which every program recomputes (K values from L2); its order is ours, not
-Inductor's (whose block is autotuned), so the inverse RMS may differ from the unfused one in its last
-bit. The SiLU-and-mul between gate/up and down is made in the gate/up gemv's output instead (each
-program takes gate rows and the matching up rows, "SILU_MUL"): made in the down gemv's loads it was a
-loss (bench/gemv.py --fused, H100: 8B down 47.9 vs 38.7 us separate), every program recomputing an
-exp per element of a 12,288-wide row.
+A row's RMSNorm (with the residual add) before the q/k/v and gate/up projections is otherwise a kernel of
+its own, a few microseconds at batch 1. Here x is made from its inputs in registers (the "prologue"), with
+the float32 math and the rounding to the model dtype of the separate norm kernel (triton_rms_norm.py, which
+kept those of the torch.compile'd norm it replaced: libdevice rsqrt, no rounding between fused elementwise
+ops), so only x's source changes, not the products or their order. The statistics are a float32 sum over the
+row, which every program recomputes (K values from L2); its order is this kernel's blocks', not the norm
+kernel's one block a row, so the inverse RMS may differ from the unfused one in its last bit. The SiLU-and-
+mul between gate/up and down is made in the gate/up gemv's output instead (each program takes gate rows and
+the matching up rows, "SILU_MUL"): made in the down gemv's loads it was a loss (bench/gemv.py --fused, H100:
+8B down 47.9 vs 38.7 us separate), every program recomputing an exp per element of a 12,288-wide row.
 """
 import torch
 import triton

@@ -2,7 +2,6 @@
 import torch
 from torch import nn
 
-from nanoserve_model.compiled import fused_on_cuda
 from nanoserve_model.parallel import set_weight_loader
 
 
@@ -13,13 +12,20 @@ def rms_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
 
 
-rms_norm = fused_on_cuda(rms_normalize)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """On CUDA one Triton pass (nanoserve_kernels/triton_rms_norm.py); on CPU the plain function."""
+    if x.is_cuda:
+        from nanoserve_kernels.triton_rms_norm import rms_norm as on_gpu  # Triton: a GPU requirement only
+        return on_gpu(x, weight, eps)
+    return rms_normalize(x, weight, eps)
 
 
-@fused_on_cuda
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(x + residual), x + residual)."""
+    """(norm(x + residual), x + residual), on CUDA in the same Triton pass."""
+    if x.is_cuda:
+        from nanoserve_kernels.triton_rms_norm import rms_norm as on_gpu
+        return on_gpu(x, weight, eps, residual)
     residual = x + residual
     return rms_normalize(residual, weight, eps), residual
 

@@ -7,7 +7,9 @@ behind them without being admitted. The steps in flight are dropped with their t
 tokens of completed steps were ever delivered, so none is sent twice or lost. Once the group has
 shaken hands again (a fresh session, its KV pool allocated anew) the engine resumes and the
 sequences recompute prompt plus generated tokens; seeded sampling is keyed by (seed, position),
-so they continue with the tokens they would have produced undisturbed.
+so they continue with the tokens they would have produced undisturbed. The new group is offered the
+failed one's KV pool if that one served: a restarted rank whose configuration is unchanged takes it
+instead of measuring its memory again (seconds on a GPU), and the pool keeps its shape.
 
 If no whole group is back within --worker-restart-timeout, the requests end UNAVAILABLE and new
 ones are refused until a group returns. So do they when MAX_FAILURES_IN_A_ROW groups in a row fail
@@ -69,6 +71,7 @@ class GroupRecovery:
             # Scoring rows of dropped steps never arrived: the recompute asks for them again.
             stream.seq.num_scored_prompt_tokens = len(stream.prompt_logprobs)
         requeued = scheduler.num_waiting
+        served = self.totals.prefill_steps + self.totals.decode_steps != self.steps_at_last_failure
         crash_loop = self._count_failure() >= MAX_FAILURES_IN_A_ROW
         if crash_loop:
             self._end_crash_loop(reason)
@@ -76,7 +79,8 @@ class GroupRecovery:
             log.error("worker group failed: %s; dropped the KV of %d token(s), holding %d request(s) until a group "
                       "is back (within %.0fs, --worker-restart-timeout)", reason, recompute, requeued,
                       self.restart_timeout)
-        group, held = await self._reconnect(group, reason, None if crash_loop else started + self.restart_timeout)
+        group, held = await self._reconnect(group, served, reason,
+                                            None if crash_loop else started + self.restart_timeout)
         if not held:
             recompute = 0  # the held requests were ended
         lost = scheduler.drop_kv(group.num_blocks)
@@ -108,13 +112,14 @@ class GroupRecovery:
         log.error("%s; ending %d request(s)", message, len(self.requests.streams))
         self.requests.give_up(message)
 
-    async def _reconnect(self, failed: WorkerGroup, reason: str, deadline: float | None) -> tuple[WorkerGroup, bool]:
+    async def _reconnect(self, failed: WorkerGroup, served: bool, reason: str,
+                         deadline: float | None) -> tuple[WorkerGroup, bool]:
         """Connects a fresh group, applying aborts meanwhile (a client's deadline still ends its
         request); past the deadline the held requests end UNAVAILABLE and it goes on waiting.
         With the group, whether the requests are still held: False when it came to that, or
         without a deadline (the requests were ended already)."""
         requests = self.requests
-        connecting = asyncio.ensure_future(self._connect(failed))
+        connecting = asyncio.ensure_future(self._connect(failed, served))
         gave_up = deadline is None
         try:
             while not connecting.done():
@@ -134,10 +139,14 @@ class GroupRecovery:
             connecting.cancel()
         return connecting.result(), not gave_up
 
-    async def _connect(self, failed: WorkerGroup) -> WorkerGroup:
-        """A whole group on the failed one's addresses, retried until one connects."""
+    async def _connect(self, failed: WorkerGroup, served: bool) -> WorkerGroup:
+        """A whole group on the failed one's addresses, retried until one connects. The first try
+        offers the failed group's KV pool if that group served (it fit); a try that failed may have
+        failed for it (the memory it needs is taken), so the later ones let the ranks measure."""
+        offer_kv_pool = served
         while True:
-            group = failed.renewed()
+            group = failed.renewed(offer_kv_pool)
+            offer_kv_pool = False
             try:
                 await group.connect(timeout=30)
                 self._check_same_model(group)

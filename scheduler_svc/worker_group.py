@@ -51,10 +51,11 @@ class WorkerGroup:
     they are hung."""
 
     def __init__(self, addresses: list[str], token: str = "", tls: TLSFiles = TLSFiles(),
-                 step_timeout: float | None = None):
+                 step_timeout: float | None = None, kv_offer: tuple[int, list[str]] | None = None):
         self.addresses = addresses
         self.token, self.tls = token, tls
         self.step_timeout = step_timeout
+        self.kv_offer = kv_offer  # (blocks, each rank's kv_sizing) a previous group served with
         self.session_id = secrets.token_hex(16)
         self.metadata = ((SESSION_KEY, self.session_id),) + (((TOKEN_KEY, TOKEN_SCHEME + token),) if token else ())
         self.channels = [open_aio_channel(a, tls, options=GRPC_OPTIONS + RECONNECT_OPTIONS) for a in addresses]
@@ -64,9 +65,12 @@ class WorkerGroup:
         self.num_blocks = 0
         self.max_steps_in_flight = 0  # the smallest any rank reports: steps sent ahead of the replies
 
-    def renewed(self) -> "WorkerGroup":
-        """A new group (and session) on the same workers, for after this one failed."""
-        return WorkerGroup(self.addresses, self.token, self.tls, self.step_timeout)
+    def renewed(self, offer_kv_pool: bool = False) -> "WorkerGroup":
+        """A new group (and session) on the same workers, for after this one failed; with
+        offer_kv_pool, it offers restarted ranks this group's KV pool (they take it where their
+        configuration is unchanged instead of measuring memory again; the pool keeps its shape)."""
+        offer = (self.num_blocks, [info.kv_sizing for info in self.infos]) if offer_kv_pool and self.infos else None
+        return WorkerGroup(self.addresses, self.token, self.tls, self.step_timeout, offer)
 
     def name(self, rank: int) -> str:
         return f"worker rank {rank} at {self.addresses[rank]}"
@@ -114,11 +118,16 @@ class WorkerGroup:
             raise WorkerUnavailable(f"{self.name(rank)} failed to allocate its KV cache: {err.details()}") from err
 
     async def _describe(self, rank: int, timeout: float) -> worker_pb2.WorkerInfo:
+        """The rank's answer once it has loaded; its first answer may take a forward pass (sizing its KV room)."""
         deadline = time.monotonic() + timeout
         next_log = 0.0
+        request = worker_pb2.DescribeRequest()
+        if self.kv_offer is not None:
+            request.num_kv_blocks, request.kv_sizing = self.kv_offer[0], self.kv_offer[1][rank]
         while True:
             try:
-                return await self.stubs[rank].Describe(worker_pb2.DescribeRequest(), timeout=5, metadata=self.metadata)
+                return await self.stubs[rank].Describe(request, timeout=max(1.0, deadline - time.monotonic()),
+                                                       metadata=self.metadata)
             except grpc.aio.AioRpcError as err:
                 now = time.monotonic()
                 if err.code() in _FINAL_CODES:

@@ -4,7 +4,6 @@ Steps are launched, not run: the device work is queued and the call returns, so 
 queue the next step before this one's tokens are read back. Sampled tokens stay on the device
 as well, where the next decode of their sequence reads them (every rank gets rank 0's)."""
 import gc
-import hashlib
 import logging
 import time
 from dataclasses import asdict
@@ -34,6 +33,7 @@ from nanoserve.wire import STEP_FORMAT
 from worker_svc.config import WorkerConfig
 from worker_svc.cuda_graphs import StepGraphs, batch_buckets
 from worker_svc.distributed import uses_cuda
+from worker_svc.fingerprints import kv_sizing, model_fingerprint
 from worker_svc.grammar_masks import GrammarMasks
 from worker_svc.launched_step import LaunchedStep, StepClock
 from worker_svc.platform_info import describe_platform
@@ -54,16 +54,6 @@ log = logging.getLogger("nanoserve.worker")
 PREFILL_GRAPH_MAX_TOKENS = 8192
 
 
-def model_fingerprint(path: Path, dtype: torch.dtype, kv_dtype: torch.dtype, load_format: str,
-                      quantization: str = "") -> str:
-    """Equal on ranks that serve the same checkpoint (or the same dummy weights) in the same dtypes."""
-    digest = hashlib.sha256((path / "config.json").read_bytes())
-    for file in sorted(path.glob("*.safetensors")) if load_format != "dummy" else ():
-        digest.update(f"{file.name}:{file.stat().st_size}".encode())
-    digest.update(f"{dtype} kv={kv_dtype} dummy={load_format == 'dummy'} quantization={quantization}".encode())
-    return digest.hexdigest()[:16]
-
-
 def fetch_checkpoint(config: WorkerConfig) -> tuple[Path, ModelConfig]:
     """The checkpoint's directory and config. A Hub model's config comes first and is checked (an
     architecture or feature nanoserve cannot serve is an error before any weight is fetched); then come
@@ -81,9 +71,11 @@ class ModelRunner:
     StepRequest) is validated against the sequence table, staged into the step buffers, run through
     one forward pass and, on rank 0, sampled.
 
-    Construction is the worker's start-up: it loads the weights, and (on CUDA) measures what serving needs beside the KV cache to learn how many KV
-    blocks fit; the KV cache itself waits for allocate_kv_cache, which takes the block count every
-    rank agreed on, and captures the graphs over it."""
+    Construction is the worker's start-up: it loads the weights. At the handshake the KV room is
+    sized (size_kv_cache): on CUDA, by measuring what serving needs beside the KV cache, unless the
+    scheduler offers the pool its previous group of this configuration served with; the KV cache
+    itself waits for allocate_kv_cache, which takes the block count every rank agreed on, and
+    captures the graphs over it."""
 
     def __init__(self, config: WorkerConfig, phases: StartupPhases | None = None):
         self.config = config
@@ -123,13 +115,39 @@ class ModelRunner:
         self.buffers = StepBuffers(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
                                    config.block_size, self.device)
         self.phases.end("weights")
-        self.max_kv_blocks = self._max_kv_blocks()
+        self.kv_sizing = kv_sizing(self.fingerprint, self.platform, self.device, config, self.max_model_len,
+                                   self.backend.name)
+        self._max_kv_blocks: int | None = None  # sized at the handshake (size_kv_cache)
+        self._kv_measured = False
+        log.info("rank %d: %s (%s%s) in %s, weights in %s%s, %s attention", config.rank, config.model,
+                 self.model_config.architecture, ", dummy weights" if config.load_format == "dummy" else "",
+                 self.dtype, self._weight_dtype(), f" ({self._quantization_name()})" if self.quantization else "",
+                 self.backend.name)
+
+    @property
+    def kv_sized(self) -> bool:
+        return self._max_kv_blocks is not None
+
+    @property
+    def max_kv_blocks(self) -> int:
+        """KV blocks this rank can hold; sized on first use unless size_kv_cache came first."""
+        if self._max_kv_blocks is None:
+            self.size_kv_cache()
+        return self._max_kv_blocks
+
+    def size_kv_cache(self, offered: int = 0) -> None:
+        """Sizes the KV room once: `offered`, the pool a previous group of this rank's configuration
+        served with (the scheduler offers it back after a restart, for an equal kv_sizing), else
+        measured (_measure_kv_blocks: on CUDA, a profiling forward and a graph capture); ValueError
+        when nothing is left for the cache."""
+        if self._max_kv_blocks is not None:
+            return
+        self._kv_measured = not offered
+        self._max_kv_blocks = offered or self._measure_kv_blocks()
         self.phases.end("KV profile")
-        log.info("rank %d: %s (%s%s) in %s, weights in %s%s, %s attention, room for %d KV blocks of %d tokens in %s",
-                 config.rank, config.model, self.model_config.architecture,
-                 ", dummy weights" if config.load_format == "dummy" else "", self.dtype, self._weight_dtype(),
-                 f" ({self._quantization_name()})" if self.quantization else "", self.backend.name,
-                 self.max_kv_blocks, config.block_size, self.kv_dtype)
+        log.info("rank %d: room for %d KV blocks of %d tokens in %s (%s)", self.config.rank, self._max_kv_blocks,
+                 self.config.block_size, self.kv_dtype,
+                 "sized here" if self._kv_measured else "as its scheduler's previous group had it: not measured again")
 
     def _weight_dtype(self) -> str:
         """The linear layers' weights as held: e4m3, or (unquantized, or dequantized at load) the model dtype."""
@@ -147,7 +165,7 @@ class ModelRunner:
         per_token = 2 * attn.num_kv_heads * bytes_per_row(self.kv_dtype, attn.head_dim)  # K and V, FP8 scales too
         return len(self.model.attention_layers()) * self.config.block_size * per_token
 
-    def _max_kv_blocks(self) -> int:
+    def _measure_kv_blocks(self) -> int:
         """KV blocks this rank can hold: forced by the config, else from the CPU budget, else what
         gpu_memory_utilization of the GPU leaves after the weights and _memory_beside_kv_cache."""
         if self.config.num_kv_blocks > 0:
@@ -190,15 +208,7 @@ class ModelRunner:
         torch.cuda.empty_cache()  # the eager step's activations go: the graphs' pool replaces them
         graphs = self._capture_graphs([self.config.max_num_seqs],
                                     [min(self.config.max_num_batched_tokens, PREFILL_GRAPH_MAX_TOKENS)])
-        hidden = torch.zeros(self.config.max_num_seqs, self.model_config.hidden_size, dtype=self.dtype,
-                             device=self.device)
-        logits = self.model.compute_logits(hidden)
-        if logits is not None:
-            self.sampler.warm_up(logits)  # every row count, in the logits' own dtype as serving sees them
-            self.sampler.warm_up(self.extras.heaviest(logits))  # and in float32, as the extras hand them on
-            if self.extras.grammar is not None:
-                self.extras.grammar.warm_up(logits)
-        del hidden, logits
+        self._warm_up_sampling()
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_reserved(self.device) - base
         reserved = torch.cuda.memory_reserved(self.device) - base
@@ -211,6 +221,17 @@ class ModelRunner:
                  self.config.rank, (peak + outside) / 2**30, peak / 2**30, outside / 2**30,
                  time.perf_counter() - started)
         return peak + outside
+
+    def _warm_up_sampling(self) -> None:
+        """Compiles the sampler's kernels (and the grammar masks') for every row count now, not while serving."""
+        hidden = torch.zeros(self.config.max_num_seqs, self.model_config.hidden_size, dtype=self.dtype,
+                             device=self.device)
+        logits = self.model.compute_logits(hidden)
+        if logits is not None:
+            self.sampler.warm_up(logits)  # every row count, in the logits' own dtype as serving sees them
+            self.sampler.warm_up(self.extras.heaviest(logits))  # and in float32, as the extras hand them on
+            if self.extras.grammar is not None:
+                self.extras.grammar.warm_up(logits)
 
     def _capture_graphs(self, decode_buckets: list[int], prefill_buckets: list[int]) -> StepGraphs | None:
         """The step graphs for these buckets over the current cache; None where steps run eagerly
@@ -230,7 +251,7 @@ class ModelRunner:
             attention_backend=self.backend.name, device=str(self.device), platform=self.platform,
             max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
             model_fingerprint=self.fingerprint, sampling_defaults=self._sampling_defaults(), step_format=STEP_FORMAT,
-            weight_dtype=self._weight_dtype(), quantization=self._quantization_name())
+            weight_dtype=self._weight_dtype(), quantization=self._quantization_name(), kv_sizing=self.kv_sizing)
 
     def _sampling_defaults(self) -> worker_pb2.SamplingDefaults:
         """generation_config.json's values, the ones it sets (unset fields stay unset on the wire)."""
@@ -256,6 +277,8 @@ class ModelRunner:
                      time.perf_counter() - started, (self._reserved_bytes() - reserved) / 2**30)
         self.phases.end("graphs")
         if self.device.type == "cuda":
+            if not self._kv_measured:  # measuring warmed the sampler up; an offered size did not
+                self._warm_up_sampling()
             self._first_steps(num_blocks)
             warn_on_compiles(log)
         self.phases.end("first steps")

@@ -50,15 +50,28 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     def Describe(self, request, context) -> worker_pb2.WorkerInfo:
         self._require_runner(context)
+        if not self.runner.kv_sized:
+            with self.lock:  # the first one sizes the KV room, which may take a forward pass
+                self._size_kv_cache(request)
         info = self.runner.info()
         info.max_steps_in_flight = self.depth
         return info
 
+    def _size_kv_cache(self, request: worker_pb2.DescribeRequest) -> None:
+        """Once: takes the offered pool where it was sized for this rank's configuration, else
+        measures; a rank with no room for a KV cache cannot serve and exits, saying why."""
+        runner = self.runner
+        if runner.kv_sized:
+            return
+        runner.phases.end("handshake")  # serving, until a scheduler asked
+        try:
+            runner.size_kv_cache(request.num_kv_blocks if request.kv_sizing == runner.kv_sizing else 0)
+        except Exception as err:  # no room for it; on CUDA, the measuring forward's collectives or device
+            exit_broken_rank(f"rank {runner.config.rank} cannot serve {runner.config.model}: {err}")
+
     def AllocateKVCache(self, request, context) -> worker_pb2.AllocateKVCacheResponse:
         self._require_runner(context)
         with self.lock:
-            if not self.runner.phases.logged:
-                self.runner.phases.end("handshake")  # serving, until a scheduler allocated the cache
             try:
                 self.runner.allocate_kv_cache(request.num_blocks)
             except ValueError as err:

@@ -15,9 +15,9 @@ log = logging.getLogger("nanoserve.worker")
 _PR_SET_NAME = 15
 
 # What a rank's start-up imports after the worker's entry point: the runner (torch, the model, the
-# kernels) and, where it will compute on CUDA, the compiler its fused ops call on their first CUDA call.
+# kernels) and, where it will compute on CUDA, Triton, which its kernels import on their first CUDA call.
 RUNNER_MODULES = ("worker_svc.server", "worker_svc.runner")
-CUDA_MODULES = ("triton", "torch._dynamo", "torch._inductor.compile_fx")
+CUDA_MODULES = ("triton",)
 
 
 def started_as_standby() -> bool:

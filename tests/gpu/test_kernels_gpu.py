@@ -215,6 +215,14 @@ def test_fused_gemv_matches_the_separate_kernels_in_bf16() -> None:
                      norm_differ=1e-3, silu_differ=0.0)
 
 
+def test_rms_norm_kernel_matches_the_compiled_function_in_bf16() -> None:
+    """The Triton RMSNorm (with and without the residual add) gives torch.compile's output of the plain
+    function (the kernel it replaced on CUDA), but for the inverse RMS's last bit (its sum's order) in at
+    most 1 in 100 elements, and is within bf16's tolerance of float64."""
+    from tests.worker.test_triton_rms_norm import check_rms_norm
+    check_rms_norm("cuda", torch.bfloat16, plain_differ=1e-2, compiled=True)
+
+
 def test_silu_and_mul_kernel_matches_the_compiled_function_in_bf16() -> None:
     """The Triton SiLU-and-mul gives torch.compile's output of the plain function (the kernel it
     replaced on CUDA), but for the exp's last bit in at most 1 in 1,000 elements."""

@@ -103,12 +103,14 @@ def test_bf16_decode_graphs_give_the_eager_tokens(tmp_path, batch_size):
     assert graphs is not None and replayed == eager
 
 
-def test_a_gpu_without_room_for_the_kv_cache_says_so_at_start(tmp_path):
-    """The weights fit but nothing is left for KV blocks: one line naming the flags, at start-up."""
+def test_a_gpu_without_room_for_the_kv_cache_says_so(tmp_path):
+    """The weights fit but nothing is left for KV blocks: one line naming the flags, when the room is
+    sized (at the handshake)."""
     path = write_checkpoint(tmp_path, config_json(False, SHAPE_128 | MOE_128, "bfloat16", "qwen3_moe"), None)
     torch.cuda.empty_cache()  # what earlier tests cached would be given back while the worker measures
     free, total = torch.cuda.mem_get_info()
     share = (total - free) / total  # what is taken already: nothing left for the weights, let alone KV
     with pytest.raises(ValueError, match=r"no room for the KV cache: --gpu-memory-utilization .* raise "
                                          r"--gpu-memory-utilization"):
-        ModelRunner(WorkerConfig(model=str(path), device="cuda", load_format="dummy", gpu_memory_utilization=share))
+        ModelRunner(WorkerConfig(model=str(path), device="cuda", load_format="dummy",
+                                 gpu_memory_utilization=share)).size_kv_cache()

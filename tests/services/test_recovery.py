@@ -15,6 +15,8 @@ import pytest
 import grpc
 
 from nanoserve.client import Client
+from nanoserve.standby import PROCESS_NAME as STANDBY_PROCESS_NAME
+from worker_svc.startup_phases import parse_phase_line
 from tests.services.processes import CLI, ENV, children, free_port, free_ports, wait_serving
 
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds up's workers in /proc")
@@ -47,9 +49,10 @@ class Up:
         self.launcher = subprocess.Popen(argv, env=ENV, stdout=log.open("ab"), stderr=subprocess.STDOUT)
         wait_serving(self.address, [self.launcher], log)
 
-    def workers(self) -> list[int]:
-        """Pids of the launcher's live worker ranks, in rank order."""
-        ranks = [(int(argv[argv.index(b"--rank") + 1]), pid) for argv, pid in children(self.launcher.pid, "worker_svc")]
+    def workers(self, standbys: bool = False) -> list[int]:
+        """Pids of the launcher's live worker ranks (or of its waiting standbys), in rank order."""
+        ranks = [(int(argv[argv.index(b"--rank") + 1]), pid) for argv, pid in children(self.launcher.pid, "worker_svc")
+                 if (process_name(pid) == STANDBY_PROCESS_NAME) == standbys]
         return [pid for _, pid in sorted(ranks)]
 
     def metric(self, name: str) -> float:
@@ -100,6 +103,13 @@ class Streams:
             thread.join(timeout=180)
         assert not self.errors, self.errors
         return self.tokens
+
+
+def process_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def undisturbed(address: str, count: int = NUM_REQUESTS) -> list[list[int]]:
@@ -208,5 +218,34 @@ def test_tensor_parallel_group_recovers_from_a_killed_rank(tiny_model_dir, tmp_p
         assert streams.join() == expected
         log = up.log.read_text()  # rank 0 fails with its peer: whichever exit up sees first restarts both
         assert "restarting the worker group" in log and "worker group back after" in log
+    finally:
+        up.stop()
+
+
+def test_a_standby_takes_a_killed_ranks_place_with_its_kv_pool(tiny_model_dir, tmp_path):
+    """--standby-workers: the killed rank's standby, its imports done, goes on as the rank (the same
+    process); it takes the KV pool the group before served with instead of sizing its own, and every
+    stream ends with the tokens of an undisturbed run. Each start-up logs its phase line."""
+    up = Up(tiny_model_dir, tmp_path / "up.log", "--standby-workers")
+    try:
+        expected = undisturbed(up.address, 8)
+        deadline = time.monotonic() + 60
+        while "standby for rank 0: imports done" not in up.log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        standby = up.workers(standbys=True)
+        assert len(standby) == 1, up.log.read_text()[-2000:]
+        streams = Streams(up.address, 8)
+        kill_and_wait_for_more(up, streams, signal.SIGKILL, 0, more=8)
+        assert streams.join() == expected
+        assert standby[0] in up.workers()  # serving as the rank (a new standby may be starting beside it)
+        lines = up.log.read_text().splitlines()
+        assert any("restarting the worker group in 0s from its standbys" in line for line in lines)
+        sized = [line for line in lines if "room for 512 KV blocks" in line]
+        assert len(sized) == 2 and "(sized here)" in sized[0] and "not measured again" in sized[1], sized
+        ready = [parsed for line in lines if (parsed := parse_phase_line(line))]
+        phases = ["process start", "imports", "distributed+CUDA", "weights", "handshake", "KV profile", "graphs",
+                  "first steps"]
+        assert [(rank, list(split)) for rank, _, split in ready] == [(0, phases), (0, phases)]
+        assert all(total >= max(split.values()) for _, total, split in ready)
     finally:
         up.stop()

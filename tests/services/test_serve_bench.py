@@ -138,10 +138,12 @@ def test_smoke_run_through_the_grpc_api(tiny_model_dir, tmp_path):
     assert "inf" in run.stdout and "TTFT" in run.stdout
 
 
-def test_smoke_run_through_the_gateway_beside_grpc(tiny_model_dir, tmp_path):
-    """--openai URL --compare-grpc against real processes (scheduler, worker, gateway): the same requests
-    complete through both APIs with exactly their drawn output lengths (counted from each event's
-    token ids), the replica (--replicas) counts them, and the report compares the two."""
+def test_smoke_run_through_the_gateway_beside_grpc_from_two_client_processes(tiny_model_dir, tmp_path):
+    """--openai URL --compare-grpc --client-processes 2 against real processes (scheduler, worker,
+    gateway), at a finite rate and all at once: the two client processes' results merge into every
+    request, through both APIs, with exactly its drawn output length (counted from each event's token
+    ids), the replica (--replicas) counts each once, each process reports the CPU seconds it spent,
+    and the report compares the two APIs."""
     from tests.gateway.gateway_process import running_gateway
 
     log = tmp_path / "services.log"
@@ -150,20 +152,25 @@ def test_smoke_run_through_the_gateway_beside_grpc(tiny_model_dir, tmp_path):
         out = tmp_path / "serve.json"
         run = subprocess.run([sys.executable, str(REPO / "bench" / "serve.py"), "--openai", url, "--address",
                               svc["address"], "--replicas", svc["address"], "--compare-grpc", "--num-prompts", "5",
-                              "--request-rates", "inf",
+                              "--request-rates", "40", "inf", "--client-processes", "2",
                               "--input-len", "4", "24", "--output-len", "2", "8", "--warmup", "1", "--out", str(out)],
                              env=ENV, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
-    drawn = serve.make_requests(5, (4, 24), (2, 8), seed=0)
-    assert report["api"] == "openai" and report["openai"] == url
+    assert report["api"] == "openai" and report["openai"] == url and report["client_processes"] == 2
     for rates in (report["rates"], report["grpc_rates"]):
-        summary = rates["inf"]
-        assert (summary["completed"], summary["failed"]) == (5, 0)
-        assert summary["output_tokens"] == sum(r.max_tokens for r in drawn)
-        assert summary["server_steps"]["prefill_tokens"] >= sum(len(r.prompt) for r in drawn) - 16
-        assert 0 < summary["ttft_ms"]["p50"] <= summary["e2e_ms"]["p99"]
-        assert summary["requests_per_replica"] == [5]  # the warm-up's request not counted
+        for index, summary in enumerate(rates.values()):
+            drawn = serve.make_requests(5, (4, 24), (2, 8), seed=index)
+            assert (summary["completed"], summary["failed"]) == (5, 0)
+            assert summary["output_tokens"] == sum(r.max_tokens for r in drawn)
+            assert summary["server_steps"]["prefill_tokens"] >= sum(len(r.prompt) for r in drawn) - 16
+            assert 0 < summary["ttft_ms"]["p50"] <= summary["e2e_ms"]["p99"]
+            assert summary["ttft_ms"]["n"] == summary["e2e_ms"]["n"] == 5 <= summary["stream_messages"]
+            assert summary["requests_per_replica"] == [5]  # the warm-up's request not counted
+            client = summary["client"]
+            assert client["processes"] == 2 and len(client["cpu_seconds"]) == len(client["cpu_per_wall"]) == 2
+            assert all(cpu > 0 for cpu in client["cpu_seconds"])
+            assert all(0 < share < 2 for share in client["cpu_per_wall"])
     assert report["openai_vs_grpc"]["inf"]["output_tok_per_s_ratio"] > 0
 
 

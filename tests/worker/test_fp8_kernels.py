@@ -4,11 +4,8 @@ the SiLU-and-mul epilogue and a bias, masked tails, M = 1, 2, 7, 64, 300) and th
 reading e4m3 (with the RMSNorm prologue), on CPU through Triton's interpreter in float32 and float16
 (its bfloat16 dots are wrong), and compiled for sm_90 in bfloat16 (the e4m3 tensor-core dots the
 interpreter stands numpy in for). tests/gpu/test_fp8_weights_gpu.py runs the same checks on CUDA in
-bfloat16. Each interpreted check runs in a fresh process, as tests/worker/test_triton_kernels.py says why."""
-import os
-import subprocess
-import sys
-from pathlib import Path
+bfloat16. The interpreted checks run in a process of their own (tests/worker/interpreter.py says why)."""
+from typing import Callable
 
 import pytest
 import torch
@@ -17,7 +14,6 @@ from nanoserve_kernels import fp8_reference
 from nanoserve_kernels.fp8_reference import quantize_weight
 from tests.worker.test_triton_kernels import TOLERANCE, each_in_its_own_group, same_bits
 
-REPO = Path(__file__).resolve().parents[2]
 ROWS = (1, 2, 7, 64, 300)
 # (N, K, weight scale block): whole 128-blocks, a K tail inside the last block, per channel, the smallest
 # blocks the kernels take (e4m3 dots need 32 columns).
@@ -47,10 +43,13 @@ def check_quantize(device: str, dtype: torch.dtype) -> None:
             assert s.stride(0) == (1 if token_minor else s.shape[1])
 
 
-def check_gemm(device: str, dtype: torch.dtype, launch: dict = SMALL_LAUNCH) -> None:
-    """W8A8 (x quantized as the reference does) and weight-only, plain and with the SiLU-and-mul and a bias."""
+def check_gemm(device: str, dtype: torch.dtype, launch: dict = SMALL_LAUNCH,
+               quantize_activation: Callable | None = None) -> None:
+    """W8A8 (x quantized by the kernel, or `quantize_activation`) and weight-only, plain and with the
+    SiLU-and-mul and a bias."""
     from nanoserve_kernels.triton_fp8_gemm import fp8_gemm
-    from nanoserve_kernels.triton_fp8_quant import quantize_activation
+    if quantize_activation is None:
+        from nanoserve_kernels.triton_fp8_quant import quantize_activation
     for seed, (n, k, block) in enumerate(SHAPES):
         weight, scale = random_fp8(n, k, block, device, seed)
         bias = torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
@@ -98,18 +97,17 @@ def check_gemv(device: str, dtype: torch.dtype) -> None:
 
 def run_interpreted_cases(kernel: str) -> None:
     if kernel == "gemm":  # float16 only, in tiles as large as the rows allow: the interpreter is slow
-        check_gemm("cpu", torch.float16, dict(SMALL_LAUNCH, BLOCK_M=64, BLOCK_N=64))
+        # x quantized by the reference, which check_quantize finds equal to the kernel bit for bit: the
+        # interpreter runs the kernel a program a row (M = 300: ~3 s a shape)
+        check_gemm("cpu", torch.float16, dict(SMALL_LAUNCH, BLOCK_M=64, BLOCK_N=64), fp8_reference.quantize_activation)
         return
     for dtype in (torch.float32, torch.float16):
         {"quantize": check_quantize, "gemv": check_gemv}[kernel]("cpu", dtype)
 
 
 @pytest.mark.parametrize("kernel", each_in_its_own_group("fp8-interpreter", ("quantize", "gemm", "gemv")))
-def test_fp8_kernel_matches_reference_in_interpreter(kernel: str) -> None:
-    pythonpath = os.pathsep.join(filter(None, [str(REPO), str(REPO / "proto"), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath}
-    result = subprocess.run([sys.executable, __file__, kernel], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
+def test_fp8_kernel_matches_reference_in_interpreter(interpreter, kernel: str) -> None:
+    interpreter.run(__file__, kernel)
 
 
 def _compile_for_hopper(kernel, types: dict[str, str], constexprs: dict, **options) -> str:
@@ -157,11 +155,3 @@ def test_activation_quantization_compiles_for_hopper() -> None:
     types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
     constexprs = dict(GROUP=128, GROUPS=8, FP8_MAX=448.0, AMAX_FLOOR=1e-12)
     assert "e4m3" in _compile_for_hopper(triton_fp8_quant._quantize_groups_kernel, types, constexprs, num_warps=4)
-
-
-if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    from tests.worker.test_triton_kernels import _fix_interpreter_for_numpy_2_4, _stand_in_for_libdevice
-    _fix_interpreter_for_numpy_2_4()
-    _stand_in_for_libdevice()
-    run_interpreted_cases(sys.argv[1])

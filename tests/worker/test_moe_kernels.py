@@ -2,14 +2,9 @@
 (moe_reference.py) on CPU through Triton's interpreter, in float32 and float16 (its bf16 dot is wrong):
 routing, sort-and-pad, and whole layers at batch 1 and with experts that get no token, with tiles that
 leave tails in every dimension, their experts in the model dtype or e4m3 with block (or per-channel) scales
-(against the loop on the dequantized weights). Each case runs in a fresh process with TRITON_INTERPRET=1 set from the
-start (as tests/worker/test_triton_kernels.py explains); tests/gpu/test_moe_gpu.py reuses the checks in
-bf16 on CUDA. Also: the GEMM compiles for sm_90 in bf16, of bf16 and of e4m3 experts."""
+(against the loop on the dequantized weights). The cases run in a process with TRITON_INTERPRET=1 set from the start
+(tests/worker/interpreter.py says why); tests/gpu/test_moe_gpu.py reuses the checks in bf16 on CUDA. Also: the GEMM compiles for sm_90 in bf16, of bf16 and of e4m3 experts."""
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +12,6 @@ import torch
 from nanoserve_kernels.moe_reference import BlockScales, dequantize_experts, experts_reference, quantize_experts, route
 from tests.worker.test_triton_kernels import each_in_its_own_group
 
-REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 SMALL_TILES = dict(BLOCK_M=16, gate_up=dict(BLOCK_N=16, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=2),
                    down=dict(BLOCK_N=32, BLOCK_K=16, GROUP_M=1, num_warps=4, num_stages=2))
@@ -145,11 +139,8 @@ def run_interpreted_cases(kernel: str) -> None:
 
 @pytest.mark.parametrize("kernel", each_in_its_own_group("moe-interpreter", ("route", "align", "float32", "float16",
                                                                      "fp8")))
-def test_moe_kernels_match_the_reference_in_interpreter(kernel: str) -> None:
-    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath}
-    result = subprocess.run([sys.executable, __file__, kernel], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
+def test_moe_kernels_match_the_reference_in_interpreter(interpreter, kernel: str) -> None:
+    interpreter.run(__file__, kernel, timeout=300)
 
 
 def test_a_step_takes_the_config_tuned_for_the_next_batch_size_up(monkeypatch, tmp_path):
@@ -205,11 +196,3 @@ def test_route_and_align_compiles_for_hopper() -> None:
     constexprs = dict(TOP_K=8, BLOCK_E=128, BLOCK_K=8, RENORMALIZE=True, BLOCK_P=64, BLOCK_M=16, SCAN=64)
     source = ASTSource(kernel, _hopper_signature(kernel, types), constexprs=constexprs)
     assert triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["cubin"]
-
-
-if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    from tests.worker.test_triton_kernels import _fix_interpreter_for_numpy_2_4, _stand_in_for_libdevice
-    _fix_interpreter_for_numpy_2_4()
-    _stand_in_for_libdevice()
-    run_interpreted_cases(sys.argv[1])
