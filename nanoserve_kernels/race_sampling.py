@@ -28,6 +28,7 @@ SERIES_BELOW = 2.0 ** -7
 THIRD = 0.3333333432674408  # 1/3 rounded to float32, written out so both implementations agree
 TWO_TO_MINUS_32 = 2.0 ** -32
 BELOW_ONE = 1.0 - 2.0 ** -24  # the largest float32 below 1
+PHILOX_COUNTERS = 1 << 17  # a CPU measure: 16 rows of 152k tokens drew in 50 ms, not 60 at once (1 << 14: 64)
 
 
 def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch.Tensor]
@@ -62,12 +63,17 @@ def exponential_noise(words: torch.Tensor) -> torch.Tensor:
 
 
 def race_noise(keys: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """E [rows, vocab_size] for rows of int64 keys and counters."""
-    j = torch.arange(cdiv(vocab_size, 4), dtype=torch.int64, device=keys.device)[None, :]
+    """E [rows, vocab_size] for rows of int64 keys and counters. Philox runs on PHILOX_COUNTERS counters
+    at a time (a slice of the vocabulary for every row): its buffers stay in a CPU core's cache."""
     keys, counters = keys[:, None], counters[:, None]
-    words = philox4x32((j, counters & WORD, (counters >> 32) & WORD, torch.zeros_like(j)),
-                       (keys & WORD, (keys >> 32) & WORD))
-    return exponential_noise(torch.stack(words, dim=-1).flatten(1)[:, :vocab_size])
+    key, low, high = (keys & WORD, (keys >> 32) & WORD), counters & WORD, (counters >> 32) & WORD
+    groups, step = cdiv(vocab_size, 4), max(1, PHILOX_COUNTERS // len(keys))
+    parts = []
+    for start in range(0, groups, step):
+        j = torch.arange(start, min(start + step, groups), dtype=torch.int64, device=keys.device)[None, :]
+        parts.append(torch.stack(philox4x32((j, low, high, torch.zeros_like(j)), key), dim=-1))
+    words = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return exponential_noise(words.flatten(1)[:, :vocab_size])
 
 
 def race_sample(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor,
