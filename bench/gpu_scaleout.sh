@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Scale-out on a lent multi-GPU machine (2 or 4 H100s), from the repo root, in under 9 minutes:
-#   bench/gpu_scaleout.sh [all|dp|ttft|tenants]   (results under $OUT, default bench/out/scaleout: JSON per
-#                                     run, summary.json and summary.md from bench/scaleout_summary.py)
+#   bench/gpu_scaleout.sh [all|dp|ttft|tenants|router]   (results under $OUT, default bench/out/scaleout:
+#                                     JSON per run, summary.json and summary.md from bench/scaleout_summary.py)
 # Every run goes through the OpenAI port (bench/serve.py --openai, prompts as text for SMG):
 #   1. the throughput workload (docs/benchmarks.md) on one replica direct (its gateway), then on N replicas (N = the
 #      GPUs) through SMG with N x the requests: the ratio to N x one replica (target >= 0.95);
@@ -13,7 +13,8 @@
 #      round, sized to ~70% of the replicas' combined KV): SMG round robin against cache-aware, at a Poisson
 #      rate between the two policies' capacities and at saturation;
 #   4. DP2 through SMG against TP2 direct, on the 0.6B and the 8B shapes (random weights, dummy load).
-# dp: part 1 only; ttft: part 2 only (with its server); tenants: part 3 only; each then the summary.
+# dp: part 1 only; ttft: part 2 only (with its server); tenants: part 3 only; router: parts 2 and 3
+# (~4 minutes on two GPUs); each then the summary.
 # Every run through SMG also records how many requests each replica finished (bench/serve.py --replicas).
 # The throughput runs (1 and 4) send from `clients` (2) client processes per GPU on both sides of each
 # comparison (bench/serve.py --client-processes): one Python client spends ~15-20 us of CPU a streamed
@@ -24,7 +25,10 @@
 # Carried wheels in .whl/ (smg, setproctitle, fastapi and its needs, uvicorn, grpcio-health-checking,
 # grpcio-reflection, ...: docs/scale-out.md lists them) are installed first.
 set -uo pipefail
+declare -A parts=([all]="1 2 3 4" [dp]="1" [ttft]="2" [tenants]="3" [router]="2 3")
 mode=${1:-all}
+[ -n "${parts[$mode]:-}" ] || { echo "usage: $0 [all|dp|ttft|tenants|router]"; exit 2; }
+part() { [[ " ${parts[$mode]} " == *" $1 "* ]]; }  # whether this mode runs part $1
 out=${OUT:-bench/out}/scaleout; mkdir -p "$out"
 export PYTHONPATH=$PWD:$PWD/proto PYTHONUNBUFFERED=1 NANOSERVE_CACHE=$PWD/.cache
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -70,30 +74,29 @@ replicas() {  # the schedulers of `up --data-parallel-size $1`: replica d's gRPC
 in_time() { (( SECONDS - started < ${1:-480} )) || { echo "skipped (time): $2"; return 1; }; }
 
 # 1 and 2: one replica direct, then every GPU a replica behind SMG
-if [ "$mode" = all ] || [ "$mode" = dp ]; then
+if part 1; then
   up dp1_small --model "$small" && { bench dp1_small "$small" "${design[@]}" --num-prompts 256 \
     --client-processes $clients; down; }
 fi
-if [ "$mode" != tenants ] && up "dp${gpus}_small" --model "$small" --data-parallel-size "$gpus"; then
-  [ "$mode" = ttft ] || bench "dp${gpus}_small" "$small" "${design[@]}" --num-prompts $((256 * gpus)) \
+if { part 1 || part 2; } && up "dp${gpus}_small" --model "$small" --data-parallel-size "$gpus"; then
+  part 1 && bench "dp${gpus}_small" "$small" "${design[@]}" --num-prompts $((256 * gpus)) \
     --replicas $(replicas "$gpus") --client-processes $((clients * gpus))
-  if [ "$mode" != dp ]; then  # replica d's gateway is on 8001 + d
+  if part 2; then  # replica d's gateway is on 8001 + d
     timeout 120 python3 bench/router_overhead.py --gateways $(for d in $(seq 0 $((gpus - 1))); do
       echo "http://127.0.0.1:$((8001 + d))"; done) --router "$url" --tokenizer "$small" --requests 150 \
       --prompt-tokens 512 --output-tokens 16 --out "$out/router_overhead.json" 2>&1 | grep -v " INFO " | tail -3
   fi
   down
 fi
-if [ "$mode" = all ] || [ "$mode" = dp ]; then
+if part 1; then
   # what one client process takes against a paced SSE server (no GPU): the messages a second and their CPU price
   timeout 120 python3 bench/client_ceiling.py --out "$out/client_ceiling/ceiling.json" 2>&1 | tail -4
 fi
-if [ "$mode" = all ] || [ "$mode" = ttft ]; then  # SMG's own cost: in front of backends that answer at once
+if part 2; then  # SMG's own cost: in front of backends that answer at once
   timeout 120 python3 bench/router_overhead.py --backend echo --replicas "$gpus" --requests 150 --prompt-tokens 16 512 \
     4096 --policies cache_aware round_robin --log "$out/router_overhead_echo.smg.log" \
     --out "$out/router_overhead_echo.json" 2>&1 | tail -7
 fi
-[ "$mode" = all ] || [ "$mode" = tenants ] || { python3 bench/scaleout_summary.py "$out" "$gpus"; exit; }
 # 3: the tenants at steady state. Their system prompts fill ~70% of the combined KV: 256 blocks of 256
 # tokens (65,536 tokens) per replica, 22 tenants of 4,096 tokens on two replicas (90k tokens): split by
 # tenant (cache-aware) each replica holds its 11 (45k tokens, 69%); spread (round robin) each needs all
@@ -109,7 +112,7 @@ fi
 # ~27 s + ~27 s, cache-aware ~14 s + ~9 s, plus ~25 s start and stop per policy: ~2.5 minutes.
 # After each policy, SMG's metrics (its cache-aware branches, overload fallbacks) are kept beside it.
 tenants=$(( gpus * 256 * 256 * 7 / 10 / (4096 + 64) ))
-in_time 300 "the tenants' runs" && for policy in round_robin cache_aware; do
+part 3 && in_time 300 "the tenants' runs" && for policy in round_robin cache_aware; do
   up "tenants_$policy" --model "$small" --data-parallel-size "$gpus" --max-model-len 8192 \
     --router-policy "$policy" --num-kv-blocks 256 && {
       bench "tenants_$policy" "$small" --tenants "$tenants" --users 8 --rounds 12 --system-len 4096 \
@@ -120,10 +123,9 @@ in_time 300 "the tenants' runs" && for policy in round_robin cache_aware; do
         > "$out/tenants_$policy.smg_metrics.txt"
       down; }
 done
-[ "$mode" = tenants ] && { python3 bench/scaleout_summary.py "$out" "$gpus"; exit; }
 # 4: DP2 against TP2 on each shape, both runs or neither; the 8B first (with two GPUs the 0.6B DP2 run
 # is the N-replica one above, so the 0.6B pair needs one run more)
-for shape in big small; do
+part 4 && for shape in big small; do
   model=${!shape} reuse=$([ "$shape" = small ] && [ "$gpus" = 2 ] && echo yes)
   in_time $([ "$shape" = big ] && echo 375 || { [ -n "$reuse" ] && echo 470 || echo 420; }) "DP2 against TP2 ($shape)" \
     || continue
