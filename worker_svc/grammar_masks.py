@@ -2,17 +2,19 @@
 matcher of a constrained sequence, beside the penalty state SamplingExtras keeps, so no mask ever
 crosses the wire.
 
-A step that samples constrained rows asks each row's matcher for its mask (filled on the host by
-llguidance's own threads while the step's forward pass runs on the device), uploads the rows and masks
-the logits in one launch before every other logits processor. The matcher then moves on by the token
-the row drew: the draw stays on the device, so its copy home is queued after the step and read by the
-next step that masks. Only steps that sample constrained rows wait for the previous step's tokens;
-the others (prefills and resets included) keep the pipeline as deep as it is.
+Each constrained slot's next mask is filled ahead, into a host table, by one mask thread that takes its
+jobs in order: a reset's first mask, once its matcher exists, and after each step the rows that
+step drew: the thread waits for the step's tokens to come home, the matchers consume them and fill
+their next masks (both on llguidance's own threads). A step that samples constrained rows waits for
+the jobs queued before it, gathers its rows from the table and masks the logits in one launch before
+every other logits processor: the launcher thread does none of the grammar work, so it builds and
+queues the step's forward pass while the masks are filled, and the fill starts the moment the
+tokens it needs are home. Only steps that sample constrained rows wait for the previous step's
+tokens; the others (prefills and resets included) keep the pipeline as deep as it is.
 
 A grammar is compiled once per text (a template matcher, cached; each sequence takes a copy) on a
-thread of its own, off the step loop: a reset submits the work and the sequence's first masked step
-picks it up, by which time its prompt is usually being computed. A reset also replays the generated
-tokens the scheduler sends, so a recomputed sequence (preemption, a worker restart) resumes its
+thread of its own, off the step loop. A reset also replays the generated tokens the scheduler sends,
+so a recomputed sequence (preemption, a worker restart) resumes its
 grammar where it was."""
 import functools
 import logging
@@ -45,10 +47,12 @@ class GrammarMasks:
         self.matchers: list[Future | None] = [None] * capacity  # per slot; its result an LLMatcher, or None
         self.constrained = np.zeros(capacity, bool)  # per slot: holds a matcher
         self.num_constrained = 0  # slots holding a matcher: while 0, no batch is looked at
-        # Drawn tokens on their way home: (the matchers they advance, the tokens, their copy's event).
-        self.pending: list[tuple[list[Future], torch.Tensor, object]] = []
+        # Per slot: the mask of its matcher's next token, kept current by the mask thread's jobs.
+        self.next_masks = np.zeros((capacity, self.words), np.int32)
+        self.jobs: list[Future] = []  # the mask thread's jobs since the last masked step
         self.device_rows: torch.Tensor | None = None  # the masked rows of the current step; None: all of them
         self.compiler = ThreadPoolExecutor(2, thread_name_prefix="grammar")
+        self.mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")  # one: jobs keep their order
         self.executor: LLExecutor | None = None
         self.template = functools.lru_cache(TEMPLATE_CACHE_SIZE)(self._template)
         self._apply = apply_token_bitmask
@@ -62,6 +66,8 @@ class GrammarMasks:
         self.num_constrained += bool(grammar) - bool(self.constrained[slot])
         self.constrained[slot] = bool(grammar)
         self.matchers[slot] = self.compiler.submit(self._start, grammar, generated) if grammar else None
+        if grammar:
+            self.jobs.append(self.mask_thread.submit(self._fill_first, slot, self.matchers[slot]))
 
     def _template(self, grammar: str) -> LLMatcher:
         return LLMatcher(self.tokenizer.get(), grammar)
@@ -76,6 +82,16 @@ class GrammarMasks:
             log.warning("a resumed sequence's tokens do not follow its grammar: %s", matcher.get_error())
         return matcher
 
+    def _fill_first(self, slot: int, matcher: Future) -> None:
+        """On the mask thread: a new sequence's first mask, once its matcher exists (a grammar that
+        failed to compile allows only eos: the sequence can only end)."""
+        if matcher.result() is not None:
+            fill_next_token_bitmask(matcher.result(), self.next_masks, slot)
+            return
+        self.next_masks[slot] = 0
+        for eos in self.tokenizer.eos_token_ids:
+            self.next_masks.view(np.uint32)[slot, eos // 32] |= np.uint32(1 << (eos % 32))
+
     def constrained_rows(self, slots: np.ndarray) -> np.ndarray:
         """Positions in `slots` (a step's sampled slots) of constrained sequences."""
         if not self.num_constrained:
@@ -84,22 +100,13 @@ class GrammarMasks:
 
     def mask(self, logits: torch.Tensor, slots: np.ndarray, rows: np.ndarray) -> None:
         """Masks, in place, the logits rows `rows` (constrained_rows of `slots`) by their grammars."""
-        self.advance()
-        matchers = [self.matchers[slot].result() for slot in slots[rows].tolist()]
-        # Filled where the copy to the device starts from (pinned on CUDA: the caching host allocator
-        # hands the block out again only once its copy is done); llguidance writes whole rows.
+        for job in self.jobs:  # each, so that any job's error surfaces here
+            job.result()
+        self.jobs.clear()
+        # Gathered where the copy to the device starts from (pinned on CUDA: the caching host allocator
+        # hands the block out again only once its copy is done).
         pinned = torch.empty((len(rows), self.words), dtype=torch.int32, pin_memory=self.device.type == "cuda")
-        bitmask = pinned.numpy()
-        live = [(matcher, i) for i, matcher in enumerate(matchers) if matcher is not None]
-        if len(live) == 1:  # on this thread: handing one row to the pool costs more than it saves
-            matcher, index = live[0]
-            fill_next_token_bitmask(matcher, bitmask, index)
-        elif live:
-            fill_next_token_bitmask_par(self._executor(), live, bitmask)
-        for i in np.flatnonzero([matcher is None for matcher in matchers]):  # failed to compile: it can only end
-            bitmask[i] = 0
-            for eos in self.tokenizer.eos_token_ids:
-                bitmask.view(np.uint32)[i, eos // 32] |= np.uint32(1 << (eos % 32))
+        np.take(self.next_masks, slots[rows], axis=0, out=pinned.numpy())
         self.device_rows = None if len(rows) == len(logits) else upload(rows, self.device)
         self._apply(logits, pinned.to(self.device, non_blocking=True), self.device_rows)
 
@@ -111,34 +118,36 @@ class GrammarMasks:
         self._apply(logits, allow_all, None)
 
     def observe(self, tokens: torch.Tensor, slots: np.ndarray, rows: np.ndarray) -> None:
-        """The tokens just drawn (device, one per sampled slot): the masked rows' go home, for the
-        matchers to consume before they mask again."""
+        """The tokens just drawn (device, one per sampled slot): the masked rows' go home, and the
+        mask thread advances their matchers by them and fills their next masks."""
         drawn = tokens if self.device_rows is None else tokens[self.device_rows]
         event = None
         if drawn.is_cuda:
             drawn = torch.empty(drawn.shape, dtype=drawn.dtype, pin_memory=True).copy_(drawn, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        self.pending.append(([self.matchers[slot] for slot in slots[rows].tolist()], drawn, event))
+        masked = slots[rows].tolist()
+        self.jobs.append(self.mask_thread.submit(self._advance, [self.matchers[slot] for slot in masked], masked,
+                                                 drawn, event))
 
-    def advance(self) -> None:
-        """Feeds the tokens that have come home to their matchers, in step order: a step's rows on
-        llguidance's threads (the mask fill's pool), as its masks are filled, since this wait sits
-        between a step's draw and the next step's masks."""
-        for matchers, drawn, event in self.pending:
-            if event is not None:
-                event.synchronize()
-            # a refused token leaves its matcher in error: it then allows only eos
-            live = [(future.result(), token) for future, token in zip(matchers, drawn.tolist())]
-            live = [(matcher, token) for matcher, token in live if matcher is not None]
-            if len(live) == 1:
-                live[0][0].consume_token(live[0][1])
-            elif live:
-                consume_token_par(self._executor(), live)
-        self.pending.clear()
+    def _advance(self, matchers: list[Future], slots: list[int], drawn: torch.Tensor, event) -> None:
+        """On the mask thread: once a step's tokens are home, its matchers consume them and fill their
+        next masks, both on llguidance's threads (one row: here, as handing it over costs more)."""
+        if event is not None:
+            event.synchronize()
+        # a refused token leaves its matcher in error: it then allows only eos
+        live = [(future.result(), token, slot) for future, token, slot in zip(matchers, drawn.tolist(), slots)]
+        live = [entry for entry in live if entry[0] is not None]
+        if len(live) == 1:
+            matcher, token, slot = live[0]
+            matcher.consume_token(token)
+            fill_next_token_bitmask(matcher, self.next_masks, slot)
+        elif live:
+            consume_token_par(self._executor(), [(matcher, token) for matcher, token, _ in live])
+            fill_next_token_bitmask_par(self._executor(), [(matcher, slot) for matcher, _, slot in live],
+                                        self.next_masks)
 
     def _executor(self) -> LLExecutor:
         if self.executor is None:
             self.executor = LLExecutor(MASK_THREADS)
         return self.executor
-
