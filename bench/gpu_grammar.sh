@@ -3,7 +3,8 @@
 # kernel against its reference on CUDA, the structured-output service tests on CUDA, then
 # bench/grammar.py on the 0.6B and 8B shapes (dummy weights): DESIGN throughput with every request
 # JSON-schema constrained against none, batch-1 ITL with and without, first-use compile of a typical
-# schema, invalid outputs among constrained ones that stopped. Wheels the image lacks (llguidance,
+# schema, invalid outputs among constrained ones that stopped; then bench/grammar_host.py on the 0.6B shape:
+# the launcher thread's grammar time per prefill/mixed and decode step (256 constrained sequences arriving). Wheels the image lacks (llguidance,
 # jsonschema and its needs) come from .whl/. Results under $OUT (default bench/out).
 source bench/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
@@ -18,3 +19,6 @@ for shape in qwen3-0.6b qwen3-8b; do
     --extra "--load-format dummy --attention-backend triton" --out "$out/grammar_$shape.json" 2>&1 \
     | grep -v " INFO " | tee "$out/grammar_$shape.log" | tail -40
 done
+timeout 150 python3 bench/grammar_host.py --model .cache/qwen3-0.6b-dummy --device cuda --load-format dummy \
+  --attention-backend triton --decode-steps 32 --out "$out/grammar_host.json" 2>&1 | grep -v " INFO " \
+  | tee "$out/grammar_host.log" | tail -40

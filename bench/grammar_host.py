@@ -12,7 +12,11 @@ the launcher thread waits for or does, then the apply) and observe (the drawn to
 `grammar_host_ms` is their sum less the apply (`_apply`), which on a GPU is a kernel launch but
 here runs on the CPU.
 
-    python3 bench/grammar_host.py [--model DIR] [--decode-steps N] [--profile FILE]
+On a GPU (--device cuda) the forward runs behind the launch, as in serving; each step is still
+waited for before the next, so `launch_ms` there is the host's time plus the step's wait.
+
+    python3 bench/grammar_host.py [--model DIR] [--device cuda --load-format dummy] [--decode-steps N]
+                                  [--profile FILE]
 """
 import argparse
 import cProfile
@@ -60,10 +64,10 @@ class Timed:
         return taken
 
 
-def drive(runner: ModelRunner, jobs: list[tuple[list[int], int]], grammar: str, budget: int,
+def drive(runner: ModelRunner, timed: Timed, jobs: list[tuple[list[int], int]], grammar: str, budget: int,
           decode_steps: int) -> list[tuple[str, float, dict[str, float]]]:
-    """Runs the prefill phase and `decode_steps` more steps; per step (kind, launch seconds, hooks)."""
-    timed = Timed(runner.extras.grammar, ("reset", "mask", "observe", "_apply")) if grammar else None
+    """Runs the prefill phase and `decode_steps` more steps, then forgets the sequences; per step
+    (kind, launch seconds, seconds in the grammar's hooks)."""
     sampling = llm_pb2.SamplingParams(temperature=0.6, seed=0, ignore_eos=True)
     computed = [0] * len(jobs)  # tokens in the KV cache
     generated = [0] * len(jobs)
@@ -108,8 +112,10 @@ def drive(runner: ModelRunner, jobs: list[tuple[list[int], int]], grammar: str, 
         started = time.perf_counter()
         runner.launch(pack_step(len(steps), entries)).reply(len(steps))
         seconds = time.perf_counter() - started
-        steps.append(("prefill/mixed" if prefill else "decode", seconds, timed.take() if timed else {}))
+        steps.append(("prefill/mixed" if prefill else "decode", seconds, timed.take()))
         decodes_left -= not prefill
+    runner.step(pack_step(len(steps), [], forget_seq_ids=range(len(jobs))))
+    timed.take()
     return steps
 
 
@@ -130,6 +136,9 @@ def summary(steps: list[tuple[str, float, dict[str, float]]]) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default=str(REPO / ".cache" / "tiny-qwen3"))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--load-format", default="auto", help="dummy: random weights (the 0.6B/8B shapes)")
+    p.add_argument("--attention-backend", default="auto")
     p.add_argument("--num-seqs", type=int, default=WORKLOADS["design"][0])
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--decode-steps", type=int, default=16)
@@ -139,19 +148,19 @@ def main() -> None:
     jobs = workload(args.num_seqs, *WORKLOADS["design"][1:])
     # room for every prompt and the tokens of the prefill phase's steps (~20) and the decode steps
     num_blocks = sum(math.ceil((len(prompt) + args.decode_steps + 64) / BLOCK) for prompt, _ in jobs)
-    config = WorkerConfig(model=args.model, device="cpu", dtype="float32", block_size=BLOCK, num_kv_blocks=num_blocks,
+    config = WorkerConfig(model=args.model, device=args.device, dtype="float32" if args.device == "cpu" else "auto",
+                          load_format=args.load_format, attention_backend=args.attention_backend, block_size=BLOCK, num_kv_blocks=num_blocks,
                           max_num_seqs=max(args.num_seqs, 1), max_num_batched_tokens=args.max_num_batched_tokens)
     runner = ModelRunner(config)
     grammar = GrammarCompiler(runner.grammar_tokenizer).compile("json", json.dumps(LONG))
-    result = {}
+    runner.allocate_kv_cache(num_blocks)
+    timed, result = Timed(runner.extras.grammar, ("reset", "mask", "observe", "_apply")), {}
     for name, text in (("plain", ""), ("json_schema", grammar)):
-        runner.allocate_kv_cache(num_blocks)
-        drive(runner, jobs[:2], text, args.max_num_batched_tokens, 2)  # warm-up: vocabulary, template, kernels
-        runner.allocate_kv_cache(num_blocks)
+        drive(runner, timed, jobs[:2], text, args.max_num_batched_tokens, 2)  # warm-up: vocabulary, template
         profile = cProfile.Profile() if args.profile and text else None
         if profile:
             profile.enable()
-        result[name] = summary(drive(runner, jobs, text, args.max_num_batched_tokens, args.decode_steps))
+        result[name] = summary(drive(runner, timed, jobs, text, args.max_num_batched_tokens, args.decode_steps))
         if profile:
             profile.disable()
             profile.dump_stats(args.profile)
