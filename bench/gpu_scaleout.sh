@@ -92,10 +92,12 @@ if part 1; then
   # what one client process takes against a paced SSE server (no GPU): the messages a second and their CPU price
   timeout 120 python3 bench/client_ceiling.py --out "$out/client_ceiling/ceiling.json" 2>&1 | tail -4
 fi
-if part 2; then  # SMG's own cost: in front of backends that answer at once
+if part 2; then  # SMG's own cost: in front of backends that answer at once, then after 10 ms (a prefill's wait)
   timeout 120 python3 bench/router_overhead.py --backend echo --replicas "$gpus" --requests 150 --prompt-tokens 16 512 \
     4096 --policies cache_aware round_robin --log "$out/router_overhead_echo.smg.log" \
     --out "$out/router_overhead_echo.json" 2>&1 | tail -7
+  timeout 60 python3 bench/router_overhead.py --backend echo --echo-delay-ms 10 --replicas "$gpus" --requests 150 \
+    --log "$out/router_overhead_echo.smg.log" --out "$out/router_overhead_echo_wait.json" 2>&1 | tail -2
 fi
 # 3: the tenants at steady state. Their system prompts fill ~70% of the combined KV: 256 blocks of 256
 # tokens (65,536 tokens) per replica, 22 tenants of 4,096 tokens on two replicas (90k tokens): split by
