@@ -108,7 +108,8 @@ def _tenants(by_rate: dict[str, dict] | None) -> dict | None:
     return {"saturated" if rate == "inf" else "poisson": {
         "rate": rate, "output_tok_s": run["output_tok_per_s"], "ttft_p50_ms": field(run, "ttft_ms", "p50"),
         "ttft_p90_ms": field(run, "ttft_ms", "p90"), "completed": run["completed"], "failed": run["failed"],
-        "prefix_hit_rate": run.get("prefix_hit_rate")} for rate, run in by_rate.items()}
+        "prefix_hit_rate": run.get("prefix_hit_rate"), "requests_per_replica": run.get("requests_per_replica")}
+        for rate, run in by_rate.items()}
 
 
 def markdown(s: dict) -> str:
@@ -140,8 +141,10 @@ def markdown(s: dict) -> str:
             if t[policy] and load in t[policy]:
                 row = t[policy][load]
                 lines.append(f"| tenants, {load} ({row['rate']} req/s), {policy}: output tok/s, TTFT p50 / p90 ms, "
-                             f"prefix hit rate | {num(row['output_tok_s'], 0)}, {num(row['ttft_p50_ms'], 0)} / "
-                             f"{num(row['ttft_p90_ms'], 0)}, {num(row['prefix_hit_rate'])} |")
+                             f"prefix hit rate, requests per replica | {num(row['output_tok_s'], 0)}, "
+                             f"{num(row['ttft_p50_ms'], 0)} / {num(row['ttft_p90_ms'], 0)}, "
+                             f"{num(row['prefix_hit_rate'])}, "
+                             f"{' / '.join(map(str, row['requests_per_replica'] or []))} |")
         ratios = t["cache_aware_over_round_robin"][load]
         lines.append(f"| tenants, {load}, cache-aware over round robin: output tok/s (target >= 1.6 saturated), "
                      f"TTFT p90 (target <= 0.1) | {num(ratios['output_tok_s'])}, {num(ratios['ttft_p90'])} |")
