@@ -99,14 +99,14 @@ if part 2; then  # SMG's own cost: in front of backends that answer at once, the
   timeout 60 python3 bench/router_overhead.py --backend echo --echo-delay-ms 10 --replicas "$gpus" --requests 150 \
     --log "$out/router_overhead_echo.smg.log" --out "$out/router_overhead_echo_wait.json" 2>&1 | tail -2
 fi
-# 3: the tenants at steady state. Their system prompts fill ~65% of the combined KV: 256 blocks of 256
-# tokens (65,536 tokens) per replica, 20 tenants of 4,096 tokens on two replicas (as text they re-tokenize
-# a little longer: ~17 blocks each, 340 of 512 blocks). Split by tenant (cache-aware) each replica holds
-# its 10 (170 blocks) and its running requests' blocks, with room for an uneven placement (SMG places a
-# tenant by load at its first request; on CPU 8 tenants went 5/3): 12 (204 blocks) still fit. Spread
-# (round robin) each replica needs all 20 (340 blocks) and thrashes. A prompt is a system prompt and a
+# 3: the tenants at steady state. Their system prompts fill ~70% of the combined KV: 256 blocks of 256
+# tokens (65,536 tokens) per replica, 21 tenants of 4,096 tokens on two replicas (as text they re-tokenize
+# a little longer: ~17 blocks each, 357 of 512 blocks). Split by tenant (cache-aware) each replica holds
+# its 10 or 11 (187 blocks) and its running requests' blocks, with room for an uneven placement (SMG places
+# a tenant by load at its first request; on CPU 8 tenants went 5/3): 12 (204 blocks) still fit. Spread
+# (round robin) each replica needs all 21 (357 blocks) and thrashes. A prompt is a system prompt and a
 # 64-token question (--max-model-len 8192, a later flag wins), 64 output tokens; 8 users a tenant ask 12
-# rounds: 1,920 requests.
+# rounds: 2,016 requests.
 # Sizing (0.6B shape, one replica prefills ~100k tok/s and decodes ~25k tok/s): a round-robin request
 # misses about half its system prompt (hit rate 0.44 measured), ~2,100 prompt tokens, 21 ms of prefill,
 # plus ~3 ms of decode: ~40 req/s a replica, 80 on two (measured: 5,061 output tok/s = 79 req/s). A
@@ -116,7 +116,7 @@ fi
 # (inf), on the same tenants with new questions: the saturated throughput. Time on two GPUs: round robin
 # ~24 s + ~24 s, cache-aware ~13 s + ~8 s, plus ~25 s start and stop per policy: ~2.5 minutes.
 # After each policy, SMG's metrics (its cache-aware branches, overload fallbacks) are kept beside it.
-tenants=$(( gpus * 256 * 256 * 65 / 100 / (4096 + 64) ))
+tenants=$(( gpus * 256 * 256 * 70 / 100 / (4096 + 64) ))
 part 3 && in_time 300 "the tenants' runs" && for policy in round_robin cache_aware; do
   up "tenants_$policy" --model "$small" --data-parallel-size "$gpus" --max-model-len 8192 \
     --router-policy "$policy" --num-kv-blocks 256 && {
