@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # Scale-out on a lent multi-GPU machine (2 or 4 H100s), from the repo root, in under 9 minutes:
-#   bench/gpu_scaleout.sh [all|dp]   (results under $OUT, default bench/out/scaleout: JSON per run,
-#                                     summary.json and summary.md from bench/scaleout_summary.py)
+#   bench/gpu_scaleout.sh [all|dp|ttft|tenants|router]   (results under $OUT, default bench/out/scaleout:
+#                                     JSON per run, summary.json and summary.md from bench/scaleout_summary.py)
 # Every run goes through the OpenAI port (bench/serve.py --openai, prompts as text for SMG):
 #   1. the throughput workload (docs/benchmarks.md) on one replica direct (its gateway), then on N replicas (N = the
 #      GPUs) through SMG with N x the requests: the ratio to N x one replica (target >= 0.95);
-#   2. the router's added TTFT at low load: one request at a time (150 of them), straight to replica 0's
-#      gateway before and after, and through SMG in between, on the same server;
-#   3. the multi-tenant prefix workload (long shared system prompts, several users each, Poisson
-#      arrivals, sized to ~70% of the replicas' combined KV): SMG round robin against cache-aware;
+#   2. the router's added TTFT at low load (bench/router_overhead.py): 150 rounds of one request at a time
+#      straight to replica 0, straight to the replicas in turn, and through SMG, every request a prompt of
+#      its own, on the N-replica server of part 1; then SMG's own cost on this host's CPU, in front of
+#      minimal HTTP backends that answer at once;
+#   3. the multi-tenant prefix workload (long shared system prompts, several users asking round after
+#      round, sized to ~70% of the replicas' combined KV): SMG round robin against cache-aware, at a Poisson
+#      rate between the two policies' capacities and at saturation;
 #   4. DP2 through SMG against TP2 direct, on the 0.6B and the 8B shapes (random weights, dummy load).
+# dp: part 1 only; ttft: part 2 only (with its server); tenants: part 3 only; router: parts 2 and 3
+# (~4 minutes on two GPUs); each then the summary.
 # Every run through SMG also records how many requests each replica finished (bench/serve.py --replicas).
 # The throughput runs (1 and 4) send from `clients` (2) client processes per GPU on both sides of each
 # comparison (bench/serve.py --client-processes): one Python client spends ~15-20 us of CPU a streamed
@@ -20,7 +25,10 @@
 # Carried wheels in .whl/ (smg, setproctitle, fastapi and its needs, uvicorn, grpcio-health-checking,
 # grpcio-reflection, ...: docs/scale-out.md lists them) are installed first.
 set -uo pipefail
-mode=${1:-all}  # dp: part 1's throughput runs only (one replica direct, N through SMG), then the summary
+declare -A parts=([all]="1 2 3 4" [dp]="1" [ttft]="2" [tenants]="3" [router]="2 3")
+mode=${1:-all}
+[ -n "${parts[$mode]:-}" ] || { echo "usage: $0 [all|dp|ttft|tenants|router]"; exit 2; }
+part() { [[ " ${parts[$mode]} " == *" $1 "* ]]; }  # whether this mode runs part $1
 out=${OUT:-bench/out}/scaleout; mkdir -p "$out"
 export PYTHONPATH=$PWD:$PWD/proto PYTHONUNBUFFERED=1 NANOSERVE_CACHE=$PWD/.cache
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -38,8 +46,6 @@ common=(--load-format dummy --attention-backend triton --max-model-len 4096 --sh
 url=http://127.0.0.1:8000
 design=(--request-rates inf --input-len 100 1024 --output-len 100 1024 --temperature 0.6)
 clients=2  # client processes per GPU in the throughput runs
-# one request in flight at a time: no request waits for another, so a TTFT difference is the path's
-ttft=(--request-rates inf --max-concurrency 1 --num-prompts 150 --input-len 512 512 --output-len 16 16)
 
 up() {  # name, then `nanoserve up` flags: starts it and waits until it serves (or gives up)
   local name=$1; shift
@@ -59,8 +65,8 @@ down() {
 }
 bench() {  # name, model, then bench/serve.py flags
   local name=$1 model=$2; shift 2
-  timeout 150 python3 bench/serve.py --openai "${BENCH_URL:-$url}" --text-prompts "$model" --warmup 8 "$@" \
-    --out "$out/$name.json" 2>&1 | grep -v " INFO " | tail -3
+  timeout 150 python3 bench/serve.py --openai "$url" --text-prompts "$model" --warmup 8 "$@" \
+    --out "$out/$name.json" 2>&1 | grep -v " INFO " | tail -4
 }
 replicas() {  # the schedulers of `up --data-parallel-size $1`: replica d's gRPC port is --port + d
   for d in $(seq 0 $(($1 - 1))); do echo "127.0.0.1:$((50051 + d))"; done
@@ -68,38 +74,63 @@ replicas() {  # the schedulers of `up --data-parallel-size $1`: replica d's gRPC
 in_time() { (( SECONDS - started < ${1:-480} )) || { echo "skipped (time): $2"; return 1; }; }
 
 # 1 and 2: one replica direct, then every GPU a replica behind SMG
-if up dp1_small --model "$small"; then
-  bench dp1_small "$small" "${design[@]}" --num-prompts 256 --client-processes $clients
-  [ "$mode" = dp ] || bench ttft_direct_dp1 "$small" "${ttft[@]}"
+if part 1; then
+  up dp1_small --model "$small" && { bench dp1_small "$small" "${design[@]}" --num-prompts 256 \
+    --client-processes $clients; down; }
+fi
+if { part 1 || part 2; } && up "dp${gpus}_small" --model "$small" --data-parallel-size "$gpus"; then
+  part 1 && bench "dp${gpus}_small" "$small" "${design[@]}" --num-prompts $((256 * gpus)) \
+    --replicas $(replicas "$gpus") --client-processes $((clients * gpus))
+  if part 2; then  # replica d's gateway is on 8001 + d
+    timeout 120 python3 bench/router_overhead.py --gateways $(for d in $(seq 0 $((gpus - 1))); do
+      echo "http://127.0.0.1:$((8001 + d))"; done) --router "$url" --tokenizer "$small" --requests 150 \
+      --prompt-tokens 512 --output-tokens 16 --out "$out/router_overhead.json" 2>&1 | grep -v " INFO " | tail -3
+  fi
   down
 fi
-if up "dp${gpus}_small" --model "$small" --data-parallel-size "$gpus"; then
-  bench "dp${gpus}_small" "$small" "${design[@]}" --num-prompts $((256 * gpus)) --replicas $(replicas "$gpus") \
-    --client-processes $((clients * gpus))
-  [ "$mode" = dp ] || {
-    BENCH_URL=http://127.0.0.1:8001 bench ttft_replica "$small" "${ttft[@]}"
-    bench ttft_router "$small" "${ttft[@]}" --replicas $(replicas "$gpus")
-    BENCH_URL=http://127.0.0.1:8001 bench ttft_replica_again "$small" "${ttft[@]}"; }
-  down
+if part 1; then
+  # what one client process takes against a paced SSE server (no GPU): the messages a second and their CPU price
+  timeout 120 python3 bench/client_ceiling.py --out "$out/client_ceiling/ceiling.json" 2>&1 | tail -4
 fi
-# what one client process takes against a paced SSE server (no GPU): the messages a second and their CPU price
-timeout 120 python3 bench/client_ceiling.py --out "$out/client_ceiling/ceiling.json" 2>&1 | tail -4
-[ "$mode" = dp ] && { python3 bench/scaleout_summary.py "$out" "$gpus"; exit; }
-# 3: the tenants' system prompts fill ~70% of the combined KV: 256 blocks of 256 tokens per replica. A
-# prompt is a 4,096-token system prompt and a 64-token question, so these runs need a longer
-# --max-model-len than the common one (a later flag wins); all at once, to saturate the replicas (at
-# 40 req/s two H200s were not: both policies gave the same throughput). The summary adds each policy's
-# prefix hit rate from the server log.
-tenants=$(( gpus * 256 * 256 * 7 / 10 / (4096 + 64) ))
-in_time 300 "the tenants' runs" && for policy in round_robin cache_aware; do
+if part 2; then  # SMG's own cost: in front of backends that answer at once, then after 10 ms (a prefill's wait)
+  timeout 120 python3 bench/router_overhead.py --backend echo --replicas "$gpus" --requests 150 --prompt-tokens 16 512 \
+    4096 --policies cache_aware round_robin --log "$out/router_overhead_echo.smg.log" \
+    --out "$out/router_overhead_echo.json" 2>&1 | tail -7
+  timeout 60 python3 bench/router_overhead.py --backend echo --echo-delay-ms 10 --replicas "$gpus" --requests 150 \
+    --log "$out/router_overhead_echo.smg.log" --out "$out/router_overhead_echo_wait.json" 2>&1 | tail -2
+fi
+# 3: the tenants at steady state. Their system prompts fill ~70% of the combined KV: 256 blocks of 256
+# tokens (65,536 tokens) per replica, 21 tenants of 4,096 tokens on two replicas (as text they re-tokenize
+# a little longer: ~17 blocks each, 357 of 512 blocks). Split by tenant (cache-aware) each replica holds
+# its 10 or 11 (187 blocks) and its running requests' blocks, with room for an uneven placement (SMG places
+# a tenant by load at its first request; on CPU 8 tenants went 5/3): 12 (204 blocks) still fit. Spread
+# (round robin) each replica needs all 21 (357 blocks) and thrashes. A prompt is a system prompt and a
+# 64-token question (--max-model-len 8192, a later flag wins), 64 output tokens; 8 users a tenant ask 12
+# rounds: 2,016 requests.
+# Sizing (0.6B shape, one replica prefills ~100k tok/s and decodes ~25k tok/s): a round-robin request
+# misses about half its system prompt (hit rate 0.44 measured), ~2,100 prompt tokens, 21 ms of prefill,
+# plus ~3 ms of decode: ~40 req/s a replica, 80 on two (measured: 5,061 output tok/s = 79 req/s). A
+# cache-aware request prefills ~70 tokens (under 1 ms) and decodes 64 (~3 ms): 250+ req/s a replica.
+# Poisson arrivals at 75 req/s a replica (150 on two) sit between: round robin's queue grows by ~70 req/s
+# for the ~13 s of arrivals (TTFT p90 in seconds) while cache-aware's stays near empty. Then all at once
+# (inf), on the same tenants with new questions: the saturated throughput. Time on two GPUs: round robin
+# ~24 s + ~24 s, cache-aware ~13 s + ~8 s, plus ~25 s start and stop per policy: ~2.5 minutes.
+# After each policy, SMG's metrics (its cache-aware branches, overload fallbacks) are kept beside it.
+tenants=$(( gpus * 256 * 256 * 70 / 100 / (4096 + 64) ))
+part 3 && in_time 300 "the tenants' runs" && for policy in round_robin cache_aware; do
   up "tenants_$policy" --model "$small" --data-parallel-size "$gpus" --max-model-len 8192 \
     --router-policy "$policy" --num-kv-blocks 256 && {
-      bench "tenants_$policy" "$small" --tenants "$tenants" --users 8 --system-len 4096 --input-len 64 64 \
-        --output-len 64 64 --request-rates inf --temperature 0.6 --replicas $(replicas "$gpus"); down; }
+      bench "tenants_$policy" "$small" --tenants "$tenants" --users 8 --rounds 12 --system-len 4096 \
+        --input-len 64 64 --output-len 64 64 --request-rates $((75 * gpus)) inf --temperature 0.6 \
+        --replicas $(replicas "$gpus")
+      python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())" \
+        "http://127.0.0.1:$((8001 + gpus))/metrics" | grep -E "^smg_(cache_aware|worker_overload|workers_over)" \
+        > "$out/tenants_$policy.smg_metrics.txt"
+      down; }
 done
 # 4: DP2 against TP2 on each shape, both runs or neither; the 8B first (with two GPUs the 0.6B DP2 run
 # is the N-replica one above, so the 0.6B pair needs one run more)
-for shape in big small; do
+part 4 && for shape in big small; do
   model=${!shape} reuse=$([ "$shape" = small ] && [ "$gpus" = 2 ] && echo yes)
   in_time $([ "$shape" = big ] && echo 375 || { [ -n "$reuse" ] && echo 470 || echo 420; }) "DP2 against TP2 ($shape)" \
     || continue

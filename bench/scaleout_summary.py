@@ -1,23 +1,30 @@
-"""The summary of bench/gpu_scaleout.sh's runs: reads each run's bench/serve.py JSON from the folder,
-writes summary.json and summary.md beside them, and prints the table.
+"""The summary of bench/gpu_scaleout.sh's runs: reads each run's bench/serve.py (and
+bench/router_overhead.py) JSON from the folder, writes summary.json and summary.md beside them, and
+prints the table.
 
     python3 bench/scaleout_summary.py OUT_DIR NUM_GPUS
 """
 import datetime
 import json
-import re
 import sys
 from pathlib import Path
 
-FINISHED = re.compile(r"request finished .* prompt_tokens=(\d+) completion_tokens=\d+ cached_tokens=(\d+) ")
+
+def report(folder: Path, name: str) -> dict | None:
+    """Run `name`'s JSON, None when the run did not happen or failed to write."""
+    path = folder / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def rates(folder: Path, name: str) -> dict[str, dict] | None:
+    """Run `name`'s summaries by rate (bench/serve.py's)."""
+    run = report(folder, name)
+    return run["rates"] if run else None
 
 
 def first_rate(folder: Path, name: str) -> dict | None:
-    """The one rate's summary of run `name`, None when the run did not happen or failed to write."""
-    path = folder / f"{name}.json"
-    if not path.exists():
-        return None
-    return next(iter(json.loads(path.read_text())["rates"].values()))
+    by_rate = rates(folder, name)
+    return next(iter(by_rate.values()), None) if by_rate else None
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -33,7 +40,8 @@ def field(run: dict | None, *keys: str) -> float | None:
 
 
 def summarize(folder: Path, gpus: int) -> dict:
-    run = {name.stem: first_rate(folder, name.stem) for name in folder.glob("*.json") if name.stem != "summary"}
+    run = {name.stem: first_rate(folder, name.stem) for name in folder.glob("*.json")
+           if name.stem != "summary" and not name.stem.startswith("router_overhead")}
     one, many = run.get("dp1_small"), run.get(f"dp{gpus}_small")
     summary = {
         "date": datetime.date.today().isoformat(),
@@ -44,13 +52,15 @@ def summarize(folder: Path, gpus: int) -> dict:
                       "ratio_to_n_x_one": ratio(field(many, "output_tok_per_s"),
                                                 gpus * (field(one, "output_tok_per_s") or 0)),
                       "target": 0.95},
-        "router_added_ttft_ms": router_added_ttft(run),
+        "router_added_ttft_ms": router_added_ttft(report(folder, "router_overhead")),
+        "smg_own_added_ttft_ms": smg_own(report(folder, "router_overhead_echo"))
+        + smg_own(report(folder, "router_overhead_echo_wait")),
         "dp2_vs_tp2": {shape: {"dp2_smg_tok_s": field(run.get(f"dp2_{shape}"), "output_tok_per_s"),
                                "tp2_direct_tok_s": field(run.get(f"tp2_{shape}"), "output_tok_per_s"),
                                "dp2_over_tp2": ratio(field(run.get(f"dp2_{shape}"), "output_tok_per_s"),
                                                      field(run.get(f"tp2_{shape}"), "output_tok_per_s"))}
                        for shape in ("small", "big")},
-        "tenants": {policy: _tenants(run.get(f"tenants_{policy}"), folder / f"tenants_{policy}.server.log")
+        "tenants": {policy: _tenants(rates(folder, f"tenants_{policy}"))
                     for policy in ("round_robin", "cache_aware")},
         "failed_requests": {name: r["failed"] for name, r in run.items() if r and r["failed"]},
         "requests_per_replica": {name: r["requests_per_replica"] for name, r in sorted(run.items())
@@ -61,8 +71,9 @@ def summarize(folder: Path, gpus: int) -> dict:
     }
     rr, ca = summary["tenants"]["round_robin"], summary["tenants"]["cache_aware"]
     summary["tenants"]["cache_aware_over_round_robin"] = {
-        "output_tok_s": ratio(field(ca, "output_tok_s"), field(rr, "output_tok_s")),
-        "ttft_p90": ratio(field(ca, "ttft_p90_ms"), field(rr, "ttft_p90_ms"))}
+        load: {"output_tok_s": ratio(field(ca, load, "output_tok_s"), field(rr, load, "output_tok_s")),
+               "ttft_p90": ratio(field(ca, load, "ttft_p90_ms"), field(rr, load, "ttft_p90_ms"))}
+        for load in ("poisson", "saturated")}
     if summary["dp2_vs_tp2"]["small"]["dp2_smg_tok_s"] is None and gpus == 2:  # the DP2 run is the N-replica one
         summary["dp2_vs_tp2"]["small"]["dp2_smg_tok_s"] = field(many, "output_tok_per_s")
         summary["dp2_vs_tp2"]["small"]["dp2_over_tp2"] = ratio(field(many, "output_tok_per_s"),
@@ -70,30 +81,35 @@ def summarize(folder: Path, gpus: int) -> dict:
     return summary
 
 
-def router_added_ttft(run: dict) -> dict | None:
-    """TTFT through SMG minus straight to replica 0, whose runs came before and after it (their mean),
-    one request at a time; None unless all three ran."""
-    router, direct = run.get("ttft_router"), [run.get("ttft_replica"), run.get("ttft_replica_again")]
-    if router is None or None in direct:
+def router_added_ttft(overhead: dict | None) -> dict | None:
+    """bench/router_overhead.py's one run against the running replicas: TTFT p50 straight to replica 0,
+    to the replicas in turn and through SMG, and the median added time over each."""
+    if not overhead or not overhead["runs"]:
         return None
-    return {p: field(router, "ttft_ms", p) - sum(field(d, "ttft_ms", p) for d in direct) / 2 for p in ("p50", "p90")}
+    r = overhead["runs"][0]
+    return {"prompt_tokens": r["prompt_tokens"], "requests": overhead["requests"],
+            **{f"{path}_p50": r[path]["first_token_ms"]["p50"] for path in ("one", "spread", "router") if path in r},
+            **{f"over_{key[11:-3]}": r[key]["first_token"] for key in r if key.startswith("added_over_")}}
 
 
-def _tenants(run: dict | None, server_log: Path) -> dict | None:
-    if run is None:
+def smg_own(overhead: dict | None) -> list[dict]:
+    """bench/router_overhead.py against echo backends (answering at once or after a delay): SMG's own
+    added TTFT p50 by policy and prompt length."""
+    if not overhead:
+        return []
+    return [{"policy": r["policy"], "prompt_tokens": r["prompt_tokens"], "echo_delay_ms": overhead["echo_delay_ms"],
+             "added": r["added_over_one_ms"]["first_token"]} for r in overhead["runs"]]
+
+
+def _tenants(by_rate: dict[str, dict] | None) -> dict | None:
+    """The Poisson run (the finite rate) and the saturated one (inf) of a policy."""
+    if by_rate is None:
         return None
-    return {"output_tok_s": run["output_tok_per_s"], "ttft_p50_ms": field(run, "ttft_ms", "p50"),
-            "ttft_p90_ms": field(run, "ttft_ms", "p90"), "completed": run["completed"], "failed": run["failed"],
-            "prefix_hit_rate": prefix_hit_rate(server_log)}
-
-
-def prefix_hit_rate(server_log: Path) -> float | None:
-    """Prompt tokens served from the prefix cache over all prompt tokens, from every replica's "request
-    finished" lines (the warmup's included): GetStats would give one replica's only."""
-    if not server_log.exists():
-        return None
-    finished = [(int(prompt), int(cached)) for prompt, cached in FINISHED.findall(server_log.read_text())]
-    return ratio(sum(cached for _, cached in finished), sum(prompt for prompt, _ in finished))
+    return {"saturated" if rate == "inf" else "poisson": {
+        "rate": rate, "output_tok_s": run["output_tok_per_s"], "ttft_p50_ms": field(run, "ttft_ms", "p50"),
+        "ttft_p90_ms": field(run, "ttft_ms", "p90"), "completed": run["completed"], "failed": run["failed"],
+        "prefix_hit_rate": run.get("prefix_hit_rate"), "requests_per_replica": run.get("requests_per_replica")}
+        for rate, run in by_rate.items()}
 
 
 def markdown(s: dict) -> str:
@@ -108,21 +124,30 @@ def markdown(s: dict) -> str:
              f"| {s['gpus']} replicas through SMG, output tok/s | {num(replicas, 0)} |",
              f"| ... over {s['gpus']} x one replica (target >= 0.95) | {num(so['ratio_to_n_x_one'])} |"]
     if s["router_added_ttft_ms"]:
-        added = s["router_added_ttft_ms"]
-        lines.append(f"| router's added TTFT, one request at a time, p50 / p90 ms | {num(added['p50'])} / "
-                     f"{num(added['p90'])} |")
+        a = s["router_added_ttft_ms"]
+        lines.append(f"| router's added TTFT p50, one request at a time ({a['prompt_tokens']} tokens), over replica 0 "
+                     f"/ over the replicas in turn, ms (target <= 2) | {num(a.get('over_one'))} / "
+                     f"{num(a.get('over_spread'))} (TTFT {num(a.get('one_p50'))} / {num(a.get('spread_p50'))} direct, "
+                     f"{num(a.get('router_p50'))} via SMG) |")
+    for row in s["smg_own_added_ttft_ms"]:
+        lines.append(f"| SMG's own added TTFT p50 ({row['policy']}, {row['prompt_tokens']}-token prompts, echo "
+                     f"backends answering after {row['echo_delay_ms']:g} ms), ms | {num(row['added'])} |")
     for shape, row in s["dp2_vs_tp2"].items():
         name = "0.6B" if shape == "small" else "8B"
         lines.append(f"| {name}: DP2 via SMG / TP2 direct, output tok/s | {num(row['dp2_smg_tok_s'], 0)} / "
                      f"{num(row['tp2_direct_tok_s'], 0)} ({num(row['dp2_over_tp2'])}x) |")
-    for policy in ("round_robin", "cache_aware"):
-        if t[policy]:
-            lines.append(f"| tenants, {policy}: output tok/s, TTFT p50 / p90 ms, prefix hit rate "
-                         f"| {num(t[policy]['output_tok_s'], 0)}, {num(t[policy]['ttft_p50_ms'], 0)} / "
-                         f"{num(t[policy]['ttft_p90_ms'], 0)}, {num(t[policy]['prefix_hit_rate'])} |")
-    ratios = t["cache_aware_over_round_robin"]
-    lines.append(f"| tenants, cache-aware over round robin: output tok/s (target >= 1.6), TTFT p90 (target <= 0.1) "
-                 f"| {num(ratios['output_tok_s'])}, {num(ratios['ttft_p90'])} |")
+    for load in ("poisson", "saturated"):
+        for policy in ("round_robin", "cache_aware"):
+            if t[policy] and load in t[policy]:
+                row = t[policy][load]
+                lines.append(f"| tenants, {load} ({row['rate']} req/s), {policy}: output tok/s, TTFT p50 / p90 ms, "
+                             f"prefix hit rate, requests per replica | {num(row['output_tok_s'], 0)}, "
+                             f"{num(row['ttft_p50_ms'], 0)} / {num(row['ttft_p90_ms'], 0)}, "
+                             f"{num(row['prefix_hit_rate'])}, "
+                             f"{' / '.join(map(str, row['requests_per_replica'] or []))} |")
+        ratios = t["cache_aware_over_round_robin"][load]
+        lines.append(f"| tenants, {load}, cache-aware over round robin: output tok/s (target >= 1.6 saturated), "
+                     f"TTFT p90 (target <= 0.1) | {num(ratios['output_tok_s'])}, {num(ratios['ttft_p90'])} |")
     lines.append(f"| failed requests | {s['failed_requests'] or 'none'} |")
     for name, counts in s["requests_per_replica"].items():
         lines.append(f"| {name}: requests per replica | {' / '.join(map(str, counts))} |")

@@ -31,11 +31,13 @@ vLLM's `return_token_ids`), and beside the same requests over gRPC with --compar
 
 Behind a router that takes text prompts only (SMG, in front of `nanoserve up --data-parallel-size N`),
 `--text-prompts DIR` sends each prompt as its ids decoded by DIR's tokenizer, and `--replicas ADDR...`
-(the replicas' schedulers) reports how many of each rate's requests each replica finished. The
-multi-tenant prefix workload (`--tenants T --users U`): T system prompts of --system-len tokens, each
-followed by the questions of U users (--input-len tokens each), in random order at the given rates:
+(the replicas' schedulers) reports how many of each rate's requests each replica finished and the prefix
+hit rate over all of them (hit tokens over prompt tokens). The multi-tenant prefix workload (`--tenants T --users U --rounds R`): T system prompts of --system-len
+tokens, each followed by the questions of U users (--input-len tokens each), every user asking once a
+round for R rounds, in random order within a round, at the given rates; every rate has the same
+tenants (from --seed) asking new questions:
 
-    python3 bench/serve.py --openai http://HOST:8000 --text-prompts DIR --tenants 24 --users 8 \
+    python3 bench/serve.py --openai http://HOST:8000 --text-prompts DIR --tenants 24 --users 8 --rounds 4 \
         --system-len 4096 --input-len 64 64 --output-len 64 64 --request-rates 32
 
 One Python client process takes some tens of thousands of streamed messages a second; above that,
@@ -130,14 +132,22 @@ def make_requests(count: int, input_len: tuple[int, int], output_len: tuple[int,
 
 
 def make_tenant_requests(tenants: int, users: int, system_len: int, input_len: tuple[int, int],
-                         output_len: tuple[int, int], seed: int = 0, vocab: int = 10000) -> list[BenchRequest]:
-    """Each of `tenants` system prompts of system_len random ids, followed by the questions of
-    `users` users (input_len ids each), every (tenant, user) once, in random order."""
+                         output_len: tuple[int, int], seed: int = 0, vocab: int = 10000, rounds: int = 1,
+                         question_seed: int | None = None) -> list[BenchRequest]:
+    """Each of `tenants` system prompts of system_len random ids (drawn from `seed`), followed by the
+    questions of `users` users (input_len ids each, drawn from question_seed, default `seed`): every
+    (tenant, user) asks once a round, in random order within the round, round after round. The same
+    seed with another question_seed gives the same tenants asking new questions."""
     rng = random.Random(seed)
     systems = [[rng.randint(0, vocab) for _ in range(system_len)] for _ in range(tenants)]
-    requests = [BenchRequest(system + [rng.randint(0, vocab) for _ in range(rng.randint(*input_len))],
-                             rng.randint(*output_len)) for system in systems for _ in range(users)]
-    rng.shuffle(requests)
+    if question_seed is not None:
+        rng = random.Random(question_seed)
+    requests = []
+    for _ in range(rounds):
+        round_ = [BenchRequest(system + [rng.randint(0, vocab) for _ in range(rng.randint(*input_len))],
+                               rng.randint(*output_len)) for system in systems for _ in range(users)]
+        rng.shuffle(round_)
+        requests += round_
     return requests
 
 
@@ -344,10 +354,11 @@ def open_target(args: argparse.Namespace, address: str, api: str) -> GrpcTarget 
 
 
 def workload(args: argparse.Namespace, seed: int, count: int) -> list[BenchRequest]:
-    """`count` requests of the workload the flags describe (the tenants' ignore `count`)."""
+    """`count` requests of the workload the flags describe (the tenants' ignore `count`: every rate has
+    the same tenants, from --seed, asking questions of its own, from `seed`)."""
     if args.tenants:
         return make_tenant_requests(args.tenants, args.users, args.system_len, tuple(args.input_len),
-                                    tuple(args.output_len), seed)
+                                    tuple(args.output_len), args.seed, rounds=args.rounds, question_seed=seed)
     return make_requests(count, tuple(args.input_len), tuple(args.output_len), args.shared_prefix_len, seed)
 
 
@@ -367,9 +378,12 @@ async def run_rates(args: argparse.Namespace, target: GrpcTarget | OpenAITarget,
         summary = summarize(results, seconds, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
         summary["client"] = client_load(cpu_seconds, seconds, summary["stream_messages"])
         summary["server_steps"] = {name: after[name] - before[name] for name in after}
-        if args.replicas:  # where the router sent this rate's requests
+        if args.replicas:  # where the router sent this rate's requests, and what all replicas found cached
             summary["requests_per_replica"] = [a.requests_finished - b.requests_finished
                                                for a, b in zip(replicas_after, replicas_before)]
+            hit, prompt = (sum(getattr(a, name) - getattr(b, name) for a, b in zip(replicas_after, replicas_before))
+                           for name in ("prefix_cache_hit_tokens", "prompt_tokens_total"))
+            summary["prefix_hit_rate"] = hit / prompt if prompt else None
         rates[format_rate(rate)] = summary
         print_row(f"{label}{format_rate(rate)}", summary)
     return rates
@@ -381,7 +395,7 @@ async def benchmark(args: argparse.Namespace, address: str) -> dict:
               "num_prompts": args.num_prompts, "client_processes": args.client_processes,
               "workload": dict(input_len=args.input_len, output_len=args.output_len,
                                shared_prefix_len=args.shared_prefix_len, tenants=args.tenants, users=args.users,
-                               system_len=args.system_len, text_prompts=bool(args.text_prompts)),
+                               rounds=args.rounds, system_len=args.system_len, text_prompts=bool(args.text_prompts)),
               "temperature": args.temperature, "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}}
     for api in apis:
         target = open_target(args, address, api)
@@ -440,11 +454,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tenants", type=int, default=0, help="the multi-tenant workload: this many system prompts")
     p.add_argument("--users", type=int, default=8, help="with --tenants: users (requests) per system prompt")
     p.add_argument("--system-len", type=int, default=4096, help="with --tenants: tokens per system prompt")
+    p.add_argument("--rounds", type=int, default=1, help="with --tenants: questions per user, one a round")
     p.add_argument("--text-prompts", default="", metavar="DIR",
                    help="with --openai: send prompts as text, decoded by DIR's tokenizer.json (for SMG)")
     p.add_argument("--replicas", nargs="+", default=[], metavar="HOST:PORT",
                    help="with --openai at a router: the schedulers behind it; each rate reports the requests "
-                   "each one finished")
+                   "each one finished and their prefix hit rate")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--no-ignore-eos", action="store_true", help="let eos end a request before its output length")
     p.add_argument("--max-concurrency", type=int, default=0, help="most requests in flight; 0 = no limit")

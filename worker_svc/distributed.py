@@ -60,6 +60,14 @@ def init_distributed(config: WorkerConfig) -> None:
     log.info("rank %d joined its group", config.rank)
 
 
+def all_ranks_agree(yes: bool, device: torch.device) -> bool:
+    """True where every rank of the group says yes (one all-reduce, on `device` as the group's backend
+    needs): for choices that decide which collectives a rank runs next."""
+    flag = torch.tensor([int(yes)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def _why_not_met(err: Exception, cuda: bool) -> str:
     """NCCL's reason; for ranks on one GPU (more ranks on a host than the GPUs it shows them), what to
     change, in one line instead of NCCL's several."""

@@ -32,7 +32,7 @@ from nanoserve.v1 import llm_pb2, worker_pb2
 from nanoserve.wire import STEP_FORMAT
 from worker_svc.config import WorkerConfig
 from worker_svc.cuda_graphs import StepGraphs, batch_buckets
-from worker_svc.distributed import uses_cuda
+from worker_svc.distributed import all_ranks_agree, uses_cuda
 from worker_svc.fingerprints import kv_sizing, model_fingerprint
 from worker_svc.grammar_masks import GrammarMasks
 from worker_svc.launched_step import LaunchedStep, StepClock
@@ -118,7 +118,7 @@ class ModelRunner:
         self.kv_sizing = kv_sizing(self.fingerprint, self.platform, self.device, config, self.max_model_len,
                                    self.backend.name)
         self._max_kv_blocks: int | None = None  # sized at the handshake (size_kv_cache)
-        self._kv_measured = False
+        self._kv_profiled = False  # whether sizing ran the profiling forward (which warms the sampler up)
         log.info("rank %d: %s (%s%s) in %s, weights in %s%s, %s attention", config.rank, config.model,
                  self.model_config.architecture, ", dummy weights" if config.load_format == "dummy" else "",
                  self.dtype, self._weight_dtype(), f" ({self._quantization_name()})" if self.quantization else "",
@@ -139,15 +139,18 @@ class ModelRunner:
         """Sizes the KV room once: `offered`, the pool a previous group of this rank's configuration
         served with (the scheduler offers it back after a restart, for an equal kv_sizing), else
         measured (_measure_kv_blocks: on CUDA, a profiling forward and a graph capture); ValueError
-        when nothing is left for the cache."""
+        when nothing is left for the cache. The ranks of a group take the offer together or measure
+        together: the profiling forward and the sampler's warm-up run collectives every rank must join."""
         if self._max_kv_blocks is not None:
             return
-        self._kv_measured = not offered
+        if self.config.tensor_parallel_size > 1:
+            self._bind_device()
+            offered = offered if all_ranks_agree(offered > 0, self.device) else 0
         self._max_kv_blocks = offered or self._measure_kv_blocks()
         self.phases.end("KV profile")
         log.info("rank %d: room for %d KV blocks of %d tokens in %s (%s)", self.config.rank, self._max_kv_blocks,
                  self.config.block_size, self.kv_dtype,
-                 "sized here" if self._kv_measured else "as its scheduler's previous group had it: not measured again")
+                 "as its scheduler's previous group had it: not measured again" if offered else "sized here")
 
     def _weight_dtype(self) -> str:
         """The linear layers' weights as held: e4m3, or (unquantized, or dequantized at load) the model dtype."""
@@ -193,6 +196,7 @@ class ModelRunner:
         requests would (SamplingExtras.heaviest); plus what the capture took
         outside torch's allocator (graph executables, kernel modules, library workspaces). Doubles
         as the warm-up: the eager step and the sampler compile their kernels here."""
+        self._kv_profiled = True
         started = time.perf_counter()
         size = self.config.block_size
         seq_len = min(self.max_model_len - 1, self.config.max_num_batched_tokens)
@@ -277,7 +281,7 @@ class ModelRunner:
                      time.perf_counter() - started, (self._reserved_bytes() - reserved) / 2**30)
         self.phases.end("graphs")
         if self.device.type == "cuda":
-            if not self._kv_measured:  # measuring warmed the sampler up; an offered size did not
+            if not self._kv_profiled:  # the profiling forward warmed the sampler up; nothing else did
                 self._warm_up_sampling()
             self._first_steps(num_blocks)
             warn_on_compiles(log)

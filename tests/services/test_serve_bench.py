@@ -62,6 +62,18 @@ def test_tenants_share_a_system_prompt_each_and_come_in_mixed_order():
     assert order != sorted(order, key=list(systems).index)  # not tenant after tenant
 
 
+def test_tenants_ask_once_a_round_and_keep_their_system_prompts_across_question_seeds():
+    requests = serve.make_tenant_requests(5, 4, 64, (8, 12), (3, 3), seed=1, rounds=3)
+    systems = [tuple(r.prompt[:64]) for r in requests]
+    assert len(requests) == 60 and len(set(systems)) == 5
+    for start in (0, 20, 40):  # each round: every tenant's 4 users once
+        assert all(systems[start:start + 20].count(system) == 4 for system in set(systems))
+    assert len({tuple(r.prompt[64:]) for r in requests}) == 60
+    other = serve.make_tenant_requests(5, 4, 64, (8, 12), (3, 3), seed=1, rounds=3, question_seed=7)
+    assert {tuple(r.prompt[:64]) for r in other} == set(systems)
+    assert not {tuple(r.prompt[64:]) for r in other} & {tuple(r.prompt[64:]) for r in requests}
+
+
 def test_arrivals_are_a_poisson_process_or_all_at_once():
     assert serve.arrival_times(4, math.inf) == [0.0] * 4
     times = serve.arrival_times(4000, 20.0, seed=3)
