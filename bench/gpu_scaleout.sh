@@ -92,26 +92,31 @@ if part 1; then
   # what one client process takes against a paced SSE server (no GPU): the messages a second and their CPU price
   timeout 120 python3 bench/client_ceiling.py --out "$out/client_ceiling/ceiling.json" 2>&1 | tail -4
 fi
-if part 2; then  # SMG's own cost: in front of backends that answer at once
+if part 2; then  # SMG's own cost: in front of backends that answer at once, then after 10 ms (a prefill's wait)
   timeout 120 python3 bench/router_overhead.py --backend echo --replicas "$gpus" --requests 150 --prompt-tokens 16 512 \
     4096 --policies cache_aware round_robin --log "$out/router_overhead_echo.smg.log" \
     --out "$out/router_overhead_echo.json" 2>&1 | tail -7
+  timeout 60 python3 bench/router_overhead.py --backend echo --echo-delay-ms 10 --replicas "$gpus" --requests 150 \
+    --log "$out/router_overhead_echo.smg.log" --out "$out/router_overhead_echo_wait.json" 2>&1 | tail -2
 fi
 # 3: the tenants at steady state. Their system prompts fill ~70% of the combined KV: 256 blocks of 256
-# tokens (65,536 tokens) per replica, 22 tenants of 4,096 tokens on two replicas (90k tokens): split by
-# tenant (cache-aware) each replica holds its 11 (45k tokens, 69%); spread (round robin) each needs all
-# 22 and thrashes. A prompt is a system prompt and a 64-token question (--max-model-len 8192, a later
-# flag wins), 64 output tokens; 8 users a tenant ask 12 rounds: 2,112 requests.
+# tokens (65,536 tokens) per replica, 21 tenants of 4,096 tokens on two replicas (as text they re-tokenize
+# a little longer: ~17 blocks each, 357 of 512 blocks). Split by tenant (cache-aware) each replica holds
+# its 10 or 11 (187 blocks) and its running requests' blocks, with room for an uneven placement (SMG places
+# a tenant by load at its first request; on CPU 8 tenants went 5/3): 12 (204 blocks) still fit. Spread
+# (round robin) each replica needs all 21 (357 blocks) and thrashes. A prompt is a system prompt and a
+# 64-token question (--max-model-len 8192, a later flag wins), 64 output tokens; 8 users a tenant ask 12
+# rounds: 2,016 requests.
 # Sizing (0.6B shape, one replica prefills ~100k tok/s and decodes ~25k tok/s): a round-robin request
 # misses about half its system prompt (hit rate 0.44 measured), ~2,100 prompt tokens, 21 ms of prefill,
 # plus ~3 ms of decode: ~40 req/s a replica, 80 on two (measured: 5,061 output tok/s = 79 req/s). A
 # cache-aware request prefills ~70 tokens (under 1 ms) and decodes 64 (~3 ms): 250+ req/s a replica.
 # Poisson arrivals at 75 req/s a replica (150 on two) sit between: round robin's queue grows by ~70 req/s
-# for the ~14 s of arrivals (TTFT p90 in seconds) while cache-aware's stays near empty. Then all at once
+# for the ~13 s of arrivals (TTFT p90 in seconds) while cache-aware's stays near empty. Then all at once
 # (inf), on the same tenants with new questions: the saturated throughput. Time on two GPUs: round robin
-# ~27 s + ~27 s, cache-aware ~14 s + ~9 s, plus ~25 s start and stop per policy: ~2.5 minutes.
+# ~24 s + ~24 s, cache-aware ~13 s + ~8 s, plus ~25 s start and stop per policy: ~2.5 minutes.
 # After each policy, SMG's metrics (its cache-aware branches, overload fallbacks) are kept beside it.
-tenants=$(( gpus * 256 * 256 * 7 / 10 / (4096 + 64) ))
+tenants=$(( gpus * 256 * 256 * 70 / 100 / (4096 + 64) ))
 part 3 && in_time 300 "the tenants' runs" && for policy in round_robin cache_aware; do
   up "tenants_$policy" --model "$small" --data-parallel-size "$gpus" --max-model-len 8192 \
     --router-policy "$policy" --num-kv-blocks 256 && {

@@ -145,7 +145,8 @@ def backends(args: argparse.Namespace) -> Iterator[tuple[list[str], str]]:
     with contextlib.ExitStack() as running:
         if args.backend == "echo":
             ports = [free_port() for _ in range(args.replicas)]
-            procs = [subprocess.Popen([sys.executable, __file__, "--serve-echo", str(port)]) for port in ports]
+            procs = [subprocess.Popen([sys.executable, __file__, "--serve-echo", str(port), "--echo-delay-ms",
+                                       str(args.echo_delay_ms)]) for port in ports]
             running.callback(stop_all, procs)
             urls = [f"http://127.0.0.1:{port}" for port in ports]
             for url in urls:
@@ -161,11 +162,12 @@ def model_of(url: str) -> str:
         return json.load(reply)["data"][0]["id"]
 
 
-def serve_echo(port: int) -> None:
+def serve_echo(port: int, delay_ms: float) -> None:
     """A minimal OpenAI-shaped server: what SMG asks of a worker, and completions that stream one
-    token event and [DONE] at once."""
+    token event and [DONE] after delay_ms."""
     async def completions(request: web.Request) -> web.StreamResponse:
         await request.read()
+        await asyncio.sleep(delay_ms / 1e3)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         await response.write(ECHO_EVENT + b"data: [DONE]\n\n")
@@ -208,6 +210,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log", type=Path, default=REPO / "bench" / "out" / "router_overhead.smg.log")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "router_overhead.json")
+    p.add_argument("--echo-delay-ms", type=float, default=0.0,
+                   help="the echo backend answers after this long (as a replica's prefill would)")
     p.add_argument("--serve-echo", type=int, default=0, help=argparse.SUPPRESS)  # an echo backend's process
     args = p.parse_args(argv)
     if args.router and not args.gateways:
@@ -224,11 +228,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.serve_echo:
-        serve_echo(args.serve_echo)
+        serve_echo(args.serve_echo, args.echo_delay_ms)
         return
     args.log.parent.mkdir(parents=True, exist_ok=True)
     report = {"command": " ".join(sys.argv), "backend": "running" if args.gateways else args.backend,
-              "output_tokens": args.output_tokens, "requests": args.requests, "runs": []}
+              "echo_delay_ms": args.echo_delay_ms, "output_tokens": args.output_tokens, "requests": args.requests,
+              "runs": []}
     print(f"{'policy':<13}{'tokens':>7}{'direct':>10}{'via SMG':>10}   added TTFT p50 ms, per baseline")
     with backends(args) as (gateways, model):
         report["replicas"] = len(gateways)

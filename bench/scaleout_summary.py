@@ -53,7 +53,8 @@ def summarize(folder: Path, gpus: int) -> dict:
                                                 gpus * (field(one, "output_tok_per_s") or 0)),
                       "target": 0.95},
         "router_added_ttft_ms": router_added_ttft(report(folder, "router_overhead")),
-        "smg_own_added_ttft_ms": smg_own(report(folder, "router_overhead_echo")),
+        "smg_own_added_ttft_ms": smg_own(report(folder, "router_overhead_echo"))
+        + smg_own(report(folder, "router_overhead_echo_wait")),
         "dp2_vs_tp2": {shape: {"dp2_smg_tok_s": field(run.get(f"dp2_{shape}"), "output_tok_per_s"),
                                "tp2_direct_tok_s": field(run.get(f"tp2_{shape}"), "output_tok_per_s"),
                                "dp2_over_tp2": ratio(field(run.get(f"dp2_{shape}"), "output_tok_per_s"),
@@ -91,12 +92,12 @@ def router_added_ttft(overhead: dict | None) -> dict | None:
             **{f"over_{key[11:-3]}": r[key]["first_token"] for key in r if key.startswith("added_over_")}}
 
 
-def smg_own(overhead: dict | None) -> list[dict] | None:
-    """bench/router_overhead.py against backends that answer at once: SMG's own added TTFT p50 by policy
-    and prompt length."""
+def smg_own(overhead: dict | None) -> list[dict]:
+    """bench/router_overhead.py against echo backends (answering at once or after a delay): SMG's own
+    added TTFT p50 by policy and prompt length."""
     if not overhead:
-        return None
-    return [{"policy": r["policy"], "prompt_tokens": r["prompt_tokens"],
+        return []
+    return [{"policy": r["policy"], "prompt_tokens": r["prompt_tokens"], "echo_delay_ms": overhead["echo_delay_ms"],
              "added": r["added_over_one_ms"]["first_token"]} for r in overhead["runs"]]
 
 
@@ -107,7 +108,8 @@ def _tenants(by_rate: dict[str, dict] | None) -> dict | None:
     return {"saturated" if rate == "inf" else "poisson": {
         "rate": rate, "output_tok_s": run["output_tok_per_s"], "ttft_p50_ms": field(run, "ttft_ms", "p50"),
         "ttft_p90_ms": field(run, "ttft_ms", "p90"), "completed": run["completed"], "failed": run["failed"],
-        "prefix_hit_rate": run.get("prefix_hit_rate")} for rate, run in by_rate.items()}
+        "prefix_hit_rate": run.get("prefix_hit_rate"), "requests_per_replica": run.get("requests_per_replica")}
+        for rate, run in by_rate.items()}
 
 
 def markdown(s: dict) -> str:
@@ -127,9 +129,9 @@ def markdown(s: dict) -> str:
                      f"/ over the replicas in turn, ms (target <= 2) | {num(a.get('over_one'))} / "
                      f"{num(a.get('over_spread'))} (TTFT {num(a.get('one_p50'))} / {num(a.get('spread_p50'))} direct, "
                      f"{num(a.get('router_p50'))} via SMG) |")
-    for row in s["smg_own_added_ttft_ms"] or []:
-        lines.append(f"| SMG's own added TTFT p50 ({row['policy']}, {row['prompt_tokens']}-token prompts, backends "
-                     f"that answer at once), ms | {num(row['added'])} |")
+    for row in s["smg_own_added_ttft_ms"]:
+        lines.append(f"| SMG's own added TTFT p50 ({row['policy']}, {row['prompt_tokens']}-token prompts, echo "
+                     f"backends answering after {row['echo_delay_ms']:g} ms), ms | {num(row['added'])} |")
     for shape, row in s["dp2_vs_tp2"].items():
         name = "0.6B" if shape == "small" else "8B"
         lines.append(f"| {name}: DP2 via SMG / TP2 direct, output tok/s | {num(row['dp2_smg_tok_s'], 0)} / "
@@ -139,8 +141,10 @@ def markdown(s: dict) -> str:
             if t[policy] and load in t[policy]:
                 row = t[policy][load]
                 lines.append(f"| tenants, {load} ({row['rate']} req/s), {policy}: output tok/s, TTFT p50 / p90 ms, "
-                             f"prefix hit rate | {num(row['output_tok_s'], 0)}, {num(row['ttft_p50_ms'], 0)} / "
-                             f"{num(row['ttft_p90_ms'], 0)}, {num(row['prefix_hit_rate'])} |")
+                             f"prefix hit rate, requests per replica | {num(row['output_tok_s'], 0)}, "
+                             f"{num(row['ttft_p50_ms'], 0)} / {num(row['ttft_p90_ms'], 0)}, "
+                             f"{num(row['prefix_hit_rate'])}, "
+                             f"{' / '.join(map(str, row['requests_per_replica'] or []))} |")
         ratios = t["cache_aware_over_round_robin"][load]
         lines.append(f"| tenants, {load}, cache-aware over round robin: output tok/s (target >= 1.6 saturated), "
                      f"TTFT p90 (target <= 0.1) | {num(ratios['output_tok_s'])}, {num(ratios['ttft_p90'])} |")

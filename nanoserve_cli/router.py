@@ -5,7 +5,8 @@ SMG takes the OpenAI API on --openai-port and sends each request to one replica'
 policy (--router-policy; cache_aware by default: a request goes where its prefix was last served,
 unless that replica is far busier). It is set up for replicas that come and go: it probes their
 /health every second and leaves one out after two failures (a draining replica answers 503 at once),
-it polls their load every second (LOAD_POLL_SECONDS says why), and it retries a request that a
+it polls their load every second (LOAD_POLL_SECONDS says why), it counts a replica as overloaded by
+its queue, not its KV usage (OVERLOAD_KV_USAGE says why), and it retries a request that a
 replica refused (503 while draining) or could not take (connection refused) on another one, so a
 rolling restart loses no request.
 """
@@ -24,6 +25,13 @@ HEALTH_CHECK_SECONDS = 1  # a draining replica is left out within about two of t
 # start went nearly all to the one replica polled first (580 of 616 on two H200s). Polled every second,
 # and with routing held back until every replica has been polled once, the burst splits evenly.
 LOAD_POLL_SECONDS = 1
+# SMG leaves a replica out of routing from 0.8 KV usage by default. A replica's usage counts the blocks its
+# running requests hold, shared prefixes included, so a cache-aware replica that keeps its tenants' long
+# system prompts sits near 0.8 with nothing waiting (bench/gpu_scaleout.sh's tenants: ~187 of 256 blocks
+# in prompts alone), and leaving it out sends its requests where their prefix is not cached. A replica
+# that cannot take more queues them, which SMG's other signal (8 waiting requests) sees: here only a full
+# pool counts.
+OVERLOAD_KV_USAGE = 1
 
 
 class RouterMissing(Exception):
@@ -40,6 +48,7 @@ def router_command(args: Namespace, gateway_urls: list[str], metrics_port: int) 
             "--prometheus-host", args.host, "--prometheus-port", str(metrics_port),
             "--health-check-interval-secs", str(HEALTH_CHECK_SECONDS), "--health-failure-threshold", "2",
             "--worker-startup-check-interval", "1", "--load-monitor-interval", str(LOAD_POLL_SECONDS),
+            "--worker-overload-token-usage", str(OVERLOAD_KV_USAGE),
             # it is stopped first and lets the requests through it finish, as long as a replica would
             "--shutdown-grace-period-secs", str(math.ceil(args.shutdown_timeout)),
             "--log-level", "warn", "--log-json"]  # its text lines carry colour codes, whatever the terminal

@@ -91,7 +91,9 @@ def serve() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     fix_interpreter_for_numpy_2_4()
     stand_in_for_libdevice()
-    answers, sys.stdout = sys.stdout, sys.stderr  # stdout carries the answers only
+    answers = os.fdopen(os.dup(1), "w")  # stdout carries the answers only: what else is written to it goes to stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     for line in sys.stdin:
         request, output, ok = json.loads(line), io.StringIO(), True
         try:

@@ -2,8 +2,9 @@
 (moe_reference.py) on CPU through Triton's interpreter, in float32 and float16 (its bf16 dot is wrong):
 routing, sort-and-pad, and whole layers at batch 1 and with experts that get no token, with tiles that
 leave tails in every dimension, their experts in the model dtype or e4m3 with block (or per-channel) scales
-(against the loop on the dequantized weights). The cases run in a process with TRITON_INTERPRET=1 set from the start
-(tests/worker/interpreter.py says why); tests/gpu/test_moe_gpu.py reuses the checks in bf16 on CUDA. Also: the GEMM compiles for sm_90 in bf16, of bf16 and of e4m3 experts."""
+(against the loop on the dequantized weights). The cases run in a process with TRITON_INTERPRET=1 set from
+the start (tests/worker/interpreter.py says why); tests/gpu/test_moe_gpu.py reuses the checks in bf16 on
+CUDA. Also: the GEMM compiles for sm_90 in bf16, of bf16 and of e4m3 experts."""
 import json
 
 import pytest
