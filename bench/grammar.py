@@ -191,9 +191,14 @@ def main() -> None:
         stop_all([proc])
     info = result.pop("model_info")
     result["first_use_compile"] = compile_times(Path(args.model), info["vocab_size"], tuple(info["eos_token_ids"]))
+    write_result(result, Path(args.out))
+
+
+def write_result(result: dict, out: Path) -> None:
+    """Writes a run's figures, with the command that measured them, to `out` and prints them."""
     result["command"] = " ".join(sys.argv)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "proto")]
 
-from grammar import LONG  # noqa: E402
+from grammar import LONG, write_result  # noqa: E402
 from nanoserve.step_rows import StepEntry, pack_step  # noqa: E402
 from nanoserve.v1 import llm_pb2  # noqa: E402
 from scheduler_svc.structured_outputs import GrammarCompiler  # noqa: E402
@@ -164,10 +164,7 @@ def main() -> None:
         if profile:
             profile.disable()
             profile.dump_stats(args.profile)
-    result["command"] = " ".join(sys.argv)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
+    write_result(result, Path(args.out))
 
 
 if __name__ == "__main__":
