@@ -1,0 +1,62 @@
+"""The sampling rank's grammar masks, filled ahead on their mask thread: each step's masked logits keep
+exactly the tokens a fresh llguidance matcher fed the same tokens allows (the oracle), also when a
+slot is handed to a new sequence of another grammar while the old one's drawn tokens are still on
+their way to its matcher."""
+import json
+from pathlib import Path
+
+import llguidance
+import numpy as np
+import pytest
+import torch
+from llguidance.numpy import fill_next_token_bitmask
+
+from nanoserve.grammar_tokenizer import GrammarTokenizer
+from scheduler_svc.structured_outputs import GrammarCompiler
+from worker_svc.grammar_masks import GrammarMasks
+
+VOCAB, EOS = 151936, (151645,)
+DIGITS = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+WORDS = {"enum": ["alpha", "beta"]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir) -> GrammarTokenizer:
+    return GrammarTokenizer(Path(tiny_model_dir) / "tokenizer.json", VOCAB, EOS)
+
+
+def allowed_by_oracle(tokenizer: GrammarTokenizer, grammar: str, tokens: list[int]) -> np.ndarray:
+    matcher = llguidance.LLMatcher(tokenizer.get(), grammar)
+    assert matcher.consume_tokens(tokens)
+    bitmask = np.zeros((1, (VOCAB + 31) // 32), np.int32)
+    fill_next_token_bitmask(matcher, bitmask)
+    return np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:VOCAB].astype(bool)
+
+
+def masked_step(masks: GrammarMasks, slots: list[int], draw: list[int]) -> np.ndarray:
+    """One step sampling `slots`, all constrained: the rows each mask keeps; then `draw` is observed."""
+    logits = torch.zeros(len(slots), VOCAB)
+    slots_array = np.array(slots)
+    rows = masks.constrained_rows(slots_array)
+    masks.mask(logits, slots_array, rows)
+    masks.observe(torch.tensor(draw), slots_array, rows)
+    return torch.isfinite(logits).numpy()
+
+
+def test_masks_follow_each_sequence_and_a_reused_slot(tokenizer):
+    compiler = GrammarCompiler(tokenizer)
+    digits, words = compiler.compile("json", json.dumps(DIGITS)), compiler.compile("json", json.dumps(WORDS))
+    text = tokenizer.get()
+    masks = GrammarMasks(4, tokenizer, torch.device("cpu"))
+    opening, one = text.tokenize_str('{"n": '), text.tokenize_str("1")
+    masks.reset(0, digits, opening)  # resumed: it has already drawn the object's opening
+    masks.reset(2, words, [])
+    kept = masked_step(masks, [0, 2], [one[0], text.tokenize_str('"alpha"')[0]])
+    assert (kept[0] == allowed_by_oracle(tokenizer, digits, opening)).all()
+    assert (kept[1] == allowed_by_oracle(tokenizer, words, [])).all()
+    # slot 0 goes to a sequence of the other grammar before its last draw has reached the old matcher
+    masks.reset(0, words, [])
+    kept = masked_step(masks, [2, 0], [0, 0])
+    assert (kept[0] == allowed_by_oracle(tokenizer, words, text.tokenize_str('"alpha"')[:1])).all()
+    assert (kept[1] == allowed_by_oracle(tokenizer, words, [])).all()
+    assert kept[1].sum() < VOCAB and (kept[1] != allowed_by_oracle(tokenizer, digits, opening + one[:1])).any()
