@@ -19,6 +19,6 @@ for shape in qwen3-0.6b qwen3-8b; do
     --extra "--load-format dummy --attention-backend triton" --out "$out/grammar_$shape.json" 2>&1 \
     | grep -v " INFO " | tee "$out/grammar_$shape.log" | tail -40
 done
-timeout 150 python3 bench/grammar_host.py --model .cache/qwen3-0.6b-dummy --device cuda --load-format dummy \
+timeout 120 python3 bench/grammar_host.py --model .cache/qwen3-0.6b-dummy --device cuda --load-format dummy \
   --attention-backend triton --decode-steps 32 --out "$out/grammar_host.json" 2>&1 | grep -v " INFO " \
   | tee "$out/grammar_host.log" | tail -40
