@@ -1,20 +1,10 @@
 """A client that goes away cancels its gRPC call: the scheduler frees the request's KV blocks."""
-import time
-
 import httpx
+
+from tests.services.processes import wait_idle
 
 PROMPT = [(i * 31 + 7) % 140000 for i in range(100)]  # 7 blocks of 16
 LONG = 3000  # tokens: a minute of CPU decoding, far longer than the waits below
-
-
-def wait_idle(grpc_client, timeout: float = 20):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = grpc_client.stats()
-        if stats.num_running == stats.num_waiting == 0 and stats.kv_blocks_free == stats.kv_blocks_total:
-            return stats
-        time.sleep(0.1)
-    raise AssertionError(f"the scheduler still holds the request: {stats}")
 
 
 def test_leaving_mid_stream_frees_the_blocks(gateway, grpc_client, model_name):

@@ -143,3 +143,15 @@ def running_service(model_dir: Path, log: Path, tensor_parallel_size: int = 1,
         yield {"address": address, "procs": procs, "workers": workers, "scheduler": scheduler}
     finally:
         stop(procs)
+
+
+def wait_idle(client, timeout: float = 20):
+    """The scheduler's stats once it holds no request and no KV block (a client's earlier requests may
+    still be ending); AssertionError past `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = client.stats()
+        if stats.num_running == stats.num_waiting == 0 and stats.kv_blocks_free == stats.kv_blocks_total:
+            return stats
+        time.sleep(0.1)
+    raise AssertionError(f"the scheduler still holds requests: {stats}")

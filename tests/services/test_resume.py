@@ -9,7 +9,7 @@ import pytest
 
 from nanoserve.client import Client, Completion, gather, make_request
 from nanoserve.v1 import llm_pb2
-from tests.services.processes import running_service
+from tests.services.processes import running_service, wait_idle
 
 FLAGS = ("--block-size", "16", "--num-kv-blocks", "256", "--max-num-seqs", "16", "--max-num-batched-tokens", "64")
 PROMPT = "The sea is calm tonight, and the"
@@ -110,6 +110,7 @@ def test_greedy_chat_resumes_identically(client):
     ({"index": 0, "token_ids": [785], "text": "not its text"}, "resume: completion 0's text is not what its tokens"),
 ])
 def test_bad_resumes_are_invalid_arguments(client, resume, error):
+    wait_idle(client)  # an earlier test's requests may still be ending
     request = make_request(PROMPT, n=2, max_tokens=8)
     request.resume.add(**resume)
     with pytest.raises(grpc.RpcError) as info:
