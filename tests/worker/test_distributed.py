@@ -2,15 +2,9 @@
 choice that decides which collectives a rank runs next (take the offered KV pool, or run the
 profiling forward) is yes only where every rank says yes, so no rank waits in a collective the
 other never joins."""
-import socket
-
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.services.processes import free_port
 
 
 def _rank(rank: int, port: int, votes: list[list[bool]], results) -> None:
@@ -27,5 +21,5 @@ def test_ranks_take_a_choice_together():
     votes = [[True, True], [True, False], [False, True], [False, False]]
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_rank, args=(_free_port(), votes, results), nprocs=2)
+        mp.spawn(_rank, args=(free_port(), votes, results), nprocs=2)
         assert results[0] == results[1] == [True, False, False, False]
