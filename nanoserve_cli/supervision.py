@@ -7,8 +7,9 @@ An exit is seen at once: a thread per rank waits on it and wakes the launcher. A
 stops answering its health check for HANG_GRACE_SECONDS longer than --step-timeout, after having
 answered once (a rank still importing or loading is not probed into a restart); the grace lets the
 scheduler, which stops waiting for a step at --step-timeout, see the hang first and name the step.
-Restarts in a row wait longer each time, from none to 30 s, and after --max-worker-restarts of them
-up gives up; a group that served (every rank SERVING) for STABLE_SECONDS starts the count over.
+Restarts in a row wait longer each time, from none to WORKER_RESTART_BACKOFF_MAX, and after
+--max-worker-restarts of them up gives up; a group that served (every rank SERVING) for
+WORKER_GROUP_STABLE_SECONDS starts the count over (both declared with the flag that tells users).
 
 With --standby-workers a standby process per rank (nanoserve.standby), started once the group
 serves, has done its imports and waits: a restart tells the standbys to go on as the new group
@@ -22,10 +23,9 @@ from typing import Callable
 
 import grpc
 
+from nanoserve.flags import WORKER_GROUP_STABLE_SECONDS, WORKER_RESTART_BACKOFF_MAX
 from nanoserve.healthcheck import SERVING, serving_status
 
-BACKOFF_MAX_SECONDS = 30.0
-STABLE_SECONDS = 10.0  # a group that served this long was not failing in a loop
 PROBE_SECONDS = 1.0
 HANG_GRACE_SECONDS = 5.0
 
@@ -101,13 +101,14 @@ class WorkerGroupSupervisor:
         if why is None:
             self._keep_standbys()
             return
-        if self.served_since is not None and time.monotonic() - self.served_since >= STABLE_SECONDS:
+        if (self.served_since is not None
+                and time.monotonic() - self.served_since >= WORKER_GROUP_STABLE_SECONDS):
             self.restarts_in_a_row = 0
         if self.restarts_in_a_row >= self.max_restarts:
             raise GaveUp(f"the worker group failed {self.restarts_in_a_row + 1} time(s) in a row "
                          f"(--max-worker-restarts {self.max_restarts}); the last: {why}")
         self.restarts_in_a_row += 1
-        pause = min(BACKOFF_MAX_SECONDS, 2.0 ** (self.restarts_in_a_row - 2)) if self.restarts_in_a_row > 1 else 0.0
+        pause = min(WORKER_RESTART_BACKOFF_MAX, 2.0 ** (self.restarts_in_a_row - 2)) if self.restarts_in_a_row > 1 else 0.0
         self.log(f"nanoserve up: {why}; restarting the worker group in {pause:g}s"
                  f"{' from its standbys' if self.standbys else ''} "
                  f"(restart {self.restarts_in_a_row} of at most {self.max_restarts} in a row)")

@@ -23,6 +23,8 @@ from nanoserve.wire import MAX_MESSAGE_BYTES
 SCHEDULER_PORT = 50051  # the public nanoserve.v1.LLM API
 WORKER_PORT = 50061     # the internal nanoserve.v1.Worker API
 OPENAI_PORT = 8000      # the gateway's OpenAI-compatible HTTP API
+WORKER_RESTART_BACKOFF_MAX = 30  # seconds: the longest pause before `up` restarts a failed worker group
+WORKER_GROUP_STABLE_SECONDS = 10  # a group that served this long was not failing in a loop
 GATEWAY_TITLE = "nanoserve OpenAI-compatible gateway"  # its /openapi.json title: how the CLI recognises it
 
 COMMANDS = {  # command -> what it does (`python -m nanoserve.healthcheck` runs the last one)
@@ -226,7 +228,8 @@ FLAGS = (
     Flag("--worker-base-port", WORKER_PORT, "rank r of replica d listens on this port + d x "
          "--tensor-parallel-size + r", ("up",), limits=PORTS),
     Flag("--max-worker-restarts", 10, "restarts of a failed worker group in a row (each after a longer pause, up "
-         "to 30s) before up gives up and stops; a group that has served for 10s resets the count", ("up",),
+         f"to {WORKER_RESTART_BACKOFF_MAX}s) before up gives up and stops; a group that has served for "
+         f"{WORKER_GROUP_STABLE_SECONDS}s resets the count", ("up",),
          limits=(0, 2**31 - 1)),
     Flag("--standby-workers", False, "keep a standby process per worker rank, its imports done (about 1 GB of "
          "host memory each, no GPU memory), that takes the rank's place when its group is restarted: a restart "
