@@ -8,7 +8,7 @@ LONG = 3000  # tokens: a minute of CPU decoding, far longer than the waits below
 
 
 def test_leaving_mid_stream_frees_the_blocks(gateway, grpc_client, model_name):
-    before = grpc_client.stats()
+    before = wait_idle(grpc_client)  # the folder's server: an earlier test's requests may still be ending
     body = {"model": model_name, "prompt": PROMPT, "max_tokens": LONG, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", gateway + "/v1/completions", json=body, timeout=60) as response:
         events = (line for line in response.iter_lines() if line.startswith("data: "))
@@ -21,7 +21,7 @@ def test_leaving_mid_stream_frees_the_blocks(gateway, grpc_client, model_name):
 
 
 def test_leaving_a_whole_response_request_frees_the_blocks(gateway, grpc_client, model_name):
-    before = grpc_client.stats()
+    before = wait_idle(grpc_client)
     body = {"model": model_name, "prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True}
     try:
         httpx.post(gateway + "/v1/completions", json=body, timeout=1.0)
