@@ -70,10 +70,10 @@ serve: install
 # processes its tests start, and one thread a process (OMP_NUM_THREADS=1), as the workers and their
 # servers already fill the cores (intra-op threads spun idle beside them). --dist loadgroup: a file's
 # tests stay on one worker, in order, so its module fixtures (a running server) start once;
-# tests/conftest.py says which spread.
+# --no-loadscope-reorder: the groups go out in tests/conftest.py's order (longest first).
 TEST_WORKERS ?= $(shell echo $$((2 * $$(nproc))))
 test: install tiny-model
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests
 
 bench: install
 	$(PY) bench/scheduler.py

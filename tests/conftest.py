@@ -28,10 +28,10 @@ def tiny_tied_model_dir() -> Path:
 
 
 # Folders whose files share the servers of their conftest.py's session fixtures: one group, so that
-# one worker starts them once (each worker would start its own).
+# one worker starts them once (each worker would start its own). The longest groups: handed out first.
 SHARED_SERVER_FOLDERS = ("tests/gateway/", "tests/routers/")
-# Folders whose files start servers: tens of seconds a file, handed out first (below).
-LONG_FOLDERS = ("tests/services/", "tests/deploy/", *SHARED_SERVER_FOLDERS)
+# Folders whose files start servers: tens of seconds to two minutes a file, handed out next.
+SERVER_FOLDERS = ("tests/services/", "tests/deploy/")
 
 
 def _group(item: pytest.Item) -> str:
@@ -39,19 +39,24 @@ def _group(item: pytest.Item) -> str:
     return folder or item.nodeid.split("::")[0]
 
 
+def _turn(item: pytest.Item) -> int:
+    """When the item's group is handed out: the longest groups first, so that the run ends on short
+    files that fill the workers' last minutes evenly (a long group taken last runs alone at the end)."""
+    if item.nodeid.startswith(SHARED_SERVER_FOLDERS):
+        return 0
+    if item.nodeid.startswith(SERVER_FOLDERS):
+        return 1
+    return 2 if item.get_closest_marker("xdist_group") is not None else 3
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups into the node ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """For pytest-xdist's --dist loadgroup (make test): each file is one group (or its folder, where the
     folder's files share servers), run by one worker in order, so the servers its fixtures start are
     started once; a test that names a group of its own (independent and long: the Triton interpreter
-    cases) runs wherever a worker is free. Workers take groups in collection order: the long ones
-    (named groups, server files) go first, so that the run ends on short files that fill the
-    workers' last minutes evenly."""
-    def order(item: pytest.Item) -> int:
-        if item.get_closest_marker("xdist_group") is not None:
-            return 0
-        return 1 if item.nodeid.startswith(LONG_FOLDERS) else 2
-
-    items.sort(key=order)  # stable: a file's tests keep their order
+    cases) runs wherever a worker is free. Workers take groups in collection order
+    (--no-loadscope-reorder; by default the groups of most tests go first), which _turn sets."""
+    items.sort(key=_turn)  # stable: a file's tests keep their order
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(_group(item)))
