@@ -117,10 +117,7 @@ def _x_tile(x_ptr, residual_ptr, norm_ptr, start, cols, K, inverse_rms, PROLOGUE
             HAS_RESIDUAL: tl.constexpr, CONVERT: tl.constexpr):
     """x over one tile, float32, as _products takes it: its columns (CONVERT "triton"), or four vectors,
     column 4i + j of each word i in the j-th ("bits": times 2^64)."""
-    if CONVERT == "triton":
-        x = (_x_at(x_ptr, residual_ptr, norm_ptr, start + cols, start + cols < K, inverse_rms, PROLOGUE,
-                   HAS_RESIDUAL),)
-    else:
+    if CONVERT == "ptx" or CONVERT == "bits":
         columns = start + 4 * cols
         ok = columns < K
         unit = BITS_X_UNIT if CONVERT == "bits" else 1.0
@@ -128,6 +125,9 @@ def _x_tile(x_ptr, residual_ptr, norm_ptr, start, cols, K, inverse_rms, PROLOGUE
              _x_at(x_ptr, residual_ptr, norm_ptr, columns + 1, ok, inverse_rms, PROLOGUE, HAS_RESIDUAL) * unit,
              _x_at(x_ptr, residual_ptr, norm_ptr, columns + 2, ok, inverse_rms, PROLOGUE, HAS_RESIDUAL) * unit,
              _x_at(x_ptr, residual_ptr, norm_ptr, columns + 3, ok, inverse_rms, PROLOGUE, HAS_RESIDUAL) * unit)
+    else:
+        x = (_x_at(x_ptr, residual_ptr, norm_ptr, start + cols, start + cols < K, inverse_rms, PROLOGUE,
+                   HAS_RESIDUAL),)
     return x
 
 
@@ -136,9 +136,7 @@ def _products(w, x, CONVERT: tl.constexpr):
     """w * x over one tile (x from _x_tile), float32. CONVERT "triton": w [rows, columns] in the model dtype
     or e4m3 (Triton's conversion); "ptx" and "bits": w [rows, words] int32, four e4m3 a word, and the
     result the sum of each word's four products ("bits": times 2^-56)."""
-    if CONVERT == "triton":
-        products = w.to(tl.float32) * x[0][None, :]
-    else:
+    if CONVERT == "ptx" or CONVERT == "bits":
         if CONVERT == "ptx":
             w0, w1, w2, w3 = tl.inline_asm_elementwise(_E4M3X4_TO_F32, "=r,=r,=r,=r,r", [w],
                                                        dtype=(tl.float32,) * 4, is_pure=True, pack=1)
@@ -146,6 +144,8 @@ def _products(w, x, CONVERT: tl.constexpr):
             w0, w1, w2, w3 = (_bits_to_float32(w, 0), _bits_to_float32(w, 1), _bits_to_float32(w, 2),
                               _bits_to_float32(w, 3))
         products = w0 * x[0][None, :] + w1 * x[1][None, :] + w2 * x[2][None, :] + w3 * x[3][None, :]
+    else:
+        products = w.to(tl.float32) * x[0][None, :]
     return products
 
 
@@ -180,7 +180,7 @@ def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, scale_p
     channel), "block" per SCALE_BK columns too. CONVERT (e4m3 only) says how (_products); "ptx" and
     "bits" take W as int32 words (w_ptr, stride_w in words; K a multiple of 4)."""
     dtype = y_ptr.dtype.element_ty
-    LANES: tl.constexpr = 1 if CONVERT == "triton" else 4  # columns a loaded element holds
+    LANES: tl.constexpr = 4 if CONVERT == "ptx" or CONVERT == "bits" else 1  # columns a loaded element holds
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K // LANES)
     row_ok = rows < N
@@ -197,12 +197,12 @@ def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, scale_p
     up_acc = tl.zeros([BLOCK_N], tl.float32)
     for start in range(0, K, BLOCK_K):
         x = _x_tile(x_ptr, residual_ptr, norm_ptr, start, cols, K, inverse_rms, PROLOGUE, HAS_RESIDUAL, CONVERT)
-        acc += _tile_sums(_products(w, x, CONVERT), scale_ptr, rows, row_ok, start, K, stride_scale, BLOCK_N, BLOCK_K, SCALE_BN,
-                          SCALE_BK, WEIGHT_SCALE)
+        acc += _tile_sums(_products(w, x, CONVERT), scale_ptr, rows, row_ok, start, K, stride_scale, BLOCK_N,
+                          BLOCK_K, SCALE_BN, SCALE_BK, WEIGHT_SCALE)
         w = _weight_tile(w_ptr, rows, row_ok, (start + BLOCK_K) // LANES, cols, K // LANES, stride_w)
         if SILU_MUL:
-            up_acc += _tile_sums(_products(w_up, x, CONVERT), scale_ptr, rows + N, row_ok, start, K, stride_scale, BLOCK_N, BLOCK_K,
-                                 SCALE_BN, SCALE_BK, WEIGHT_SCALE)
+            up_acc += _tile_sums(_products(w_up, x, CONVERT), scale_ptr, rows + N, row_ok, start, K, stride_scale,
+                                 BLOCK_N, BLOCK_K, SCALE_BN, SCALE_BK, WEIGHT_SCALE)
             w_up = _weight_tile(w_ptr, rows + N, row_ok, (start + BLOCK_K) // LANES, cols, K // LANES, stride_w)
     if CONVERT == "bits":
         acc *= BITS_SUM_UNIT
