@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Scale-out on a lent multi-GPU machine (2 or 4 H100s), from the repo root, in under 9 minutes:
+# Scale-out on a lent multi-GPU machine (2 or 4 H100s; CUDA_VISIBLE_DEVICES narrows it to some of them),
+# from the repo root, in under 9 minutes:
 #   bench/gpu_scaleout.sh [all|dp|ttft|tenants|router]   (results under $OUT, default bench/out/scaleout:
 #                                     JSON per run, summary.json and summary.md from bench/scaleout_summary.py)
 # Every run goes through the OpenAI port (bench/serve.py --openai, prompts as text for SMG):
@@ -29,14 +30,12 @@ declare -A parts=([all]="1 2 3 4" [dp]="1" [ttft]="2" [tenants]="3" [router]="2 
 mode=${1:-all}
 [ -n "${parts[$mode]:-}" ] || { echo "usage: $0 [all|dp|ttft|tenants|router]"; exit 2; }
 part() { [[ " ${parts[$mode]} " == *" $1 "* ]]; }  # whether this mode runs part $1
-out=${OUT:-bench/out}/scaleout; mkdir -p "$out"
-export PYTHONPATH=$PWD:$PWD/proto PYTHONUNBUFFERED=1 NANOSERVE_CACHE=$PWD/.cache
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
+source bench/gpu_env.sh
+out=$out/scaleout; mkdir -p "$out"
 started=$SECONDS
-gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
+# the GPUs CUDA_VISIBLE_DEVICES names (the launcher gives replicas those), else every GPU of the host
+gpus=$(if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c .
+       else nvidia-smi --query-gpu=index --format=csv,noheader | wc -l; fi)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
 small=.cache/qwen3-0.6b-shape big=.cache/qwen3-8b-shape
 python3 -m nanoserve_cli.demo_model "$small" --shape qwen3-0.6b --no-weights >/dev/null
