@@ -110,17 +110,18 @@ fi
 # misses about half its system prompt (hit rate 0.44 measured), ~2,100 prompt tokens, 21 ms of prefill,
 # plus ~3 ms of decode: ~40 req/s a replica, 80 on two (measured: 5,061 output tok/s = 79 req/s). A
 # cache-aware request prefills ~70 tokens (under 1 ms) and decodes 64 (~3 ms): 250+ req/s a replica.
-# Poisson arrivals at 75 req/s a replica (150 on two) sit between: round robin's queue grows by ~70 req/s
-# for the ~13 s of arrivals (TTFT p90 in seconds) while cache-aware's stays near empty. Then all at once
-# (inf), on the same tenants with new questions: the saturated throughput. Time on two GPUs: round robin
-# ~24 s + ~24 s, cache-aware ~13 s + ~8 s, plus ~25 s start and stop per policy: ~2.5 minutes.
+# Poisson arrivals at 100 req/s a replica (200 on two) sit between, above 1.6 x round robin's capacity
+# (measured 97 req/s on two H200s): its queue grows by ~100 req/s for the ~10 s of arrivals (TTFT p90
+# in seconds) while cache-aware's stays near empty; this run carries the targets. Then all at once (inf),
+# on the same tenants with new questions: a burst, reported beside it. Time on two GPUs: round robin
+# ~21 s + ~21 s, cache-aware ~10 s + ~8 s, plus ~25 s start and stop per policy: ~2.5 minutes.
 # After each policy, SMG's metrics (its cache-aware branches, overload fallbacks) are kept beside it.
 tenants=$(( gpus * 256 * 256 * 70 / 100 / (4096 + 64) ))
 part 3 && in_time 300 "the tenants' runs" && for policy in round_robin cache_aware; do
   up "tenants_$policy" --model "$small" --data-parallel-size "$gpus" --max-model-len 8192 \
     --router-policy "$policy" --num-kv-blocks 256 && {
       bench "tenants_$policy" "$small" --tenants "$tenants" --users 8 --rounds 12 --system-len 4096 \
-        --input-len 64 64 --output-len 64 64 --request-rates $((75 * gpus)) inf --temperature 0.6 \
+        --input-len 64 64 --output-len 64 64 --request-rates $((100 * gpus)) inf --temperature 0.6 \
         --replicas $(replicas "$gpus")
       python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())" \
         "http://127.0.0.1:$((8001 + gpus))/metrics" | grep -E "^smg_(cache_aware|worker_overload|workers_over)" \
