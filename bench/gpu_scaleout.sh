@@ -113,7 +113,8 @@ fi
 # Poisson arrivals at 100 req/s a replica (200 on two) sit between, above 1.6 x round robin's capacity
 # (measured 97 req/s on two H200s): its queue grows by ~100 req/s for the ~10 s of arrivals (TTFT p90
 # in seconds) while cache-aware's stays near empty; this run carries the targets. Then all at once (inf),
-# on the same tenants with new questions: a burst, reported beside it. Time on two GPUs: round robin
+# on the same tenants with new questions: a burst, reported beside it. Before both, each tenant asks once
+# (bench/serve.py's warm-up): the timed runs see the steady state, not every prompt's first prefill. Time on two GPUs: round robin
 # ~21 s + ~21 s, cache-aware ~10 s + ~8 s, plus ~25 s start and stop per policy: ~2.5 minutes.
 # After each policy, SMG's metrics (its cache-aware branches, overload fallbacks) are kept beside it.
 tenants=$(( gpus * 256 * 256 * 70 / 100 / (4096 + 64) ))
