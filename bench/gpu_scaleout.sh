@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Scale-out on a lent multi-GPU machine (2 or 4 H100s; CUDA_VISIBLE_DEVICES narrows it to some of them),
 # from the repo root, in under 9 minutes:
-#   bench/gpu_scaleout.sh [all|dp|ttft|tenants|router]   (results under $OUT, default bench/out/scaleout:
+#   bench/gpu_scaleout.sh [all|dp|ttft|tenants|router|client]   (results under $OUT, default bench/out/scaleout:
 #                                     JSON per run, summary.json and summary.md from bench/scaleout_summary.py)
 # Every run goes through the OpenAI port (bench/serve.py --openai, prompts as text for SMG):
 #   1. the throughput workload (docs/benchmarks.md) on one replica direct (its gateway), then on N replicas (N = the
@@ -14,21 +14,21 @@
 #      round, sized to ~70% of the replicas' combined KV): SMG round robin against cache-aware, at a Poisson
 #      rate between the two policies' capacities and at saturation;
 #   4. DP2 through SMG against TP2 direct, on the 0.6B and the 8B shapes (random weights, dummy load).
-# dp: part 1 only; ttft: part 2 only (with its server); tenants: part 3 only; router: parts 2 and 3
+# dp: part 1 only; ttft: part 2 only (with its server); tenants: part 3 only; router: parts 2 and 3; client: bench/client_ceiling.py alone
 # (~4 minutes on two GPUs); each then the summary.
 # Every run through SMG also records how many requests each replica finished (bench/serve.py --replicas).
 # The throughput runs (1 and 4) send from `clients` (2) client processes per GPU on both sides of each
 # comparison (bench/serve.py --client-processes): one Python client spends ~15-20 us of CPU a streamed
 # event, so two replicas' ~35k events/s nearly filled its core; each run's JSON records every client
 # process's CPU share (client.cpu_per_wall), and the summary the busiest one's; bench/client_ceiling.py
-# measures what 1 and 2 client processes take on this host (client_ceiling/ceiling.json).
+# measures what 1 and 2 client processes take on this host (client_ceiling/ceiling.json; part 5).
 # A part that would not end in time is skipped (the summary says what is missing).
 # Carried wheels in .whl/ (smg, setproctitle, fastapi and its needs, uvicorn, grpcio-health-checking,
 # grpcio-reflection, ...: docs/scale-out.md lists them) are installed first.
 set -uo pipefail
-declare -A parts=([all]="1 2 3 4" [dp]="1" [ttft]="2" [tenants]="3" [router]="2 3")
+declare -A parts=([all]="1 2 3 4 5" [dp]="1" [ttft]="2" [tenants]="3" [router]="2 3" [client]="5")
 mode=${1:-all}
-[ -n "${parts[$mode]:-}" ] || { echo "usage: $0 [all|dp|ttft|tenants|router]"; exit 2; }
+[ -n "${parts[$mode]:-}" ] || { echo "usage: $0 [all|dp|ttft|tenants|router|client]"; exit 2; }
 part() { [[ " ${parts[$mode]} " == *" $1 "* ]]; }  # whether this mode runs part $1
 source bench/gpu_env.sh
 out=$out/scaleout; mkdir -p "$out"
@@ -87,7 +87,7 @@ if { part 1 || part 2; } && up "dp${gpus}_small" --model "$small" --data-paralle
   fi
   down
 fi
-if part 1; then
+if part 5; then
   # what one client process takes against a paced SSE server (no GPU): the messages a second and their CPU price
   timeout 120 python3 bench/client_ceiling.py --out "$out/client_ceiling/ceiling.json" 2>&1 | tail -4
 fi
