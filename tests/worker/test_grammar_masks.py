@@ -38,7 +38,7 @@ def masked_step(masks: GrammarMasks, slots: list[int], draw: list[int]) -> np.nd
     logits = torch.zeros(len(slots), VOCAB)
     slots_array = np.array(slots)
     rows = masks.constrained_rows(slots_array)
-    masks.mask(logits, slots_array, rows)
+    masks.mask(logits, slots_array, rows, torch.from_numpy(slots_array))
     masks.observe(torch.tensor(draw), slots_array, rows)
     return torch.isfinite(logits).numpy()
 
@@ -51,12 +51,34 @@ def test_masks_follow_each_sequence_and_a_reused_slot(tokenizer):
     opening, one = text.tokenize_str('{"n": '), text.tokenize_str("1")
     masks.reset(0, digits, opening)  # resumed: it has already drawn the object's opening
     masks.reset(2, words, [])
+    masks.fill_first_masks()
     kept = masked_step(masks, [0, 2], [one[0], text.tokenize_str('"alpha"')[0]])
     assert (kept[0] == allowed_by_oracle(tokenizer, digits, opening)).all()
     assert (kept[1] == allowed_by_oracle(tokenizer, words, [])).all()
     # slot 0 goes to a sequence of the other grammar before its last draw has reached the old matcher
     masks.reset(0, words, [])
+    masks.fill_first_masks()
     kept = masked_step(masks, [2, 0], [0, 0])
     assert (kept[0] == allowed_by_oracle(tokenizer, words, text.tokenize_str('"alpha"')[:1])).all()
     assert (kept[1] == allowed_by_oracle(tokenizer, words, [])).all()
     assert kept[1].sum() < VOCAB and (kept[1] != allowed_by_oracle(tokenizer, digits, opening + one[:1])).any()
+
+
+def test_a_run_of_masked_steps_is_logged_with_its_split(tokenizer, caplog):
+    """Each run of masked steps ends in one log line: its steps, rows and the time split per step."""
+    grammar = GrammarCompiler(tokenizer).compile("json", json.dumps(DIGITS))
+    masks = GrammarMasks(3, tokenizer, torch.device("cpu"))
+    masks.reset(1, grammar, [])
+    masks.reset(2, grammar, [])
+    masks.fill_first_masks()
+    opening = tokenizer.get().tokenize_str('{"n": ')
+    with caplog.at_level("INFO", logger="nanoserve.worker"):
+        for token in opening[:3]:
+            masked_step(masks, [0, 1, 2], [0, token, token])
+        masks.unmasked_step()
+        masks.unmasked_step()  # no run to end: nothing more
+    lines = [record.getMessage() for record in caplog.records if "grammar masks" in record.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("grammar masks over 3 steps (6 rows), ms a step: ")
+    parts = dict(part.split("=") for part in lines[0].split(": ")[1].split())
+    assert set(parts) == {"tokens_wait", "consume", "fill", "first", "launcher_wait", "queue"}
+    assert all(float(value) >= 0 for value in parts.values()) and float(parts["fill"]) > 0
