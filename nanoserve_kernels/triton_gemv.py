@@ -150,6 +150,20 @@ def _products(w, x, CONVERT: tl.constexpr):
 
 
 @triton.jit
+def _times_column_scales(x, scale_ptr, row, start, cols, K, stride_scale, SCALE_BN: tl.constexpr,
+                         SCALE_BK: tl.constexpr, CONVERT: tl.constexpr):
+    """x (from _x_tile) times the block scale of each of its columns, of the scale row holding `row`."""
+    lanes: tl.constexpr = 4 if CONVERT == "ptx" or CONVERT == "bits" else 1
+    columns = start + lanes * cols
+    scale = tl.load(scale_ptr + (row // SCALE_BN) * stride_scale + columns // SCALE_BK, mask=columns < K, other=0.0)
+    if CONVERT == "ptx" or CONVERT == "bits":
+        scaled = (x[0] * scale, x[1] * scale, x[2] * scale, x[3] * scale)
+    else:
+        scaled = (x[0] * scale,)
+    return scaled
+
+
+@triton.jit
 def _tile_sums(products, scale_ptr, rows, row_ok, start, K, stride_scale, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, WEIGHT_SCALE: tl.constexpr):
     """Each row's sum of the tile's products (a column each, or a word of LANES columns each); for an e4m3
@@ -170,7 +184,7 @@ def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, scale_p
                  stride_scale, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
                  WEIGHT_SCALE: tl.constexpr = "none", SCALE_BN: tl.constexpr = 1, SCALE_BK: tl.constexpr = 1,
-                 CONVERT: tl.constexpr = "triton"):
+                 CONVERT: tl.constexpr = "triton", SUM_ONCE: tl.constexpr = False):
     """PROLOGUE "none": x as given; "rms_norm": x = norm(x (+ residual)). SILU_MUL: W holds N gate
     rows then N up rows, and y = silu(gate) * up of the products, each rounded to the model dtype
     first as the unfused projection's output is. Each weight tile is loaded one iteration ahead,
@@ -178,7 +192,8 @@ def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, scale_p
     never written while serving. WEIGHT_SCALE "none": W in the model dtype; else W is e4m3, dequantized
     in registers by its float32 scales [rows / SCALE_BN, K / SCALE_BK]: "row" one per row (per
     channel), "block" per SCALE_BK columns too. CONVERT (e4m3 only) says how (_products); "ptx" and
-    "bits" take W as int32 words (w_ptr, stride_w in words; K a multiple of 4)."""
+    "bits" take W as int32 words (w_ptr, stride_w in words; K a multiple of 4). SUM_ONCE with block scales
+    needs a program's rows (and its up rows) in one scale row: BLOCK_N dividing SCALE_BN, which divides N."""
     dtype = y_ptr.dtype.element_ty
     LANES: tl.constexpr = 4 if CONVERT == "ptx" or CONVERT == "bits" else 1  # columns a loaded element holds
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -193,17 +208,41 @@ def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, scale_p
     inverse_rms = 1.0
     if PROLOGUE == "rms_norm":
         inverse_rms = _inverse_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps, BLOCK_K, HAS_RESIDUAL)
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    up_acc = tl.zeros([BLOCK_N], tl.float32)
+    # SUM_ONCE: the products add up per column (the block scales on x's columns) and each row sums once, at
+    # the end, instead of a reduction (across warps) per tile
+    if SUM_ONCE:
+        acc = tl.zeros([BLOCK_N, BLOCK_K // LANES], tl.float32)
+        up_acc = tl.zeros([BLOCK_N, BLOCK_K // LANES], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        up_acc = tl.zeros([BLOCK_N], tl.float32)
+    first_row = tl.program_id(0) * BLOCK_N
     for start in range(0, K, BLOCK_K):
         x = _x_tile(x_ptr, residual_ptr, norm_ptr, start, cols, K, inverse_rms, PROLOGUE, HAS_RESIDUAL, CONVERT)
-        acc += _tile_sums(_products(w, x, CONVERT), scale_ptr, rows, row_ok, start, K, stride_scale, BLOCK_N,
-                          BLOCK_K, SCALE_BN, SCALE_BK, WEIGHT_SCALE)
+        if SUM_ONCE:
+            x_gate = x
+            if WEIGHT_SCALE == "block":
+                x_gate = _times_column_scales(x, scale_ptr, first_row, start, cols, K, stride_scale, SCALE_BN,
+                                              SCALE_BK, CONVERT)
+            acc += _products(w, x_gate, CONVERT)
+        else:
+            acc += _tile_sums(_products(w, x, CONVERT), scale_ptr, rows, row_ok, start, K, stride_scale, BLOCK_N,
+                              BLOCK_K, SCALE_BN, SCALE_BK, WEIGHT_SCALE)
         w = _weight_tile(w_ptr, rows, row_ok, (start + BLOCK_K) // LANES, cols, K // LANES, stride_w)
         if SILU_MUL:
-            up_acc += _tile_sums(_products(w_up, x, CONVERT), scale_ptr, rows + N, row_ok, start, K, stride_scale,
-                                 BLOCK_N, BLOCK_K, SCALE_BN, SCALE_BK, WEIGHT_SCALE)
+            if SUM_ONCE:
+                x_up = x
+                if WEIGHT_SCALE == "block":
+                    x_up = _times_column_scales(x, scale_ptr, first_row + N, start, cols, K, stride_scale, SCALE_BN,
+                                                SCALE_BK, CONVERT)
+                up_acc += _products(w_up, x_up, CONVERT)
+            else:
+                up_acc += _tile_sums(_products(w_up, x, CONVERT), scale_ptr, rows + N, row_ok, start, K,
+                                     stride_scale, BLOCK_N, BLOCK_K, SCALE_BN, SCALE_BK, WEIGHT_SCALE)
             w_up = _weight_tile(w_ptr, rows + N, row_ok, (start + BLOCK_K) // LANES, cols, K // LANES, stride_w)
+    if SUM_ONCE:
+        acc = tl.sum(acc, axis=1)
+        up_acc = tl.sum(up_acc, axis=1)
     if CONVERT == "bits":
         acc *= BITS_SUM_UNIT
         up_acc *= BITS_SUM_UNIT
@@ -266,16 +305,21 @@ def takes_fp8(weight: torch.Tensor, block: tuple[int, int]) -> bool:
 CONVERTS = ("triton", "ptx", "bits")  # ways to read e4m3 (_products), measured by bench/gemv.py --fp8 block --sweep
 
 
+def default_launch(k: int, silu_mul: bool, fp8: bool) -> dict:
+    """`tiles`, read with Triton's conversion and summed a tile at a time."""
+    block_n, block_k, warps = tiles(k, silu_mul, fp8)
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, CONVERT="triton", SUM_ONCE=False)
+
+
 def fp8_launch(device_name: str, n: int, k: int, silu_mul: bool, block: tuple[int, int]) -> dict:
-    """The e4m3 launch (BLOCK_N, BLOCK_K, num_warps, CONVERT) for W [n, k] (n: gate and up rows together with
-    silu_mul): bench/gemv.py's measured winner for this device and shape where it tiles these scale blocks,
-    else `tiles(fp8=True)` with Triton's conversion."""
+    """The e4m3 launch (BLOCK_N, BLOCK_K, num_warps, CONVERT, SUM_ONCE) for W [n, k] (n: the gate and up
+    rows together with silu_mul): bench/gemv.py's measured winner for this device and shape where it tiles
+    these scale blocks, else the default."""
     tuned = fp8_configs.tuned(device_name, n, k, 1, silu_mul)
     if tuned is not None and tuned.backend == fp8_configs.GEMV and (
             block[1] >= k or tuned.launch["BLOCK_K"] % block[1] == 0):
         return tuned.launch
-    block_n, block_k, warps = tiles(k, silu_mul, fp8=True)
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, CONVERT="triton")
+    return default_launch(k, silu_mul, fp8=True)
 
 
 @functools.cache
@@ -294,17 +338,19 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bl
             block_k: int | None = None, num_warps: int | None = None, residual: torch.Tensor | None = None,
             residual_out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
             prologue: str = "none", silu_mul: bool = False, weight_scale: torch.Tensor | None = None,
-            block: tuple[int, int] | None = None, convert: str | None = None) -> torch.Tensor:
+            block: tuple[int, int] | None = None, convert: str | None = None, sum_once: bool | None = None
+            ) -> torch.Tensor:
     n, k = weight.shape
     assert x.shape == (1, k) and x.stride(1) == 1 and weight.stride(1) == 1
-    if weight_scale is None:
-        chosen = dict(zip(("BLOCK_N", "BLOCK_K", "num_warps"), tiles(k, silu_mul)), CONVERT="triton")
-    elif x.is_cuda:
+    if weight_scale is not None and x.is_cuda:
         chosen = fp8_launch(_device_name(x.device), n, k, silu_mul, block)
-    else:  # the interpreter
-        chosen = dict(zip(("BLOCK_N", "BLOCK_K", "num_warps"), tiles(k, silu_mul, fp8=True)), CONVERT="triton")
+    else:  # 16-bit, or the interpreter
+        chosen = default_launch(k, silu_mul, fp8=weight_scale is not None)
     block_n, block_k = block_n or chosen["BLOCK_N"], block_k or chosen["BLOCK_K"]
     num_warps, convert = num_warps or chosen["num_warps"], convert or chosen["CONVERT"]
+    sum_once = chosen.get("SUM_ONCE", False) if sum_once is None else sum_once
+    if sum_once and weight_scale is not None and weight_scale.shape[1] > 1:  # a program's rows in one scale row
+        sum_once = block[0] % block_n == 0 and (not silu_mul or n // 2 % block[0] == 0)
     w = weight
     if convert != "triton":  # four e4m3 columns a word, where the rows are whole words
         assert weight_scale is not None, convert
@@ -318,17 +364,19 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bl
         x, residual, residual_out, norm_weight, w, weight_scale, bias, y, n, k, w.stride(0),
         0 if weight_scale is None else weight_scale.stride(0), eps, BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul,
-        CONVERT=convert, num_warps=num_warps, **_scale_args(weight_scale, block, block_k), **pdl_launch(x.device))
+        CONVERT=convert, SUM_ONCE=sum_once, num_warps=num_warps, **_scale_args(weight_scale, block, block_k),
+        **pdl_launch(x.device))
     return y
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
          block_k: int | None = None, num_warps: int | None = None, weight_scale: torch.Tensor | None = None,
-         block: tuple[int, int] | None = None, convert: str | None = None) -> torch.Tensor:
+         block: tuple[int, int] | None = None, convert: str | None = None, sum_once: bool | None = None
+         ) -> torch.Tensor:
     """F.linear(x, weight, bias) for one row x [1, K] (tiles chosen by `tiles`, or `fp8_launch`, unless
     given); of an e4m3 weight given its scales and their block."""
     return _launch(x, weight, bias, block_n, block_k, num_warps, weight_scale=weight_scale, block=block,
-                   convert=convert)
+                   convert=convert, sum_once=sum_once)
 
 
 def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
