@@ -115,19 +115,15 @@ def _bits_to_float32(words, byte: tl.constexpr):
 @triton.jit
 def _x_tile(x_ptr, residual_ptr, norm_ptr, start, cols, K, inverse_rms, PROLOGUE: tl.constexpr,
             HAS_RESIDUAL: tl.constexpr, CONVERT: tl.constexpr):
-    """x over one tile, float32, as _products takes it: its columns (CONVERT "triton"), or four vectors,
-    column 4i + j of each word i in the j-th ("bits": times 2^64)."""
+    """x over one tile, float32, as _products takes it: [columns] (CONVERT "triton"), or [words, 4], the
+    columns of each word ("bits": times 2^64)."""
     if CONVERT == "ptx" or CONVERT == "bits":
-        columns = start + 4 * cols
-        ok = columns < K
-        unit = BITS_X_UNIT if CONVERT == "bits" else 1.0
-        x = (_x_at(x_ptr, residual_ptr, norm_ptr, columns, ok, inverse_rms, PROLOGUE, HAS_RESIDUAL) * unit,
-             _x_at(x_ptr, residual_ptr, norm_ptr, columns + 1, ok, inverse_rms, PROLOGUE, HAS_RESIDUAL) * unit,
-             _x_at(x_ptr, residual_ptr, norm_ptr, columns + 2, ok, inverse_rms, PROLOGUE, HAS_RESIDUAL) * unit,
-             _x_at(x_ptr, residual_ptr, norm_ptr, columns + 3, ok, inverse_rms, PROLOGUE, HAS_RESIDUAL) * unit)
+        columns = start + 4 * cols[:, None] + tl.arange(0, 4)[None, :]
     else:
-        x = (_x_at(x_ptr, residual_ptr, norm_ptr, start + cols, start + cols < K, inverse_rms, PROLOGUE,
-                   HAS_RESIDUAL),)
+        columns = start + cols
+    x = _x_at(x_ptr, residual_ptr, norm_ptr, columns, columns < K, inverse_rms, PROLOGUE, HAS_RESIDUAL)
+    if CONVERT == "bits":
+        x *= BITS_X_UNIT
     return x
 
 
@@ -143,9 +139,11 @@ def _products(w, x, CONVERT: tl.constexpr):
         else:
             w0, w1, w2, w3 = (_bits_to_float32(w, 0), _bits_to_float32(w, 1), _bits_to_float32(w, 2),
                               _bits_to_float32(w, 3))
-        products = w0 * x[0][None, :] + w1 * x[1][None, :] + w2 * x[2][None, :] + w3 * x[3][None, :]
+        # [rows, words, 4] in column order: the outer join's axis is the last, so [..., i, j] holds w_(2i + j)
+        words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [w.shape[0], w.shape[1], 4])
+        products = tl.sum(words * x[None, :, :], axis=2)
     else:
-        products = w.to(tl.float32) * x[0][None, :]
+        products = w.to(tl.float32) * x[None, :]
     return products
 
 
@@ -153,14 +151,10 @@ def _products(w, x, CONVERT: tl.constexpr):
 def _times_column_scales(x, scale_ptr, row, start, cols, K, stride_scale, SCALE_BN: tl.constexpr,
                          SCALE_BK: tl.constexpr, CONVERT: tl.constexpr):
     """x (from _x_tile) times the block scale of each of its columns, of the scale row holding `row`."""
-    lanes: tl.constexpr = 4 if CONVERT == "ptx" or CONVERT == "bits" else 1
-    columns = start + lanes * cols
+    words: tl.constexpr = CONVERT == "ptx" or CONVERT == "bits"
+    columns = start + (4 if words else 1) * cols  # a word's four columns share a scale block
     scale = tl.load(scale_ptr + (row // SCALE_BN) * stride_scale + columns // SCALE_BK, mask=columns < K, other=0.0)
-    if CONVERT == "ptx" or CONVERT == "bits":
-        scaled = (x[0] * scale, x[1] * scale, x[2] * scale, x[3] * scale)
-    else:
-        scaled = (x[0] * scale,)
-    return scaled
+    return x * scale[:, None] if words else x * scale
 
 
 @triton.jit
