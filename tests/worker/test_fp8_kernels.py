@@ -105,10 +105,12 @@ def run_interpreted_cases(kernel: str) -> None:
         # interpreter runs the kernel a program a row (M = 300: ~3 s a shape)
         check_gemm("cpu", torch.float16, dict(SMALL_LAUNCH, BLOCK_M=64, BLOCK_N=64), fp8_reference.quantize_activation)
         return
-    for dtype in (torch.float32, torch.float16):
-        {"quantize": check_quantize, "gemv": check_gemv}[kernel]("cpu", dtype)
-    if kernel == "gemv":  # the integer conversion, one sum a row (the PTX conversion runs on CUDA only: tests/gpu)
+    if kernel == "gemv":  # Triton's conversion, then the integer one summing once a row, a dtype each (the
+        check_gemv("cpu", torch.float32)  # PTX conversion runs on CUDA only: tests/gpu)
         check_gemv("cpu", torch.float16, convert="bits", sum_once=True)
+        return
+    for dtype in (torch.float32, torch.float16):
+        check_quantize("cpu", dtype)
 
 
 @pytest.mark.parametrize("kernel", each_in_its_own_group("fp8-interpreter", ("quantize", "gemm", "gemv")))
