@@ -28,6 +28,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from nanoserve_kernels import fp8_configs
+from nanoserve_kernels.e4m3_words import BITS_SUM_UNIT, BITS_X_UNIT, words_to_float32
 from nanoserve_kernels.pdl import pdl_launch, wait_for_previous_kernel
 from nanoserve_kernels.triton_activation import silu_mul
 
@@ -83,35 +84,6 @@ def _x_at(x_ptr, residual_ptr, norm_ptr, columns, ok, inverse_rms, PROLOGUE: tl.
     return x
 
 
-# Four e4m3 of one 32-bit word to float32: Hopper's paired convert (cvt.rn.f16x2.e4m3x2) on each half of
-# the word, then each float16 widened (exact: every e4m3 value is a float16). Byte j is column 4i + j.
-_E4M3X4_TO_F32 = tl.constexpr("""{
-.reg .b16 lo, hi, h0, h1, h2, h3;
-.reg .b32 pair01, pair23;
-mov.b32 {lo, hi}, $4;
-cvt.rn.f16x2.e4m3x2 pair01, lo;
-cvt.rn.f16x2.e4m3x2 pair23, hi;
-mov.b32 {h0, h1}, pair01;
-mov.b32 {h2, h3}, pair23;
-cvt.f32.f16 $0, h0;
-cvt.f32.f16 $1, h1;
-cvt.f32.f16 $2, h2;
-cvt.f32.f16 $3, h3;
-}""")
-# "bits": an e4m3 byte's sign to bit 31 and its exponent and mantissa to bits 20-26 make the float32 of
-# its value times 2^-120 (the exponent biases differ by 120; subnormals map to subnormals). x is taken
-# times 2^64 first so that no product falls to a float32 subnormal, and the sums times the other 2^56.
-BITS_X_UNIT, BITS_SUM_UNIT = tl.constexpr(2.0 ** 64), tl.constexpr(2.0 ** 56)
-_SIGN_AND_7_BITS = tl.constexpr(-0x78100000)  # 0x87F00000 as an int32
-
-
-@triton.jit
-def _bits_to_float32(words, byte: tl.constexpr):
-    """Byte `byte` of each int32 word, e4m3, as float32 times 2^-120: the byte moved to the top, then an
-    arithmetic shift right by 4 (the sign lands on bit 31 and bit 27), the bits between cleared."""
-    return (((words << (24 - 8 * byte)) >> 4) & _SIGN_AND_7_BITS).to(tl.float32, bitcast=True)
-
-
 @triton.jit
 def _x_tile(x_ptr, residual_ptr, norm_ptr, start, cols, K, inverse_rms, PROLOGUE: tl.constexpr,
             HAS_RESIDUAL: tl.constexpr, CONVERT: tl.constexpr):
@@ -130,18 +102,11 @@ def _x_tile(x_ptr, residual_ptr, norm_ptr, start, cols, K, inverse_rms, PROLOGUE
 @triton.jit
 def _products(w, x, CONVERT: tl.constexpr):
     """w * x over one tile (x from _x_tile), float32. CONVERT "triton": w [rows, columns] in the model dtype
-    or e4m3 (Triton's conversion); "ptx" and "bits": w [rows, words] int32, four e4m3 a word, and the
-    result the sum of each word's four products ("bits": times 2^-56)."""
+    or e4m3 (Triton's conversion); "ptx" and "bits": w [rows, words] int32, four e4m3 a word
+    (nanoserve_kernels/e4m3_words.py), and the result the sum of each word's four products ("bits": times
+    2^-56)."""
     if CONVERT == "ptx" or CONVERT == "bits":
-        if CONVERT == "ptx":
-            w0, w1, w2, w3 = tl.inline_asm_elementwise(_E4M3X4_TO_F32, "=r,=r,=r,=r,r", [w],
-                                                       dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-        else:
-            w0, w1, w2, w3 = (_bits_to_float32(w, 0), _bits_to_float32(w, 1), _bits_to_float32(w, 2),
-                              _bits_to_float32(w, 3))
-        # [rows, words, 4] in column order: the outer join's axis is the last, so [..., i, j] holds w_(2i + j)
-        words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [w.shape[0], w.shape[1], 4])
-        products = tl.sum(words * x[None, :, :], axis=2)
+        products = tl.sum(words_to_float32(w, CONVERT) * x[None, :, :], axis=2)
     else:
         products = w.to(tl.float32) * x[None, :]
     return products
