@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # FP8 weights (issue 38) on a lent GPU, from the repo root; results under $OUT (default bench/out).
-#   bench/gpu_fp8.sh [all|quick|bench|tune|speed]
+#   bench/gpu_fp8.sh [speed|all|quick|bench|tune]   (speed when none is named)
 # all (< 9 minutes): tests/gpu/test_fp8_weights_gpu.py (kernels vs reference in bf16, the dispatch at
 #   M = 1, 2, 7, 64, 300, 4096, scaled_mm, the step graphs, the W8A8 next-token KL beside the bf16 floor),
 #   then on dummy weights, each set one after the other: the 8B shape's batch-1 decode (bench/latency.py)
@@ -19,7 +19,7 @@
 #   0.6B bf16 / FP8, 8B FP8 + FP8 KV; the file's other tests in the time left. $OUT/fp8_configs.json is the
 #   table to commit; $OUT/summary.log the results.
 set -uo pipefail
-mode=${1:-all}
+mode=${1:-speed}
 out=${OUT:-bench/out}; mkdir -p "$out"
 export PYTHONPATH=$PWD:$PWD/proto PYTHONUNBUFFERED=1 NANOSERVE_CACHE=$PWD/.cache OUT=$out
 if ls .whl/*.whl >/dev/null 2>&1; then  # packages the GPU image lacks (health, reflection)
