@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -103,6 +104,7 @@ def main() -> None:
     p.add_argument("--out-dir", type=Path, default=REPO / "bench" / "out")
     p.add_argument("--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout stops the running server too (finally)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     deadline, results = time.monotonic() + args.budget_s, {}
     for name in args.only:

@@ -98,19 +98,22 @@ def sweep(call, weights: list, k: int, fp8: str | None) -> dict[tuple[int, int, 
 
 
 def fp8_candidates(k: int, silu_mul: bool) -> list[dict]:
-    """Launches of the e4m3 gemv to time, most promising first: Triton's conversion at today's tiles, then
-    the word conversions at those tiles and at the 16-bit kernel's tiles with twice the columns (as many
-    bytes a tile), then the PTX one with twice the rows, with 8 warps, and at a few more tiles."""
+    """Launches of the e4m3 gemv to time: Triton's conversion at today's tiles (the reference of the others),
+    then at those tiles and at the 16-bit kernel's tiles with twice the columns (as many bytes a tile) the
+    PTX conversion with one sum a row and without, the integer one and Triton's with one sum a row, then
+    the PTX conversion with one sum a row at twice the rows, 8 warps, and a few more tiles."""
     current = tiles(k, silu_mul, fp8=True)
     rows16, columns16, warps16 = tiles(k, silu_mul)
     shapes = [current, (rows16, min(2 * columns16, 2 * triton_pow2(k)), warps16), (2 * current[0], *current[1:]),
               (current[0], current[1], 8), (current[0], 2 * current[1], current[2]),
               (max(1, current[0] // 2), 2 * current[1], current[2])]
     shapes = [s for i, s in enumerate(shapes) if s not in shapes[:i] and s[1] <= 2 * triton_pow2(k)]
-    launches = [dict(BLOCK_N=current[0], BLOCK_K=current[1], num_warps=current[2], CONVERT="triton")]
-    for i, (block_n, block_k, warps) in enumerate(shapes):  # the integer conversion (more instructions) at two
-        for convert in ("ptx", "bits") if i < 2 else ("ptx",):
-            launches.append(dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, CONVERT=convert))
+    launches = [dict(BLOCK_N=current[0], BLOCK_K=current[1], num_warps=current[2], CONVERT="triton", SUM_ONCE=False)]
+    for i, (block_n, block_k, warps) in enumerate(shapes):  # the others at the first two tiles only
+        for convert, sum_once in ((("ptx", True), ("ptx", False), ("bits", True), ("triton", True)) if i < 2
+                                  else (("ptx", True),)):
+            launches.append(dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, CONVERT=convert,
+                                 SUM_ONCE=sum_once))
     return launches
 
 
@@ -119,9 +122,9 @@ def fp8_sweep(call, weights: list, k: int, silu_mul: bool, deadline: float) -> d
     output (within bf16 rounding), until `deadline`; all compiled first, several at a time."""
     launches = fp8_candidates(k, silu_mul)
 
-    def run(launch: dict):
-        return call(weights[0], block_n=launch["BLOCK_N"], block_k=launch["BLOCK_K"], num_warps=launch["num_warps"],
-                    convert=launch["CONVERT"])
+    def run(launch: dict, weight=weights[0]):
+        return call(weight, block_n=launch["BLOCK_N"], block_k=launch["BLOCK_K"], num_warps=launch["num_warps"],
+                    convert=launch["CONVERT"], sum_once=launch["SUM_ONCE"])
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:  # compiles: ptxas runs outside the GIL
         outputs = list(pool.map(lambda launch: _or_error(run, launch), launches))
@@ -137,9 +140,7 @@ def fp8_sweep(call, weights: list, k: int, silu_mul: bool, deadline: float) -> d
         if error > 1e-2:
             print(f"  wrong {launch}: relative error {error:.1e}", flush=True)
             continue
-        timings[json.dumps(launch, sort_keys=True)] = time_per_call(
-            lambda w: call(w, block_n=launch["BLOCK_N"], block_k=launch["BLOCK_K"], num_warps=launch["num_warps"],
-                           convert=launch["CONVERT"]), weights, 7)
+        timings[json.dumps(launch, sort_keys=True)] = time_per_call(lambda w: run(launch, w), weights, 7)
     return timings
 
 
@@ -227,7 +228,7 @@ def main() -> None:
                              sweep_us={config: seconds * 1e6 for config, seconds in timings.items()})
                 launch = entry["best_launch"]
                 line += (f"{entry['model_call_us']:>9.2f}{entry['best_us']:>9.2f}{entry['bf16_call_us']:>9.2f} "
-                         f"{(launch['BLOCK_N'], launch['BLOCK_K'], launch['num_warps'], launch['CONVERT'])}")
+                         f"{tuple(launch[key] for key in ('BLOCK_N', 'BLOCK_K', 'num_warps', 'CONVERT', 'SUM_ONCE'))}")
             elif args.sweep:
                 call = model_call(name, x)
                 timings = sweep(call, weights, k, args.fp8)
@@ -247,8 +248,8 @@ def main() -> None:
     print("model layer      N      K  tiles       cuBLAS us  gemv us  cuBLAS TB/s  gemv TB/s"
           + ("  model call us (fusions in), its best us (block_n, block_k, warps)"
              if args.sweep and not args.fp8 else "")
-          + ("  model call us (fusions in), its best us, the 16-bit call us, (block_n, block_k, warps, conversion)"
-             if args.sweep and args.fp8 else ""))
+          + ("  model call us (fusions in), its best us, the 16-bit call us, (block_n, block_k, warps, conversion,"
+             " sum once)" if args.sweep and args.fp8 else ""))
     print("\n".join(rows))
     layer = [e for e in report if e["layer"] != "lm_head"]
     total = {model: (sum(e["cublas_us"] for e in layer if e["model"] == model),

@@ -28,6 +28,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from nanoserve_kernels import fp8_configs
+from nanoserve_kernels.e4m3_words import BITS_SUM_UNIT, BITS_X_UNIT, words_to_float32
 from nanoserve_kernels.pdl import pdl_launch, wait_for_previous_kernel
 from nanoserve_kernels.triton_activation import silu_mul
 
@@ -83,70 +84,42 @@ def _x_at(x_ptr, residual_ptr, norm_ptr, columns, ok, inverse_rms, PROLOGUE: tl.
     return x
 
 
-# Four e4m3 of one 32-bit word to float32: Hopper's paired convert (cvt.rn.f16x2.e4m3x2) on each half of
-# the word, then each float16 widened (exact: every e4m3 value is a float16). Byte j is column 4i + j.
-_E4M3X4_TO_F32 = tl.constexpr("""{
-.reg .b16 lo, hi, h0, h1, h2, h3;
-.reg .b32 pair01, pair23;
-mov.b32 {lo, hi}, $4;
-cvt.rn.f16x2.e4m3x2 pair01, lo;
-cvt.rn.f16x2.e4m3x2 pair23, hi;
-mov.b32 {h0, h1}, pair01;
-mov.b32 {h2, h3}, pair23;
-cvt.f32.f16 $0, h0;
-cvt.f32.f16 $1, h1;
-cvt.f32.f16 $2, h2;
-cvt.f32.f16 $3, h3;
-}""")
-# "bits": an e4m3 byte's sign to bit 31 and its exponent and mantissa to bits 20-26 make the float32 of
-# its value times 2^-120 (the exponent biases differ by 120; subnormals map to subnormals). x is taken
-# times 2^64 first so that no product falls to a float32 subnormal, and the sums times the other 2^56.
-BITS_X_UNIT, BITS_SUM_UNIT = tl.constexpr(2.0 ** 64), tl.constexpr(2.0 ** 56)
-_SIGN_AND_7_BITS = tl.constexpr(-0x78100000)  # 0x87F00000 as an int32
-
-
-@triton.jit
-def _bits_to_float32(words, byte: tl.constexpr):
-    """Byte `byte` of each int32 word, e4m3, as float32 times 2^-120: the byte moved to the top, then an
-    arithmetic shift right by 4 (the sign lands on bit 31 and bit 27), the bits between cleared."""
-    return (((words << (24 - 8 * byte)) >> 4) & _SIGN_AND_7_BITS).to(tl.float32, bitcast=True)
-
-
 @triton.jit
 def _x_tile(x_ptr, residual_ptr, norm_ptr, start, cols, K, inverse_rms, PROLOGUE: tl.constexpr,
             HAS_RESIDUAL: tl.constexpr, CONVERT: tl.constexpr):
-    """x over one tile, float32, as _products takes it: its columns (CONVERT "triton"), or four vectors,
-    column 4i + j of each word i in the j-th ("bits": times 2^64)."""
+    """x over one tile, float32, as _products takes it: [columns] (CONVERT "triton"), or [words, 4], the
+    columns of each word ("bits": times 2^64)."""
     if CONVERT == "ptx" or CONVERT == "bits":
-        columns = start + 4 * cols
-        ok = columns < K
-        unit = BITS_X_UNIT if CONVERT == "bits" else 1.0
-        x = (_x_at(x_ptr, residual_ptr, norm_ptr, columns, ok, inverse_rms, PROLOGUE, HAS_RESIDUAL) * unit,
-             _x_at(x_ptr, residual_ptr, norm_ptr, columns + 1, ok, inverse_rms, PROLOGUE, HAS_RESIDUAL) * unit,
-             _x_at(x_ptr, residual_ptr, norm_ptr, columns + 2, ok, inverse_rms, PROLOGUE, HAS_RESIDUAL) * unit,
-             _x_at(x_ptr, residual_ptr, norm_ptr, columns + 3, ok, inverse_rms, PROLOGUE, HAS_RESIDUAL) * unit)
+        columns = start + 4 * cols[:, None] + tl.arange(0, 4)[None, :]
     else:
-        x = (_x_at(x_ptr, residual_ptr, norm_ptr, start + cols, start + cols < K, inverse_rms, PROLOGUE,
-                   HAS_RESIDUAL),)
+        columns = start + cols
+    x = _x_at(x_ptr, residual_ptr, norm_ptr, columns, columns < K, inverse_rms, PROLOGUE, HAS_RESIDUAL)
+    if CONVERT == "bits":
+        x *= BITS_X_UNIT
     return x
 
 
 @triton.jit
 def _products(w, x, CONVERT: tl.constexpr):
     """w * x over one tile (x from _x_tile), float32. CONVERT "triton": w [rows, columns] in the model dtype
-    or e4m3 (Triton's conversion); "ptx" and "bits": w [rows, words] int32, four e4m3 a word, and the
-    result the sum of each word's four products ("bits": times 2^-56)."""
+    or e4m3 (Triton's conversion); "ptx" and "bits": w [rows, words] int32, four e4m3 a word
+    (nanoserve_kernels/e4m3_words.py), and the result the sum of each word's four products ("bits": times
+    2^-56)."""
     if CONVERT == "ptx" or CONVERT == "bits":
-        if CONVERT == "ptx":
-            w0, w1, w2, w3 = tl.inline_asm_elementwise(_E4M3X4_TO_F32, "=r,=r,=r,=r,r", [w],
-                                                       dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-        else:
-            w0, w1, w2, w3 = (_bits_to_float32(w, 0), _bits_to_float32(w, 1), _bits_to_float32(w, 2),
-                              _bits_to_float32(w, 3))
-        products = w0 * x[0][None, :] + w1 * x[1][None, :] + w2 * x[2][None, :] + w3 * x[3][None, :]
+        products = tl.sum(words_to_float32(w, CONVERT) * x[None, :, :], axis=2)
     else:
-        products = w.to(tl.float32) * x[0][None, :]
+        products = w.to(tl.float32) * x[None, :]
     return products
+
+
+@triton.jit
+def _times_column_scales(x, scale_ptr, row, start, cols, K, stride_scale, SCALE_BN: tl.constexpr,
+                         SCALE_BK: tl.constexpr, CONVERT: tl.constexpr):
+    """x (from _x_tile) times the block scale of each of its columns, of the scale row holding `row`."""
+    words: tl.constexpr = CONVERT == "ptx" or CONVERT == "bits"
+    columns = start + (4 if words else 1) * cols  # a word's four columns share a scale block
+    scale = tl.load(scale_ptr + (row // SCALE_BN) * stride_scale + columns // SCALE_BK, mask=columns < K, other=0.0)
+    return x * scale[:, None] if words else x * scale
 
 
 @triton.jit
@@ -170,7 +143,7 @@ def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, scale_p
                  stride_scale, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
                  WEIGHT_SCALE: tl.constexpr = "none", SCALE_BN: tl.constexpr = 1, SCALE_BK: tl.constexpr = 1,
-                 CONVERT: tl.constexpr = "triton"):
+                 CONVERT: tl.constexpr = "triton", SUM_ONCE: tl.constexpr = False):
     """PROLOGUE "none": x as given; "rms_norm": x = norm(x (+ residual)). SILU_MUL: W holds N gate
     rows then N up rows, and y = silu(gate) * up of the products, each rounded to the model dtype
     first as the unfused projection's output is. Each weight tile is loaded one iteration ahead,
@@ -178,7 +151,8 @@ def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, scale_p
     never written while serving. WEIGHT_SCALE "none": W in the model dtype; else W is e4m3, dequantized
     in registers by its float32 scales [rows / SCALE_BN, K / SCALE_BK]: "row" one per row (per
     channel), "block" per SCALE_BK columns too. CONVERT (e4m3 only) says how (_products); "ptx" and
-    "bits" take W as int32 words (w_ptr, stride_w in words; K a multiple of 4)."""
+    "bits" take W as int32 words (w_ptr, stride_w in words; K a multiple of 4). SUM_ONCE with block scales
+    needs a program's rows (and its up rows) in one scale row: BLOCK_N dividing SCALE_BN, which divides N."""
     dtype = y_ptr.dtype.element_ty
     LANES: tl.constexpr = 4 if CONVERT == "ptx" or CONVERT == "bits" else 1  # columns a loaded element holds
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -193,17 +167,41 @@ def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, scale_p
     inverse_rms = 1.0
     if PROLOGUE == "rms_norm":
         inverse_rms = _inverse_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps, BLOCK_K, HAS_RESIDUAL)
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    up_acc = tl.zeros([BLOCK_N], tl.float32)
+    # SUM_ONCE: the products add up per column (the block scales on x's columns) and each row sums once, at
+    # the end, instead of a reduction (across warps) per tile
+    if SUM_ONCE:
+        acc = tl.zeros([BLOCK_N, BLOCK_K // LANES], tl.float32)
+        up_acc = tl.zeros([BLOCK_N, BLOCK_K // LANES], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        up_acc = tl.zeros([BLOCK_N], tl.float32)
+    first_row = tl.program_id(0) * BLOCK_N
     for start in range(0, K, BLOCK_K):
         x = _x_tile(x_ptr, residual_ptr, norm_ptr, start, cols, K, inverse_rms, PROLOGUE, HAS_RESIDUAL, CONVERT)
-        acc += _tile_sums(_products(w, x, CONVERT), scale_ptr, rows, row_ok, start, K, stride_scale, BLOCK_N,
-                          BLOCK_K, SCALE_BN, SCALE_BK, WEIGHT_SCALE)
+        if SUM_ONCE:
+            x_gate = x
+            if WEIGHT_SCALE == "block":
+                x_gate = _times_column_scales(x, scale_ptr, first_row, start, cols, K, stride_scale, SCALE_BN,
+                                              SCALE_BK, CONVERT)
+            acc += _products(w, x_gate, CONVERT)
+        else:
+            acc += _tile_sums(_products(w, x, CONVERT), scale_ptr, rows, row_ok, start, K, stride_scale, BLOCK_N,
+                              BLOCK_K, SCALE_BN, SCALE_BK, WEIGHT_SCALE)
         w = _weight_tile(w_ptr, rows, row_ok, (start + BLOCK_K) // LANES, cols, K // LANES, stride_w)
         if SILU_MUL:
-            up_acc += _tile_sums(_products(w_up, x, CONVERT), scale_ptr, rows + N, row_ok, start, K, stride_scale,
-                                 BLOCK_N, BLOCK_K, SCALE_BN, SCALE_BK, WEIGHT_SCALE)
+            if SUM_ONCE:
+                x_up = x
+                if WEIGHT_SCALE == "block":
+                    x_up = _times_column_scales(x, scale_ptr, first_row + N, start, cols, K, stride_scale, SCALE_BN,
+                                                SCALE_BK, CONVERT)
+                up_acc += _products(w_up, x_up, CONVERT)
+            else:
+                up_acc += _tile_sums(_products(w_up, x, CONVERT), scale_ptr, rows + N, row_ok, start, K,
+                                     stride_scale, BLOCK_N, BLOCK_K, SCALE_BN, SCALE_BK, WEIGHT_SCALE)
             w_up = _weight_tile(w_ptr, rows + N, row_ok, (start + BLOCK_K) // LANES, cols, K // LANES, stride_w)
+    if SUM_ONCE:
+        acc = tl.sum(acc, axis=1)
+        up_acc = tl.sum(up_acc, axis=1)
     if CONVERT == "bits":
         acc *= BITS_SUM_UNIT
         up_acc *= BITS_SUM_UNIT
@@ -266,16 +264,21 @@ def takes_fp8(weight: torch.Tensor, block: tuple[int, int]) -> bool:
 CONVERTS = ("triton", "ptx", "bits")  # ways to read e4m3 (_products), measured by bench/gemv.py --fp8 block --sweep
 
 
+def default_launch(k: int, silu_mul: bool, fp8: bool) -> dict:
+    """`tiles`, read with Triton's conversion and summed a tile at a time."""
+    block_n, block_k, warps = tiles(k, silu_mul, fp8)
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, CONVERT="triton", SUM_ONCE=False)
+
+
 def fp8_launch(device_name: str, n: int, k: int, silu_mul: bool, block: tuple[int, int]) -> dict:
-    """The e4m3 launch (BLOCK_N, BLOCK_K, num_warps, CONVERT) for W [n, k] (n: gate and up rows together with
-    silu_mul): bench/gemv.py's measured winner for this device and shape where it tiles these scale blocks,
-    else `tiles(fp8=True)` with Triton's conversion."""
+    """The e4m3 launch (BLOCK_N, BLOCK_K, num_warps, CONVERT, SUM_ONCE) for W [n, k] (n: the gate and up
+    rows together with silu_mul): bench/gemv.py's measured winner for this device and shape where it tiles
+    these scale blocks, else the default."""
     tuned = fp8_configs.tuned(device_name, n, k, 1, silu_mul)
     if tuned is not None and tuned.backend == fp8_configs.GEMV and (
             block[1] >= k or tuned.launch["BLOCK_K"] % block[1] == 0):
         return tuned.launch
-    block_n, block_k, warps = tiles(k, silu_mul, fp8=True)
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, CONVERT="triton")
+    return default_launch(k, silu_mul, fp8=True)
 
 
 @functools.cache
@@ -294,17 +297,19 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bl
             block_k: int | None = None, num_warps: int | None = None, residual: torch.Tensor | None = None,
             residual_out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
             prologue: str = "none", silu_mul: bool = False, weight_scale: torch.Tensor | None = None,
-            block: tuple[int, int] | None = None, convert: str | None = None) -> torch.Tensor:
+            block: tuple[int, int] | None = None, convert: str | None = None, sum_once: bool | None = None
+            ) -> torch.Tensor:
     n, k = weight.shape
     assert x.shape == (1, k) and x.stride(1) == 1 and weight.stride(1) == 1
-    if weight_scale is None:
-        chosen = dict(zip(("BLOCK_N", "BLOCK_K", "num_warps"), tiles(k, silu_mul)), CONVERT="triton")
-    elif x.is_cuda:
+    if weight_scale is not None and x.is_cuda:
         chosen = fp8_launch(_device_name(x.device), n, k, silu_mul, block)
-    else:  # the interpreter
-        chosen = dict(zip(("BLOCK_N", "BLOCK_K", "num_warps"), tiles(k, silu_mul, fp8=True)), CONVERT="triton")
+    else:  # 16-bit, or the interpreter
+        chosen = default_launch(k, silu_mul, fp8=weight_scale is not None)
     block_n, block_k = block_n or chosen["BLOCK_N"], block_k or chosen["BLOCK_K"]
     num_warps, convert = num_warps or chosen["num_warps"], convert or chosen["CONVERT"]
+    sum_once = chosen.get("SUM_ONCE", False) if sum_once is None else sum_once
+    if sum_once and weight_scale is not None and weight_scale.shape[1] > 1:  # a program's rows in one scale row
+        sum_once = block[0] % block_n == 0 and (not silu_mul or n // 2 % block[0] == 0)
     w = weight
     if convert != "triton":  # four e4m3 columns a word, where the rows are whole words
         assert weight_scale is not None, convert
@@ -318,17 +323,19 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bl
         x, residual, residual_out, norm_weight, w, weight_scale, bias, y, n, k, w.stride(0),
         0 if weight_scale is None else weight_scale.stride(0), eps, BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul,
-        CONVERT=convert, num_warps=num_warps, **_scale_args(weight_scale, block, block_k), **pdl_launch(x.device))
+        CONVERT=convert, SUM_ONCE=sum_once, num_warps=num_warps, **_scale_args(weight_scale, block, block_k),
+        **pdl_launch(x.device))
     return y
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
          block_k: int | None = None, num_warps: int | None = None, weight_scale: torch.Tensor | None = None,
-         block: tuple[int, int] | None = None, convert: str | None = None) -> torch.Tensor:
+         block: tuple[int, int] | None = None, convert: str | None = None, sum_once: bool | None = None
+         ) -> torch.Tensor:
     """F.linear(x, weight, bias) for one row x [1, K] (tiles chosen by `tiles`, or `fp8_launch`, unless
     given); of an e4m3 weight given its scales and their block."""
     return _launch(x, weight, bias, block_n, block_k, num_warps, weight_scale=weight_scale, block=block,
-                   convert=convert)
+                   convert=convert, sum_once=sum_once)
 
 
 def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

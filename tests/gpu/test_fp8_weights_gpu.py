@@ -44,10 +44,10 @@ KL_BOUND_NATS = 3e-3
 
 
 def test_quantize_gemm_and_gemv_match_the_reference_in_bfloat16():
-    from nanoserve_kernels.triton_gemv import CONVERTS
     check_quantize("cuda", torch.bfloat16)
-    for convert in CONVERTS:  # each way the matrix-vector kernel reads e4m3 (the PTX one only runs here)
-        check_gemv("cuda", torch.bfloat16, convert)
+    # each way the matrix-vector kernel reads e4m3 (the PTX one runs only here) and sums
+    for convert, sum_once in (("triton", False), ("ptx", False), ("ptx", True), ("bits", True)):
+        check_gemv("cuda", torch.bfloat16, convert, sum_once)
     for rows in (2, 64, 300, 4096):  # the default launch shapes of their buckets
         check_gemm("cuda", torch.bfloat16, fp8_configs.default_choice(fp8_configs.bucket(rows)).launch)
 
