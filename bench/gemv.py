@@ -98,10 +98,10 @@ def sweep(call, weights: list, k: int, fp8: str | None) -> dict[tuple[int, int, 
 
 
 def fp8_candidates(k: int, silu_mul: bool) -> list[dict]:
-    """Launches of the e4m3 gemv to time: Triton's conversion at today's tiles (the reference of the others),
-    then at those tiles and at the 16-bit kernel's tiles with twice the columns (as many bytes a tile) the
-    PTX conversion with one sum a row and without, the integer one and Triton's with one sum a row, then
-    the PTX conversion with one sum a row at twice the rows, 8 warps, and a few more tiles."""
+    """Launches of the e4m3 gemv to time: Triton's conversion at today's tiles (the reference of the others);
+    at those tiles the PTX conversion with one sum a row and without and the integer one with; at the
+    16-bit kernel's tiles with twice the columns (as many bytes a tile) the PTX one both ways; then the PTX
+    one with one sum a row at twice the rows, 8 warps, and a few more tiles."""
     current = tiles(k, silu_mul, fp8=True)
     rows16, columns16, warps16 = tiles(k, silu_mul)
     shapes = [current, (rows16, min(2 * columns16, 2 * triton_pow2(k)), warps16), (2 * current[0], *current[1:]),
@@ -109,9 +109,9 @@ def fp8_candidates(k: int, silu_mul: bool) -> list[dict]:
               (max(1, current[0] // 2), 2 * current[1], current[2])]
     shapes = [s for i, s in enumerate(shapes) if s not in shapes[:i] and s[1] <= 2 * triton_pow2(k)]
     launches = [dict(BLOCK_N=current[0], BLOCK_K=current[1], num_warps=current[2], CONVERT="triton", SUM_ONCE=False)]
-    for i, (block_n, block_k, warps) in enumerate(shapes):  # the others at the first two tiles only
-        for convert, sum_once in ((("ptx", True), ("ptx", False), ("bits", True), ("triton", True)) if i < 2
-                                  else (("ptx", True),)):
+    pairs = ((("ptx", True), ("ptx", False), ("bits", True)), (("ptx", True), ("ptx", False)), (("ptx", True),))
+    for i, (block_n, block_k, warps) in enumerate(shapes):
+        for convert, sum_once in pairs[min(i, 2)]:
             launches.append(dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, CONVERT=convert,
                                  SUM_ONCE=sum_once))
     return launches

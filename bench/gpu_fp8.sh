@@ -43,7 +43,7 @@ if [ "$mode" = speed ]; then
       >/dev/null &
   done
   kernels=test_quantize_gemm_and_gemv_match_the_reference_in_bfloat16  # the new kernels first; the rest last
-  timeout 75 python3 -m pytest -q -p no:cacheprovider "$tests::$kernels" > "$out/fp8_gpu_tests.log" 2>&1
+  timeout 90 python3 -m pytest -q -p no:cacheprovider "$tests::$kernels" > "$out/fp8_gpu_tests.log" 2>&1
   wait
   timeout $(upto 120) python3 bench/gemv.py --fp8 block --sweep --models 8b 0.6b --budget-s 50 \
     --out "$out/gemv_fp8_block.json" > "$out/gemv_sweep.log" 2>&1
