@@ -42,6 +42,11 @@ TEMPLATE_CACHE_SIZE = 256
 # busy 2-core machine): half the cores, at most 8, leaving the rest to the step loop, the reply thread
 # and the scheduler (llguidance's default takes 80% of them).
 MASK_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+# A step with at most this many constrained rows has its matchers advanced on the launcher thread, when
+# the next masked step needs them: a row takes ~10 us, while handing the work to the mask thread and
+# back takes the GIL three times more per step, each a switch on the launcher's critical path (batch-1
+# decode is bound by the launcher's Python).
+INLINE_ROWS = 4
 
 
 class GrammarMasks:
@@ -63,6 +68,7 @@ class GrammarMasks:
         self.num_observed = 0
         self.new_sequences: list[tuple[int, Future]] = []  # this step's resets, their first masks not yet asked for
         self.jobs: list[Future] = []  # the mask thread's jobs since the last masked step
+        self.inline_advance: tuple | None = None  # a small step's advance, left to the next masked step
         self.device_rows: torch.Tensor | None = None  # the masked rows of the current step; None: all of them
         self.compiler = ThreadPoolExecutor(2, thread_name_prefix="grammar")
         self.mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")  # one: jobs keep their order
@@ -140,6 +146,10 @@ class GrammarMasks:
             job.result()
         self.jobs.clear()
         waited = time.perf_counter()
+        if self.inline_advance is not None:  # after the jobs: a reset slot's first mask is filled by then
+            self._advance(*self.inline_advance)
+            self.inline_advance = None
+        advanced = time.perf_counter()
         if self.device_table is not self.host_table:  # the rows between the step's first and last masked slot
             masked = slots[rows]
             first, end = int(masked.min()), int(masked.max()) + 1
@@ -147,7 +157,7 @@ class GrammarMasks:
         self.device_rows = None if len(rows) == len(logits) else upload(rows, self.device)
         mask_rows = device_slots if self.device_rows is None else device_slots[self.device_rows]
         self._apply(logits, self.device_table, mask_rows, self.device_rows)
-        self.timings.masked_step(len(rows), launcher_wait=waited - started, queue=time.perf_counter() - waited)
+        self.timings.masked_step(len(rows), launcher_wait=waited - started, queue=time.perf_counter() - advanced)
 
     def unmasked_step(self) -> None:
         """A sampled step with no constrained row: a run of masked steps, if any, has ended."""
@@ -163,7 +173,8 @@ class GrammarMasks:
 
     def observe(self, tokens: torch.Tensor, slots: np.ndarray, rows: np.ndarray) -> None:
         """The tokens just drawn (device, one per sampled slot): the masked rows' go home, and the
-        mask thread advances their matchers by them and fills their next masks."""
+        mask thread advances their matchers by them and fills their next masks (a small step's: the
+        launcher thread, at the next masked step)."""
         drawn = tokens if self.device_rows is None else tokens[self.device_rows]
         event = None
         if drawn.is_cuda:
@@ -173,18 +184,23 @@ class GrammarMasks:
             event.record()
         self.num_observed += 1
         masked = slots[rows].tolist()
-        self.jobs.append(self.mask_thread.submit(self._advance, [self.matchers[slot] for slot in masked], masked,
-                                                 drawn, event))
+        advance = ([self.matchers[slot] for slot in masked], masked, drawn, event)
+        if len(masked) <= INLINE_ROWS:
+            self.inline_advance = advance
+        else:
+            self.jobs.append(self.mask_thread.submit(self._advance, *advance))
 
     def _advance(self, matchers: list[Future], slots: list[int], drawn: torch.Tensor, event) -> None:
-        """On the mask thread: once a step's tokens are home, its matchers consume them and fill their
-        next masks, both on llguidance's threads (one row: here, as handing it over costs more)."""
+        """Once a step's tokens are home, its matchers consume them and fill their next masks, both on
+        llguidance's threads (one row: here, as handing it over costs more). A slot handed to another
+        sequence since is left alone: the old one is gone, and the new one's first mask is its own job's."""
         started = time.perf_counter()
         if event is not None:
             event.synchronize()
         home = time.perf_counter()
         # a refused token leaves its matcher in error: it then allows only eos
-        live = [(future.result(), token, slot) for future, token, slot in zip(matchers, drawn.tolist(), slots)]
+        live = [(future.result(), token, slot) for future, token, slot in zip(matchers, drawn.tolist(), slots)
+                if future is self.matchers[slot]]
         live = [entry for entry in live if entry[0] is not None]
         if len(live) == 1:
             live[0][0].consume_token(live[0][1])

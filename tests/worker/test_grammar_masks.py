@@ -13,6 +13,7 @@ from llguidance.numpy import fill_next_token_bitmask
 
 from nanoserve.grammar_tokenizer import GrammarTokenizer
 from scheduler_svc.structured_outputs import GrammarCompiler
+from worker_svc import grammar_masks
 from worker_svc.grammar_masks import GrammarMasks
 
 VOCAB, EOS = 151936, (151645,)
@@ -43,7 +44,10 @@ def masked_step(masks: GrammarMasks, slots: list[int], draw: list[int]) -> np.nd
     return torch.isfinite(logits).numpy()
 
 
-def test_masks_follow_each_sequence_and_a_reused_slot(tokenizer):
+@pytest.mark.parametrize("inline_rows", [0, grammar_masks.INLINE_ROWS], ids=["mask thread", "launcher"])
+def test_masks_follow_each_sequence_and_a_reused_slot(tokenizer, monkeypatch, inline_rows):
+    """Both ways a step's matchers advance: on the mask thread, and (small steps) on the launcher."""
+    monkeypatch.setattr(grammar_masks, "INLINE_ROWS", inline_rows)
     compiler = GrammarCompiler(tokenizer)
     digits, words = compiler.compile("json", json.dumps(DIGITS)), compiler.compile("json", json.dumps(WORDS))
     text = tokenizer.get()
