@@ -5,10 +5,11 @@
 #   bench/gpu_grammar.sh        (one call of under 8 minutes) the grammar-mask kernel against its reference
 #                               on CUDA, the structured-output service tests on CUDA, bench/grammar.py on the
 #                               0.6B and 8B shapes (dummy weights), then bench/grammar_host.py on the 0.6B shape;
-#   bench/gpu_grammar.sh bench  (under 5 minutes) the kernel test and bench/grammar.py on both shapes only,
-#                               then a summary a shape a line: throughput ratio, rank 0's decode step, the
-#                               mask split (mask thread: tokens wait, consume, fill, first masks; launcher:
-#                               wait, queue; ms a masked step) and batch-1 ITL with its split.
+#   bench/gpu_grammar.sh bench  (under 5 minutes) the kernel test and bench/grammar.py on both shapes only.
+# Both end with a summary, two lines a shape: the throughput ratio; rank 0's decode steps (device busy, idle
+# before each, host time) and prefill/mixed steps (busy, host); the device's seconds in steps against the
+# run's; the mask split (mask thread: tokens wait, consume, fill, first masks; launcher: wait, queue; ms a
+# masked step); batch-1 ITL with its split, first use and invalid outputs.
 #
 # bench/grammar.py: DESIGN throughput with every request JSON-schema constrained against none, batch-1 ITL
 # with and without, first-use compile of a typical schema, invalid outputs among constrained ones that
@@ -51,9 +52,13 @@ for shape in ("qwen3-0.6b", "qwen3-8b"):
     r = json.loads(path.read_text())
     plain, constrained = r["plain"], r["json_schema"]
     step = lambda run: "/".join(f"{run[f'decode_{name}_ms']:.2f}" for name in ("busy", "idle", "host"))
+    prefill = lambda run: f"{run['prefill_steps']} x {run['prefill_busy_ms']:.1f}/{run['prefill_host_ms']:.1f}"
+    device = lambda run: f"{run['device_seconds']:.2f} of {run['seconds']:.2f}"
     print(f"{shape}: throughput {plain['tok_per_s']:,.0f} -> {constrained['tok_per_s']:,.0f} tok/s, ratio "
-          f"{r['throughput_ratio']:.3f} (target 0.9); decode step busy/idle/host ms {step(plain)} -> "
-          f"{step(constrained)}; mask split ms a step: {split(constrained.get('mask_split', {}))}")
+          f"{r['throughput_ratio']:.3f} (target 0.9); decode steps {plain['decode_steps']} -> "
+          f"{constrained['decode_steps']}, busy/idle/host ms {step(plain)} -> {step(constrained)}; prefill/mixed "
+          f"steps x busy/host ms {prefill(plain)} -> {prefill(constrained)}; device s in steps {device(plain)} -> "
+          f"{device(constrained)}; mask split ms a masked step: {split(constrained.get('mask_split', {}))}")
     itl = r["itl_batch1_ms"]
     print(f"{shape}: batch-1 ITL {itl['plain']:.3f} -> {itl['json_schema']:.3f} ms, {100 * (r['itl_ratio'] - 1):+.1f}% "
           f"(target +5%); mask split ms a step: {split(r.get('itl_mask_split', {}))}; first use p50 "

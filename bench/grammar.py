@@ -162,7 +162,8 @@ def invalid(results: list, schema: dict) -> tuple[int, int]:
 
 async def throughput(stub, jobs, constraint: dict | None) -> tuple[dict, list[int]]:
     """The run's figures (with rank 0's view of its decode steps: device busy, device idle before
-    each, host time building and launching each), and each request's output length."""
+    each, host time building and launching each; of its prefill steps, mixed ones included: busy and
+    host), and each request's output length."""
     before = await stub.GetStats(llm_pb2.GetStatsRequest())
     start = time.perf_counter()
     results = await asyncio.gather(*(run_one(stub, p, n, constraint) for p, n in jobs))
@@ -170,12 +171,19 @@ async def throughput(stub, jobs, constraint: dict | None) -> tuple[dict, list[in
     after = await stub.GetStats(llm_pb2.GetStatsRequest())
     tokens = sum(count for count, _, _ in results)
     stopped, bad = invalid(results, constraint) if constraint else (0, 0)
-    steps = max(1, after.decode_steps - before.decode_steps)
-    per_step = {f"decode_{name}_ms": 1e3 * (getattr(after, f"decode_{name}_seconds") -
-                                            getattr(before, f"decode_{name}_seconds")) / steps
-                for name in ("busy", "idle", "host")}
+    def total(name: str) -> float:
+        return getattr(after, name) - getattr(before, name)
+
+    steps, prefills = max(1, total("decode_steps")), max(1, total("prefill_steps"))
+    per_step = {f"{kind}_{name}_ms": 1e3 * total(f"{kind}_{name}_seconds") / count
+                for kind, count, names in (("decode", steps, ("busy", "idle", "host")), ("prefill", prefills, ("busy", "host")))
+                for name in names}
+    # the device's time in steps (prefill idle is not counted): the rest of `seconds` is outside the worker
+    device_s = sum(map(total, ("decode_busy_seconds", "decode_idle_seconds", "prefill_busy_seconds")))
     return ({"output_tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds, "stopped": stopped,
-             "invalid_among_stopped": bad, "decode_steps": steps, **per_step}, [count for count, _, _ in results])
+             "invalid_among_stopped": bad, "decode_steps": steps, "prefill_steps": total("prefill_steps"),
+             "mixed_steps": total("mixed_steps"), "device_seconds": device_s, **per_step},
+            [count for count, _, _ in results])
 
 
 async def itl_ms(stub, constraint: dict | None, tokens: int = 256) -> float:

@@ -62,6 +62,9 @@ class GrammarMasks:
         self.host_table = torch.zeros((capacity, self.words), dtype=torch.int32, pin_memory=pinned)
         self.next_masks = self.host_table.numpy()
         self.device_table = self.host_table.to(device) if pinned else self.host_table
+        # A large step's rows (up to 19 KB each) go over on a stream of their own, beside the forward pass
+        # still running, rather than after it on the step's stream.
+        self.copy_stream = torch.cuda.Stream(device) if pinned else None
         # Where a step's drawn tokens come home, two in turn: a step's tokens are read by its mask job
         # before the next masked step goes on, so the one after it may write the same half again.
         self.drawn_home = torch.zeros((2, capacity), dtype=torch.int64, pin_memory=pinned)
@@ -150,14 +153,23 @@ class GrammarMasks:
             self._advance(*self.inline_advance)
             self.inline_advance = None
         advanced = time.perf_counter()
-        if self.device_table is not self.host_table:  # the rows between the step's first and last masked slot
-            masked = slots[rows]
-            first, end = int(masked.min()), int(masked.max()) + 1
-            self.device_table[first:end].copy_(self.host_table[first:end], non_blocking=True)
+        if self.copy_stream is not None:
+            self._copy_rows(slots[rows])
         self.device_rows = None if len(rows) == len(logits) else upload(rows, self.device)
         mask_rows = device_slots if self.device_rows is None else device_slots[self.device_rows]
         self._apply(logits, self.device_table, mask_rows, self.device_rows)
         self.timings.masked_step(len(rows), launcher_wait=waited - started, queue=time.perf_counter() - advanced)
+
+    def _copy_rows(self, masked_slots: np.ndarray) -> None:
+        """The table's rows from the step's first to its last masked slot, to the device's table. The
+        last masked step's kernel has read the device's table by now: its tokens, drawn after it, are home."""
+        first, end = int(masked_slots.min()), int(masked_slots.max()) + 1
+        if len(masked_slots) <= INLINE_ROWS:
+            self.device_table[first:end].copy_(self.host_table[first:end], non_blocking=True)
+            return
+        with torch.cuda.stream(self.copy_stream):
+            self.device_table[first:end].copy_(self.host_table[first:end], non_blocking=True)
+        torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
     def unmasked_step(self) -> None:
         """A sampled step with no constrained row: a run of masked steps, if any, has ended."""
