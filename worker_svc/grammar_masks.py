@@ -38,10 +38,11 @@ log = logging.getLogger("nanoserve.worker")
 
 # Distinct grammars whose compiled template is kept.
 TEMPLATE_CACHE_SIZE = 256
-# llguidance's threads filling a step's masks and consuming its tokens, a row each at a time (~40 us a row of a JSON schema on a
-# busy 2-core machine): half the cores, at most 8, leaving the rest to the step loop, the reply thread
-# and the scheduler (llguidance's default takes 80% of them).
-MASK_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+# llguidance's threads consuming a step's tokens and filling its masks. Inside a JSON string a row's
+# consume takes ~1 us and its mask ~3 us (its first one in the string ~0.5 ms): 256 rows take ~1 ms on
+# one core of the busy 2-core development machine, so a few threads do; every further thread is one more
+# that a busy host may deschedule in the middle of a step's rows, holding up the whole step.
+MASK_THREADS = max(1, min(4, (os.cpu_count() or 2) // 4))
 # A step with at most this many constrained rows has its matchers advanced on the launcher thread, when
 # the next masked step needs them: a row takes ~10 us, while handing the work to the mask thread and
 # back takes the GIL three times more per step, each a switch on the launcher's critical path (batch-1
