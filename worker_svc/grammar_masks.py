@@ -66,10 +66,6 @@ class GrammarMasks:
         # A large step's rows (up to 19 KB each) go over on a stream of their own, beside the forward pass
         # still running, rather than after it on the step's stream.
         self.copy_stream = torch.cuda.Stream(device) if pinned else None
-        # Where a step's drawn tokens come home, two in turn: a step's tokens are read by its mask job
-        # before the next masked step goes on, so the one after it may write the same half again.
-        self.drawn_home = torch.zeros((2, capacity), dtype=torch.int64, pin_memory=pinned)
-        self.num_observed = 0
         self.new_sequences: list[tuple[int, Future]] = []  # this step's resets, their first masks not yet asked for
         self.jobs: list[Future] = []  # the mask thread's jobs since the last masked step
         self.inline_advance: tuple | None = None  # a small step's advance, left to the next masked step
@@ -184,26 +180,21 @@ class GrammarMasks:
         self._apply(logits, allow_all, every, every)
         self._apply(logits, allow_all, every, None)
 
-    def observe(self, tokens: torch.Tensor, slots: np.ndarray, rows: np.ndarray) -> None:
-        """The tokens just drawn (device, one per sampled slot): the masked rows' go home, and the
-        mask thread advances their matchers by them and fills their next masks (a small step's: the
-        launcher thread, at the next masked step)."""
-        drawn = tokens if self.device_rows is None else tokens[self.device_rows]
-        event = None
-        if drawn.is_cuda:
-            home = self.drawn_home[self.num_observed % 2, :len(drawn)]
-            drawn = home.copy_(drawn, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        self.num_observed += 1
+    def observe(self, drawn: torch.Tensor, event: torch.cuda.Event | None, slots: np.ndarray, rows: np.ndarray) -> None:
+        """The step's drawn tokens on their way home (`drawn`, one per sampled slot, in host memory
+        once `event` has passed; None: already there): the mask thread advances the masked rows'
+        matchers by them and fills their next masks (a small step's: the launcher thread, at the next
+        masked step)."""
         masked = slots[rows].tolist()
-        advance = ([self.matchers[slot] for slot in masked], masked, drawn, event)
+        positions = None if self.device_rows is None else rows.tolist()
+        advance = ([self.matchers[slot] for slot in masked], masked, drawn, positions, event)
         if len(masked) <= INLINE_ROWS:
             self.inline_advance = advance
         else:
             self.jobs.append(self.mask_thread.submit(self._advance, *advance))
 
-    def _advance(self, matchers: list[Future], slots: list[int], drawn: torch.Tensor, event) -> None:
+    def _advance(self, matchers: list[Future], slots: list[int], drawn: torch.Tensor, positions: list[int] | None,
+                 event: torch.cuda.Event | None) -> None:
         """Once a step's tokens are home, its matchers consume them and fill their next masks, both on
         llguidance's threads (one row: here, as handing it over costs more). A slot handed to another
         sequence since is left alone: the old one is gone, and the new one's first mask is its own job's."""
@@ -211,8 +202,10 @@ class GrammarMasks:
         if event is not None:
             event.synchronize()
         home = time.perf_counter()
+        tokens = drawn.tolist()
+        tokens = tokens if positions is None else [tokens[i] for i in positions]
         # a refused token leaves its matcher in error: it then allows only eos
-        live = [(future.result(), token, slot) for future, token, slot in zip(matchers, drawn.tolist(), slots)
+        live = [(future.result(), token, slot) for future, token, slot in zip(matchers, tokens, slots)
                 if future is self.matchers[slot]]
         live = [entry for entry in live if entry[0] is not None]
         if len(live) == 1:

@@ -378,7 +378,10 @@ class ModelRunner:
             broadcast_from_first_rank(tokens)
             self.last_tokens[inputs.sampled_slots] = tokens
         logprobs = self.extras.finish(logits, tokens, inputs and inputs.sampled_slots) if work else None
-        return LaunchedStep(self.clock, start, tokens if logits is not None else None, host_started, logprobs)
+        step = LaunchedStep(self.clock, start, tokens if logits is not None else None, host_started, logprobs)
+        if step.tokens is not None:
+            self.extras.tokens_home(*step.tokens_home())
+        return step
 
     def step(self, request: worker_pb2.StepRequest) -> list[int]:
         """launch() and wait: the step's sampled tokens."""

@@ -189,8 +189,6 @@ class SamplingExtras:
         step's logprob rows, or None (also on ranks that do not sample)."""
         sampled = None
         if raw_logits is not None and tokens is not None:
-            if self._masked.size:
-                self.grammar.observe(tokens, self._slots, self._masked)
             if self._flags:
                 self.processors.observe(tokens, self._slots, device_slots, self._flags)
             sampled = self._score_sampled(raw_logits, tokens)
@@ -198,6 +196,12 @@ class SamplingExtras:
             return None
         prompt, self.prompt_rows = self.prompt_rows, []
         return StepLogprobs(sampled, prompt)
+
+    def tokens_home(self, tokens: torch.Tensor, event: torch.cuda.Event | None) -> None:
+        """The step's sampled tokens, copied home (in host memory once `event` has passed): the
+        grammars of its masked rows move on by them."""
+        if self._masked.size:
+            self.grammar.observe(tokens, event, self._slots, self._masked)
 
     def _score_sampled(self, raw_logits: torch.Tensor, tokens: torch.Tensor):
         if not self.any_logprobs:

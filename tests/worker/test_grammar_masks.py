@@ -40,7 +40,7 @@ def masked_step(masks: GrammarMasks, slots: list[int], draw: list[int]) -> np.nd
     slots_array = np.array(slots)
     rows = masks.constrained_rows(slots_array)
     masks.mask(logits, slots_array, rows, torch.from_numpy(slots_array))
-    masks.observe(torch.tensor(draw), slots_array, rows)
+    masks.observe(torch.tensor(draw), None, slots_array, rows)
     return torch.isfinite(logits).numpy()
 
 
@@ -67,6 +67,26 @@ def test_masks_follow_each_sequence_and_a_reused_slot(tokenizer, monkeypatch, in
     assert (kept[1] == allowed_by_oracle(tokenizer, words, [])).all()
     assert kept[1].sum() < VOCAB and (kept[1] != allowed_by_oracle(tokenizer, digits, opening + one[:1])).any()
 
+
+@pytest.mark.parametrize("inline_rows", [0, grammar_masks.INLINE_ROWS], ids=["mask thread", "launcher"])
+def test_unconstrained_rows_between_constrained_ones(tokenizer, monkeypatch, inline_rows):
+    """A step that samples an unconstrained row between two constrained ones: that row keeps every
+    token, and each matcher moves on by its own row's draw."""
+    monkeypatch.setattr(grammar_masks, "INLINE_ROWS", inline_rows)
+    digits = GrammarCompiler(tokenizer).compile("json", json.dumps(DIGITS))
+    text = tokenizer.get()
+    opening, one, two, close = (text.tokenize_str(t) for t in ('{"n": ', "1", "2", "}"))
+    masks = GrammarMasks(3, tokenizer, torch.device("cpu"))
+    masks.reset(0, digits, opening + one)
+    masks.reset(2, digits, opening)
+    masks.fill_first_masks()
+    # the unconstrained row's draw would break either grammar
+    masked_step(masks, [0, 1, 2], [close[0], text.tokenize_str(" hello")[0], two[0]])
+    kept = masked_step(masks, [0, 1, 2], [0, 0, 0])
+    assert (kept[0] == allowed_by_oracle(tokenizer, digits, opening + one + close)).all()
+    assert kept[1].all()
+    assert (kept[2] == allowed_by_oracle(tokenizer, digits, opening + two)).all()
+    assert (kept[0] != kept[2]).any()
 
 def test_a_run_of_masked_steps_is_logged_with_its_split(tokenizer, caplog):
     """Each run of masked steps ends in one log line: its steps, rows and the time split per step."""
