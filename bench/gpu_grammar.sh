@@ -18,7 +18,7 @@ source bench/gpu_env.sh
 mode=${1:-all}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import llguidance, jsonschema; print('llguidance', llguidance.__version__)" || exit 1
-timeout 40 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py -k token_bitmask 2>&1 \
+timeout 30 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py -k token_bitmask 2>&1 \
   | tee "$out/grammar_kernel.log" | tail -3
 if [ "$mode" = all ]; then
   NANOSERVE_TEST_DEVICE=cuda timeout 100 python3 -m pytest -q -p no:cacheprovider \
@@ -26,7 +26,7 @@ if [ "$mode" = all ]; then
 fi
 for shape in qwen3-0.6b qwen3-8b; do
   python3 -m nanoserve_cli.demo_model ".cache/$shape-dummy" --shape "$shape" --no-weights >/dev/null
-  limit=$([ "$shape" = qwen3-8b ] && echo 140 || echo 120)
+  limit=$([ "$shape" = qwen3-8b ] && echo 150 || echo 110)
   timeout "$limit" python3 bench/grammar.py --model ".cache/$shape-dummy" \
     --extra "--load-format dummy --attention-backend triton" --out "$out/grammar_$shape.json" 2>&1 \
     | tee "$out/grammar_$shape.log" | tail -$([ "$mode" = all ] && echo 40 || echo 3)

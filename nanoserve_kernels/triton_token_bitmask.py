@@ -9,7 +9,8 @@ import triton.language as tl
 BLOCK = 2048
 
 
-@triton.jit(do_not_specialize=["vocab_size", "words"])
+# The mask rows are often a view into the step's index buffers, at any 8-byte offset: one compile for all.
+@triton.jit(do_not_specialize=["vocab_size", "words"], do_not_specialize_on_alignment=["mask_rows", "rows"])
 def _bitmask_kernel(logits, stride_row, bitmask, mask_rows, rows, vocab_size, words, EVERY_ROW: tl.constexpr,
                     BLOCK: tl.constexpr):
     index = tl.program_id(0)
