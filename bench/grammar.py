@@ -24,6 +24,7 @@ import json
 import os
 import random
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -237,6 +238,7 @@ def main() -> None:
                                                                     os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "nanoserve_cli", "up", "--model", args.model, "--port", str(port),
            "--worker-base-port", str(free_port()), "--max-model-len", "4096", *args.extra.split()]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout stops the running server too (finally)
     server_log = Path(args.out).with_suffix(".server.log")
     server_log.parent.mkdir(parents=True, exist_ok=True)
     with server_log.open("w") as log_file:
