@@ -71,7 +71,7 @@ def serve(name: str, out_dir: Path) -> dict:
 def summary(results: dict) -> list[str]:
     """One line per configuration, and the FP8/bf16 ratios of each shape."""
     lines = [f"{'config':14s} {'start s':>8s} {'ITL p50 ms':>11s} {'TTFT@512 ms':>12s} {'tok/s':>9s} "
-             f"{'KV blocks':>10s}"]
+             f"{'KV blocks':>10s} {'decode ms/step':>15s} {'prefill tok/s':>14s}"]
     for name, r in results.items():
         if "error" in r:
             lines.append(f"{name:14s} {r['error']}")
@@ -80,7 +80,9 @@ def summary(results: dict) -> list[str]:
         ttft = r.get("latency", {}).get("ttft", {}).get("512", {}).get("p50")
         tput = r.get("throughput", {})
         lines.append(f"{name:14s} {r['start_s']:8.1f} {itl or float('nan'):11.3f} {ttft or float('nan'):12.2f} "
-                     f"{tput.get('tok_per_s', float('nan')):9.0f} {tput.get('kv_blocks', 0):10d}")
+                     f"{tput.get('tok_per_s', float('nan')):9.0f} {tput.get('kv_blocks', 0):10d} "
+                     f"{tput.get('decode_step_ms', float('nan')):15.2f} "
+                     f"{tput.get('prefill_tok_per_s', float('nan')):14.0f}")
     for shape in ("8b", "06b"):
         base = results.get(f"{shape}_bf16", {})
         for fp8 in (f"{shape}_fp8", f"{shape}_fp8_kvfp8"):
