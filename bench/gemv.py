@@ -11,18 +11,27 @@ separate kernels (the compiled functions, as the model runs them without
 nanoserve_model/row_fusion.py) against the gemv with them fused in.
 
 `--fp8 block|row` runs the same with e4m3 weights (128 x 128 block scales, or one scale a row) against
-the same layers in bf16 through cuBLAS, the kernel's e4m3 tiles in place of the 16-bit ones.
+the same layers in bf16 through cuBLAS, the kernel's e4m3 launch (fp8_configs.json's, else the default
+e4m3 tiles) in place of the 16-bit one. With `--sweep` it times, per shape, launches of the model's call
+(fp8_candidates: tiles and the three e4m3 conversions of triton_gemv.CONVERTS, each checked against
+Triton's conversion first) within --budget-s for all the shapes, and the same call in bf16 (the 16-bit
+tiles); with `--fp8 block` it writes each shape's winner, its time and the bf16 time into the FP8 table as
+bucket 1 (--table, default nanoserve_kernels/fp8_configs.json), where serving reads them.
 
     PYTHONPATH=.:proto python bench/gemv.py [--sweep | --fused] [--fp8 block|row] [--models 0.6b 8b] [--out F]
+        [--budget-s S] [--table FILE]
 """
 import argparse
+import concurrent.futures
 import itertools
 import json
+import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from nanoserve_kernels.fp8_configs import CONFIG_FILE
 from nanoserve_kernels.triton_gemv import gemv, rms_norm_gemv, tiles
 
 SHAPES = {  # (name, N, K) of one layer's projections: W is [N, K]
@@ -88,6 +97,73 @@ def sweep(call, weights: list, k: int, fp8: str | None) -> dict[tuple[int, int, 
     return timings
 
 
+def fp8_candidates(k: int, silu_mul: bool) -> list[dict]:
+    """Launches of the e4m3 gemv to time: Triton's conversion at today's tiles (the reference of the others);
+    at those tiles the PTX conversion with one sum a row and without and the integer one with; at the
+    16-bit kernel's tiles with twice the columns (as many bytes a tile) the PTX one both ways; then the PTX
+    one with one sum a row at twice the rows, 8 warps, and a few more tiles."""
+    current = tiles(k, silu_mul, fp8=True)
+    rows16, columns16, warps16 = tiles(k, silu_mul)
+    shapes = [current, (rows16, min(2 * columns16, 2 * triton_pow2(k)), warps16), (2 * current[0], *current[1:]),
+              (current[0], current[1], 8), (current[0], 2 * current[1], current[2]),
+              (max(1, current[0] // 2), 2 * current[1], current[2])]
+    shapes = [s for i, s in enumerate(shapes) if s not in shapes[:i] and s[1] <= 2 * triton_pow2(k)]
+    launches = [dict(BLOCK_N=current[0], BLOCK_K=current[1], num_warps=current[2], CONVERT="triton", SUM_ONCE=False)]
+    pairs = ((("ptx", True), ("ptx", False), ("bits", True)), (("ptx", True), ("ptx", False)), (("ptx", True),))
+    for i, (block_n, block_k, warps) in enumerate(shapes):
+        for convert, sum_once in pairs[min(i, 2)]:
+            launches.append(dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, CONVERT=convert,
+                                 SUM_ONCE=sum_once))
+    return launches
+
+
+def fp8_sweep(call, weights: list, k: int, silu_mul: bool, deadline: float) -> dict[str, float]:
+    """Seconds per call of each fp8_candidates launch (keyed by its JSON) that gives the Triton conversion's
+    output (within bf16 rounding), until `deadline`; all compiled first, several at a time."""
+    launches = fp8_candidates(k, silu_mul)
+
+    def run(launch: dict, weight=weights[0]):
+        return call(weight, block_n=launch["BLOCK_N"], block_k=launch["BLOCK_K"], num_warps=launch["num_warps"],
+                    convert=launch["CONVERT"], sum_once=launch["SUM_ONCE"])
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # compiles: ptxas runs outside the GIL
+        outputs = list(pool.map(lambda launch: _or_error(run, launch), launches))
+    # once more alone where it failed (were two compiles at once the cause, this one is not)
+    outputs = [_or_error(run, launch) if isinstance(out, Exception) else out for launch, out in zip(launches, outputs)]
+    torch.cuda.synchronize()
+    expected, timings = outputs[0].float(), {}
+    for launch, out in zip(launches, outputs):
+        if isinstance(out, Exception) or time.monotonic() > deadline:
+            print(f"  skipped {launch}: {out if isinstance(out, Exception) else 'budget spent'}"[:200], flush=True)
+            continue
+        error = ((out.float() - expected).norm() / expected.norm()).item()
+        if error > 1e-2:
+            print(f"  wrong {launch}: relative error {error:.1e}", flush=True)
+            continue
+        timings[json.dumps(launch, sort_keys=True)] = time_per_call(lambda w: run(launch, w), weights, 7)
+    return timings
+
+
+def _or_error(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as err:  # a launch that does not compile or fit
+        return err
+
+
+def write_gemv_table(report: list[dict], table_file: Path) -> None:
+    """Each shape's fastest e4m3 launch, with its time and the 16-bit call's, as bucket 1 of this device's
+    FP8 table (nanoserve_kernels/fp8_configs.py)."""
+    from nanoserve_kernels.fp8_configs import GEMV, WEIGHT_ONLY, shape_key
+    tables = json.loads(table_file.read_text()) if table_file.exists() else {}
+    table = tables.setdefault(torch.cuda.get_device_name(), {})
+    for entry in report:
+        key = shape_key(entry["n"], entry["k"], entry["layer"] == "gate_up")
+        table.setdefault(key, {})["1"] = dict(mode=WEIGHT_ONLY, backend=GEMV, launch=entry["best_launch"],
+                                             us=round(entry["best_us"], 3), bf16_us=round(entry["bf16_call_us"], 3))
+    table_file.write_text(json.dumps(tables, indent=1, sort_keys=True) + "\n")
+
+
 def fp8_weights(w: torch.Tensor, fp8: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Copies of w in e4m3 with their scales (exceeding L2 as weight_copies does), as (weight, scale)."""
     from nanoserve_kernels.fp8_reference import quantize_weight
@@ -109,6 +185,9 @@ def main() -> None:
     parser.add_argument("--fp8", choices=list(FP8_BLOCKS), help="e4m3 weights with these scales")
     parser.add_argument("--models", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--out", type=Path, help="default bench/out/gemv.json, or gemv_fused.json with --fused")
+    parser.add_argument("--budget-s", type=float, default=600.0, help="--fp8 --sweep: seconds for all the shapes")
+    parser.add_argument("--table", type=Path, default=CONFIG_FILE,
+                        help="--fp8 block --sweep writes each shape's winner here (bucket 1)")
     args = parser.parse_args()
     if args.fused:
         report = compare_fused(args.models)
@@ -118,6 +197,7 @@ def main() -> None:
         return
     device = torch.device("cuda")
     rows, report = [], []
+    shape_budget = args.budget_s / sum(len(SHAPES[model]) for model in args.models)
     for model in args.models:
         for name, n, k in SHAPES[model] + ([] if args.fp8 else [LM_HEADS[model]]):
             x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
@@ -129,6 +209,8 @@ def main() -> None:
             cublas, ours = time_per_call(lambda w: F.linear(x, w), weights), time_per_call(lambda w: gemv(x, w), weights)
             weight_bytes = w.nbytes
             if args.fp8:  # "cuBLAS" stays the bf16 F.linear; "gemv" reads e4m3
+                if args.sweep:  # the model's 16-bit call (fusions in), what the layer costs served in bf16
+                    bf16_call = time_per_call(model_call(name, x), weights)
                 del weights
                 weights, weight_bytes = fp8_weights(w, args.fp8), w.numel()
                 ours = time_per_call(fp8_call(lambda w, **t: gemv(x, w, **t), args.fp8, k), weights)
@@ -137,9 +219,18 @@ def main() -> None:
                          gemv_tbps=weight_bytes / ours / 1e12, fp8=args.fp8)
             line = (f"{model:<5}{name:<8}{n:>7}{k:>7}  {str(entry['tiles']):<11}{entry['cublas_us']:>9.2f}"
                     f"{entry['gemv_us']:>9.2f}{entry['cublas_tbps']:>8.2f}{entry['gemv_tbps']:>8.2f}")
-            if args.sweep:
+            if args.sweep and args.fp8:
+                call = fp8_call(model_call(name, x), args.fp8, k)
+                timings = fp8_sweep(call, weights, k, name == "gate_up", time.monotonic() + shape_budget)
+                best = min(timings, key=timings.get)
+                entry.update(model_call_us=time_per_call(call, weights) * 1e6, best_us=timings[best] * 1e6,
+                             best_launch=json.loads(best), bf16_call_us=bf16_call * 1e6,
+                             sweep_us={config: seconds * 1e6 for config, seconds in timings.items()})
+                launch = entry["best_launch"]
+                line += (f"{entry['model_call_us']:>9.2f}{entry['best_us']:>9.2f}{entry['bf16_call_us']:>9.2f} "
+                         f"{tuple(launch[key] for key in ('BLOCK_N', 'BLOCK_K', 'num_warps', 'CONVERT', 'SUM_ONCE'))}")
+            elif args.sweep:
                 call = model_call(name, x)
-                call = fp8_call(call, args.fp8, k) if args.fp8 else call
                 timings = sweep(call, weights, k, args.fp8)
                 best = min(timings, key=timings.get)
                 entry.update(model_call_us=time_per_call(call, weights) * 1e6, best_us=timings[best] * 1e6,
@@ -149,11 +240,16 @@ def main() -> None:
             rows.append(line)
             del weights
             print(line, flush=True)
+            if args.sweep and args.fp8 == "block":  # shape by shape: a run cut short keeps what it measured
+                write_gemv_table([entry], args.table)
     out = args.out or Path(f"bench/out/gemv{'_fp8_' + args.fp8 if args.fp8 else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print("model layer      N      K  tiles       cuBLAS us  gemv us  cuBLAS TB/s  gemv TB/s"
-          + ("  model call us (fusions in), its best us (block_n, block_k, warps)" if args.sweep else ""))
+          + ("  model call us (fusions in), its best us (block_n, block_k, warps)"
+             if args.sweep and not args.fp8 else "")
+          + ("  model call us (fusions in), its best us, the 16-bit call us, (block_n, block_k, warps, conversion,"
+             " sum once)" if args.sweep and args.fp8 else ""))
     print("\n".join(rows))
     layer = [e for e in report if e["layer"] != "lm_head"]
     total = {model: (sum(e["cublas_us"] for e in layer if e["model"] == model),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # FP8 weights (issue 38) on a lent GPU, from the repo root; results under $OUT (default bench/out).
-#   bench/gpu_fp8.sh [all|quick|bench|tune]
+#   bench/gpu_fp8.sh [speed|all|quick|bench|tune]   (speed when none is named)
 # all (< 9 minutes): tests/gpu/test_fp8_weights_gpu.py (kernels vs reference in bf16, the dispatch at
 #   M = 1, 2, 7, 64, 300, 4096, scaled_mm, the step graphs, the W8A8 next-token KL beside the bf16 floor),
 #   then on dummy weights, each set one after the other: the 8B shape's batch-1 decode (bench/latency.py)
@@ -11,8 +11,15 @@
 # bench (< 8 minutes): all but the tests (for a call that runs tests/gpu whole).
 # tune (~5 minutes): bench/tune_fp8.py for the 0.6B and 8B shapes on this GPU; the table it writes is
 #   copied to $OUT/fp8_configs.json (commit it as nanoserve_kernels/fp8_configs.json).
+# speed (< 8 minutes, each step cut to what is left): the kernels' test of tests/gpu/test_fp8_weights_gpu.py;
+#   the batch-1 e4m3 gemv sweep (bench/gemv.py --fp8 block --sweep: tiles x conversions, the winner and the
+#   bf16 call's time written as bucket 1 of nanoserve_kernels/fp8_configs.json); bench/tune_fp8.py --recheck
+#   at the decode buckets with the bf16 candidate (the rule of fp8_configs.served_in_bf16, which serving
+#   applies at start); then bench/fp8_pairs.py: 8B bf16 / FP8 (batch-1 ITL, TTFT@512, DESIGN throughput),
+#   0.6B bf16 / FP8, 8B FP8 + FP8 KV; the file's other tests in the time left. $OUT/fp8_configs.json is the
+#   table to commit; $OUT/summary.log the results.
 set -uo pipefail
-mode=${1:-all}
+mode=${1:-speed}
 out=${OUT:-bench/out}; mkdir -p "$out"
 export PYTHONPATH=$PWD:$PWD/proto PYTHONUNBUFFERED=1 NANOSERVE_CACHE=$PWD/.cache OUT=$out
 if ls .whl/*.whl >/dev/null 2>&1; then  # packages the GPU image lacks (health, reflection)
@@ -23,6 +30,39 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "$mode" = tune ]; then
   timeout 560 python3 bench/tune_fp8.py --budget-s 500 2>&1 | tee "$out/tune_fp8.log" | tail -120
   cp nanoserve_kernels/fp8_configs.json "$out/"
+  exit
+fi
+if [ "$mode" = speed ]; then
+  end=$((SECONDS + ${FP8_SPEED_BUDGET_S:-470}))
+  left() { echo $((end - SECONDS > 1 ? end - SECONDS : 1)); }
+  upto() { echo $(($(left) < $1 ? $(left) : $1)); }  # seconds for a step: at most $1, at most what is left
+  tests=tests/gpu/test_fp8_weights_gpu.py
+  for shape in qwen3-8b qwen3-0.6b; do  # the shapes' configs, beside the first test (CPU only)
+    python3 -m nanoserve_cli.demo_model ".cache/$shape-dummy" --shape "$shape" --no-weights >/dev/null &
+    python3 -m nanoserve_cli.demo_model ".cache/$shape-fp8-dummy" --shape "$shape" --quantization fp8 --no-weights \
+      >/dev/null &
+  done
+  kernels=test_quantize_gemm_and_gemv_match_the_reference_in_bfloat16  # the new kernels first; the rest last
+  timeout 90 python3 -m pytest -q -p no:cacheprovider "$tests::$kernels" > "$out/fp8_gpu_tests.log" 2>&1
+  wait
+  timeout $(upto 120) python3 bench/gemv.py --fp8 block --sweep --models 8b 0.6b --budget-s 50 \
+    --out "$out/gemv_fp8_block.json" > "$out/gemv_sweep.log" 2>&1
+  timeout $(upto 75) python3 bench/tune_fp8.py --shapes 0.6b 8b --recheck --budget-s 60 \
+    --buckets 2 4 8 16 32 64 128 256 > "$out/tune_fp8.log" 2>&1
+  cp nanoserve_kernels/fp8_configs.json "$out/"
+  timeout $(upto 300) python3 bench/fp8_pairs.py --budget-s $(($(left) - 45)) --out-dir "$out" > "$out/pairs.log" 2>&1
+  timeout $(left) python3 -m pytest -q -p no:cacheprovider "$tests" --deselect "$tests::$kernels" 2>&1 \
+    | grep -v "^Loading weights" >> "$out/fp8_gpu_tests.log"
+  {
+    echo "== $tests (the kernels' test, then the others in what time was left)"
+    grep -E "passed|failed|error|Error" "$out/fp8_gpu_tests.log" | tail -8
+    echo "== batch-1 e4m3 gemv (bench/gemv.py --fp8 block --sweep)"; grep -v "^  " "$out/gemv_sweep.log" | tail -14
+    echo "== decode buckets, FP8 vs bf16 (bench/tune_fp8.py --recheck)"
+    grep -E "rows|served in bf16|wrote" "$out/tune_fp8.log"
+    echo "== at start"; grep -h "served in bf16\|weights in" "$out"/server_*.log | cut -c1-300
+    echo "== pairs (bench/fp8_pairs.py)"; grep -v " INFO \| WARNING " "$out/pairs.log" | tail -14
+  } > "$out/summary.log" 2>&1
+  cat "$out/summary.log"
   exit
 fi
 [ "$mode" = bench ] || timeout 120 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_weights_gpu.py 2>&1 \

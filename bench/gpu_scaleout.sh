@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Scale-out on a lent multi-GPU machine (2 or 4 H100s), from the repo root, in under 9 minutes:
-#   bench/gpu_scaleout.sh [all|dp|ttft|tenants|router]   (results under $OUT, default bench/out/scaleout:
+# Scale-out on a lent multi-GPU machine (2 or 4 H100s; CUDA_VISIBLE_DEVICES narrows it to some of them),
+# from the repo root, in under 9 minutes:
+#   bench/gpu_scaleout.sh [all|dp|ttft|tenants|router|client]   (results under $OUT, default bench/out/scaleout:
 #                                     JSON per run, summary.json and summary.md from bench/scaleout_summary.py)
 # Every run goes through the OpenAI port (bench/serve.py --openai, prompts as text for SMG):
 #   1. the throughput workload (docs/benchmarks.md) on one replica direct (its gateway), then on N replicas (N = the
@@ -13,30 +14,28 @@
 #      round, sized to ~70% of the replicas' combined KV): SMG round robin against cache-aware, at a Poisson
 #      rate between the two policies' capacities and at saturation;
 #   4. DP2 through SMG against TP2 direct, on the 0.6B and the 8B shapes (random weights, dummy load).
-# dp: part 1 only; ttft: part 2 only (with its server); tenants: part 3 only; router: parts 2 and 3
+# dp: part 1 only; ttft: part 2 only (with its server); tenants: part 3 only; router: parts 2 and 3; client: bench/client_ceiling.py alone
 # (~4 minutes on two GPUs); each then the summary.
 # Every run through SMG also records how many requests each replica finished (bench/serve.py --replicas).
 # The throughput runs (1 and 4) send from `clients` (2) client processes per GPU on both sides of each
 # comparison (bench/serve.py --client-processes): one Python client spends ~15-20 us of CPU a streamed
 # event, so two replicas' ~35k events/s nearly filled its core; each run's JSON records every client
 # process's CPU share (client.cpu_per_wall), and the summary the busiest one's; bench/client_ceiling.py
-# measures what 1 and 2 client processes take on this host (client_ceiling/ceiling.json).
+# measures what 1 and 2 client processes take on this host (client_ceiling/ceiling.json; part 5).
 # A part that would not end in time is skipped (the summary says what is missing).
 # Carried wheels in .whl/ (smg, setproctitle, fastapi and its needs, uvicorn, grpcio-health-checking,
 # grpcio-reflection, ...: docs/scale-out.md lists them) are installed first.
 set -uo pipefail
-declare -A parts=([all]="1 2 3 4" [dp]="1" [ttft]="2" [tenants]="3" [router]="2 3")
+declare -A parts=([all]="1 2 3 4 5" [dp]="1" [ttft]="2" [tenants]="3" [router]="2 3" [client]="5")
 mode=${1:-all}
-[ -n "${parts[$mode]:-}" ] || { echo "usage: $0 [all|dp|ttft|tenants|router]"; exit 2; }
+[ -n "${parts[$mode]:-}" ] || { echo "usage: $0 [all|dp|ttft|tenants|router|client]"; exit 2; }
 part() { [[ " ${parts[$mode]} " == *" $1 "* ]]; }  # whether this mode runs part $1
-out=${OUT:-bench/out}/scaleout; mkdir -p "$out"
-export PYTHONPATH=$PWD:$PWD/proto PYTHONUNBUFFERED=1 NANOSERVE_CACHE=$PWD/.cache
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
+source bench/gpu_env.sh
+out=$out/scaleout; mkdir -p "$out"
 started=$SECONDS
-gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
+# the GPUs CUDA_VISIBLE_DEVICES names (the launcher gives replicas those), else every GPU of the host
+gpus=$(if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c .
+       else nvidia-smi --query-gpu=index --format=csv,noheader | wc -l; fi)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
 small=.cache/qwen3-0.6b-shape big=.cache/qwen3-8b-shape
 python3 -m nanoserve_cli.demo_model "$small" --shape qwen3-0.6b --no-weights >/dev/null
@@ -88,7 +87,7 @@ if { part 1 || part 2; } && up "dp${gpus}_small" --model "$small" --data-paralle
   fi
   down
 fi
-if part 1; then
+if part 5; then
   # what one client process takes against a paced SSE server (no GPU): the messages a second and their CPU price
   timeout 120 python3 bench/client_ceiling.py --out "$out/client_ceiling/ceiling.json" 2>&1 | tail -4
 fi
@@ -111,17 +110,19 @@ fi
 # misses about half its system prompt (hit rate 0.44 measured), ~2,100 prompt tokens, 21 ms of prefill,
 # plus ~3 ms of decode: ~40 req/s a replica, 80 on two (measured: 5,061 output tok/s = 79 req/s). A
 # cache-aware request prefills ~70 tokens (under 1 ms) and decodes 64 (~3 ms): 250+ req/s a replica.
-# Poisson arrivals at 75 req/s a replica (150 on two) sit between: round robin's queue grows by ~70 req/s
-# for the ~13 s of arrivals (TTFT p90 in seconds) while cache-aware's stays near empty. Then all at once
-# (inf), on the same tenants with new questions: the saturated throughput. Time on two GPUs: round robin
-# ~24 s + ~24 s, cache-aware ~13 s + ~8 s, plus ~25 s start and stop per policy: ~2.5 minutes.
+# Poisson arrivals at 100 req/s a replica (200 on two) sit between, above 1.6 x round robin's capacity
+# (measured 97 req/s on two H200s): its queue grows by ~100 req/s for the ~10 s of arrivals (TTFT p90
+# in seconds) while cache-aware's stays near empty; this run carries the targets. Then all at once (inf),
+# on the same tenants with new questions: a burst, reported beside it. Before both, each tenant asks once
+# (bench/serve.py's warm-up): the timed runs see the steady state, not every prompt's first prefill. Time on two GPUs: round robin
+# ~21 s + ~21 s, cache-aware ~10 s + ~8 s, plus ~25 s start and stop per policy: ~2.5 minutes.
 # After each policy, SMG's metrics (its cache-aware branches, overload fallbacks) are kept beside it.
 tenants=$(( gpus * 256 * 256 * 70 / 100 / (4096 + 64) ))
 part 3 && in_time 300 "the tenants' runs" && for policy in round_robin cache_aware; do
   up "tenants_$policy" --model "$small" --data-parallel-size "$gpus" --max-model-len 8192 \
     --router-policy "$policy" --num-kv-blocks 256 && {
       bench "tenants_$policy" "$small" --tenants "$tenants" --users 8 --rounds 12 --system-len 4096 \
-        --input-len 64 64 --output-len 64 64 --request-rates $((75 * gpus)) inf --temperature 0.6 \
+        --input-len 64 64 --output-len 64 64 --request-rates $((100 * gpus)) inf --temperature 0.6 \
         --replicas $(replicas "$gpus")
       python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())" \
         "http://127.0.0.1:$((8001 + gpus))/metrics" | grep -E "^smg_(cache_aware|worker_overload|workers_over)" \

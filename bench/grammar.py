@@ -10,7 +10,11 @@
   one: the scheduler's check (the text to a grammar, checked against the vocabulary), the sampling
   rank's compile and its first mask, measured in this process with the model's tokenizer;
 - every constrained output that ended with stop parsed and validated against its schema (jsonschema),
-  among them 64 requests held to a small bounded schema, which most complete.
+  among them 64 requests held to a small bounded schema, which most complete;
+- where the sampling rank's mask time goes in each constrained run (`mask_split`, ms a masked step:
+  the mask thread waiting for the tokens, consuming them, filling the next masks and first masks; the
+  launcher thread waiting for that, then queuing the copy and kernel), read from the worker's log
+  (worker_svc/mask_timings.py), which goes to `<out>.server.log`.
 
     python3 bench/grammar.py --model DIR [--extra "--load-format dummy"] [--out FILE]
 """
@@ -19,6 +23,8 @@ import asyncio
 import json
 import os
 import random
+import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -48,6 +54,41 @@ SHORT = {"type": "object", "properties": {"name": {"type": "string", "maxLength"
                                           "role": {"enum": ["admin", "user"]},
                                           "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
          "required": ["name", "age", "role", "tags"], "additionalProperties": False}
+
+
+# worker_svc/mask_timings.py's line at the end of a run of masked steps.
+MASK_RUN = re.compile(r"grammar masks over (\d+) steps \((\d+) rows\), ms a step: (.*)$")
+
+
+class ServerLog:
+    """The server's log file, read on from where the last look stopped."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset = path, 0
+
+    async def mask_runs(self, expected: int = 1, timeout: float = 10.0) -> list[dict]:
+        """The runs of masked steps logged since the last look, once `expected` of them are (the log
+        comes through the launcher's relay, a moment after the reply)."""
+        runs: list[dict] = []
+        deadline = time.perf_counter() + timeout
+        while len(runs) < expected and time.perf_counter() < deadline:
+            await asyncio.sleep(0.2)
+            with self.path.open() as log:
+                log.seek(self.offset)
+                text = log.read()
+            self.offset += len(text.encode())  # text mode: offsets in bytes
+            for match in map(MASK_RUN.search, text.splitlines()):
+                if match:
+                    parts = {name: float(value) for name, value in (p.split("=") for p in match[3].split())}
+                    runs.append({"steps": int(match[1]), "rows": int(match[2]), **parts})
+        return runs
+
+
+async def end_masked_run(stub, log: ServerLog) -> dict:
+    """An unconstrained request ends the run of masked steps, which the worker then logs: its split."""
+    await run_one(stub, [1, 2, 3, 4], 1, None)
+    runs = await log.mask_runs()
+    return runs[-1] if runs else {}
 
 
 def typical_schema(tag: str) -> dict:
@@ -122,7 +163,8 @@ def invalid(results: list, schema: dict) -> tuple[int, int]:
 
 async def throughput(stub, jobs, constraint: dict | None) -> tuple[dict, list[int]]:
     """The run's figures (with rank 0's view of its decode steps: device busy, device idle before
-    each, host time building and launching each), and each request's output length."""
+    each, host time building and launching each; of its prefill steps, mixed ones included: busy and
+    host), and each request's output length."""
     before = await stub.GetStats(llm_pb2.GetStatsRequest())
     start = time.perf_counter()
     results = await asyncio.gather(*(run_one(stub, p, n, constraint) for p, n in jobs))
@@ -130,12 +172,19 @@ async def throughput(stub, jobs, constraint: dict | None) -> tuple[dict, list[in
     after = await stub.GetStats(llm_pb2.GetStatsRequest())
     tokens = sum(count for count, _, _ in results)
     stopped, bad = invalid(results, constraint) if constraint else (0, 0)
-    steps = max(1, after.decode_steps - before.decode_steps)
-    per_step = {f"decode_{name}_ms": 1e3 * (getattr(after, f"decode_{name}_seconds") -
-                                            getattr(before, f"decode_{name}_seconds")) / steps
-                for name in ("busy", "idle", "host")}
+    def total(name: str) -> float:
+        return getattr(after, name) - getattr(before, name)
+
+    steps, prefills = max(1, total("decode_steps")), max(1, total("prefill_steps"))
+    per_step = {f"{kind}_{name}_ms": 1e3 * total(f"{kind}_{name}_seconds") / count
+                for kind, count, names in (("decode", steps, ("busy", "idle", "host")), ("prefill", prefills, ("busy", "host")))
+                for name in names}
+    # the device's time in steps (prefill idle is not counted): the rest of `seconds` is outside the worker
+    device_s = sum(map(total, ("decode_busy_seconds", "decode_idle_seconds", "prefill_busy_seconds")))
     return ({"output_tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds, "stopped": stopped,
-             "invalid_among_stopped": bad, "decode_steps": steps, **per_step}, [count for count, _, _ in results])
+             "invalid_among_stopped": bad, "decode_steps": steps, "prefill_steps": total("prefill_steps"),
+             "mixed_steps": total("mixed_steps"), "device_seconds": device_s, **per_step},
+            [count for count, _, _ in results])
 
 
 async def itl_ms(stub, constraint: dict | None, tokens: int = 256) -> float:
@@ -146,23 +195,29 @@ async def itl_ms(stub, constraint: dict | None, tokens: int = 256) -> float:
     return 1e3 * statistics.median(gaps)
 
 
-async def measure(address: str, repeats: int, shape: tuple[int, int, int]) -> dict:
+async def measure(address: str, repeats: int, shape: tuple[int, int, int], log: ServerLog) -> dict:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = llm_pb2_grpc.LLMStub(channel)
         for constraint in (None, LONG):  # warm-up: the vocabularies are built, the grammar compiled
             await run_one(stub, [1, 2, 3, 4], 16, constraint)
+        await end_masked_run(stub, log)
         jobs = workload(*shape)
         constrained, lengths = await throughput(stub, jobs, LONG)
+        constrained["mask_split"] = await end_masked_run(stub, log)
         plain, _ = await throughput(stub, [(prompt, n) for (prompt, _), n in zip(jobs, lengths)], None)
         out = {"plain": plain, "json_schema": constrained}
         out["throughput_ratio"] = out["json_schema"]["tok_per_s"] / out["plain"]["tok_per_s"]
         results = await asyncio.gather(*(run_one(stub, p, 256, SHORT) for p, _ in jobs[:64]))
         out["short_schema_64"] = dict(zip(("stopped", "invalid_among_stopped"), invalid(results, SHORT)))
-        itl = {"plain": [], "json_schema": []}
+        await end_masked_run(stub, log)
+        itl, splits = {"plain": [], "json_schema": []}, []
         for _ in range(repeats):
             itl["plain"].append(await itl_ms(stub, None))
             itl["json_schema"].append(await itl_ms(stub, LONG))
+            splits.append(await end_masked_run(stub, log))
         out["itl_batch1_ms"] = {name: statistics.median(values) for name, values in itl.items()}
+        out["itl_mask_split"] = {part: statistics.median(split.get(part, 0.0) for split in splits)
+                                 for part in splits[0]} if splits and splits[0] else {}
         out["itl_ratio"] = out["itl_batch1_ms"]["json_schema"] / out["itl_batch1_ms"]["plain"]
         info = await stub.GetModelInfo(llm_pb2.GetModelInfoRequest())
     out["model_info"] = {"vocab_size": info.vocab_size, "eos_token_ids": list(info.eos_token_ids)}
@@ -183,10 +238,18 @@ def main() -> None:
                                                                     os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "nanoserve_cli", "up", "--model", args.model, "--port", str(port),
            "--worker-base-port", str(free_port()), "--max-model-len", "4096", *args.extra.split()]
-    proc = subprocess.Popen(cmd, env=env)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout stops the running server too (finally)
+    server_log = Path(args.out).with_suffix(".server.log")
+    server_log.parent.mkdir(parents=True, exist_ok=True)
+    with server_log.open("w") as log_file:
+        proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     try:
         wait_serving(f"127.0.0.1:{port}", [proc], timeout=900)
-        result = asyncio.run(measure(f"127.0.0.1:{port}", args.repeats, tuple(args.workload)))
+        result = asyncio.run(measure(f"127.0.0.1:{port}", args.repeats, tuple(args.workload), ServerLog(server_log)))
+    except BaseException:
+        print(f"the server's log ({server_log}) ends:\n" + "".join(server_log.read_text().splitlines(True)[-30:]),
+              file=sys.stderr)
+        raise
     finally:
         stop_all([proc])
     info = result.pop("model_info")

@@ -154,7 +154,7 @@ def main() -> None:
     runner = ModelRunner(config)
     grammar = GrammarCompiler(runner.grammar_tokenizer).compile("json", json.dumps(LONG))
     runner.allocate_kv_cache(num_blocks)
-    timed, result = Timed(runner.extras.grammar, ("reset", "mask", "observe", "_apply")), {}
+    timed, result = Timed(runner.extras.grammar, ("reset", "fill_first_masks", "mask", "observe", "_apply")), {}
     for name, text in (("plain", ""), ("json_schema", grammar)):
         drive(runner, timed, jobs[:2], text, args.max_num_batched_tokens, 2)  # warm-up: vocabulary, template
         profile = cProfile.Profile() if args.profile and text else None

@@ -37,6 +37,7 @@ sys.path[:0] = [str(REPO), str(REPO / "proto"), str(REPO / "bench")]
 
 from serve import RequestFailed, replica_stats, run_rate, summarize  # noqa: E402
 from nanoserve_cli.launcher import free_port, stop_all  # noqa: E402
+from nanoserve.flags import defaults  # noqa: E402
 from nanoserve_cli.router import router_command, wait_routing  # noqa: E402
 
 WORDS = ("river stone lantern orbit meadow copper violet harbor signal quartz ember falcon glacier thimble cobalt "
@@ -93,7 +94,8 @@ def tenant_requests(tenants: int, users: int, system_len: int, question_len: tup
 def start_smg(urls: list[str], policy: str, log: Path) -> tuple[subprocess.Popen, str]:
     """SMG as `nanoserve up --data-parallel-size N` runs it (nanoserve_cli/router.py), with `policy`."""
     port = free_port()
-    up = argparse.Namespace(host="127.0.0.1", openai_port=port, router_policy=policy, shutdown_timeout=5)
+    up = argparse.Namespace(host="127.0.0.1", openai_port=port, router_policy=policy, shutdown_timeout=5,
+                              max_num_seqs=defaults("up")["max_num_seqs"])
     proc = subprocess.Popen(router_command(up, urls, free_port()), stdout=log.open("ab"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_routing(url, len(urls), lambda: proc.poll() is None, 120)

@@ -35,7 +35,7 @@ Behind a router that takes text prompts only (SMG, in front of `nanoserve up --d
 hit rate over all of them (hit tokens over prompt tokens). The multi-tenant prefix workload (`--tenants T --users U --rounds R`): T system prompts of --system-len
 tokens, each followed by the questions of U users (--input-len tokens each), every user asking once a
 round for R rounds, in random order within a round, at the given rates; every rate has the same
-tenants (from --seed) asking new questions:
+tenants (from --seed) asking new questions, after each tenant has asked once (the warm-up):
 
     python3 bench/serve.py --openai http://HOST:8000 --text-prompts DIR --tenants 24 --users 8 --rounds 4 \
         --system-len 4096 --input-len 64 64 --output-len 64 64 --request-rates 32
@@ -369,6 +369,11 @@ async def run_rates(args: argparse.Namespace, target: GrpcTarget | OpenAITarget,
     warmup = make_requests(args.warmup, tuple(args.input_len), tuple(args.output_len), args.shared_prefix_len,
                            seed=args.seed + 10_000)
     await run_clients(target, clients, warmup, math.inf)  # first steps of each kind, connections, the shared prefix
+    if args.tenants:  # each tenant asks once first: the timed rates then see a deployment's steady state, where
+        # every system prompt has been served before, not each prompt's first prefill under both policies
+        await run_clients(target, clients, make_tenant_requests(
+            args.tenants, 1, args.system_len, tuple(args.input_len), tuple(args.output_len), args.seed,
+            question_seed=args.seed + 10_000), math.inf)
     for index, rate in enumerate(args.request_rates):
         requests = workload(args, args.seed + index, args.num_prompts)
         before, replicas_before = await target.stats(), await replica_stats(args.replicas)

@@ -8,9 +8,13 @@ checked against the plain-torch reference first:
   - the W8A8 Triton GEMM, in a few launch shapes, with the activations' quantization pass;
   - torch's blockwise scaled_mm (sm90), with the same quantization pass; for gate/up followed by the
     SiLU-and-mul pass (it cannot fuse it), against the Triton GEMM's fused epilogue.
-The fastest per (N, K, bucket) is kept. Times are CUDA-graph replays of 20 calls (what serving runs).
+The fastest per (N, K, bucket) is kept, with its time ("us") and that of the same layer in bf16 ("bf16_us":
+the weight dequantized, run as the unquantized model runs it), from which fp8_configs.served_in_bf16 decides
+where FP8 does not pay. Times are CUDA-graph replays of 20 calls or more (what serving runs), cycling
+through copies of the weight that together exceed the L2 cache, so that every call reads from memory.
+--recheck re-times only the table's stored choice (and bf16) at the buckets it has.
 
-    python3 bench/tune_fp8.py [--shapes 0.6b 8b] [--buckets 2 4 ... 8192] [--budget-s 240] [--out FILE]
+    python3 bench/tune_fp8.py [--shapes 0.6b 8b] [--buckets 2 4 ... 8192] [--budget-s 240] [--recheck] [--out FILE]
 """
 import argparse
 import itertools
@@ -34,6 +38,7 @@ SHAPES = {  # name -> [(N, K, silu_mul)]: q/k/v, o, gate/up, down at one rank
 }
 BUCKETS = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 WEIGHT_ONLY_MAX = 256
+L2_BYTES = 50 * 2**20  # the H100's
 
 
 def launches(mode: str, rows: int) -> list[dict]:
@@ -48,14 +53,17 @@ def launches(mode: str, rows: int) -> list[dict]:
     return shapes
 
 
-def graph_time(fn, calls: int = 20) -> float:
-    """Seconds per call, replaying a CUDA graph of `calls` calls (after one eager call compiles)."""
-    fn()
+def graph_time(fn, copies: list[tuple], calls: int = 20) -> float:
+    """Seconds per fn(*copy), replaying a CUDA graph of `calls` calls or more that cycle through the weight's
+    copies (together past the L2 cache, so each call reads its weight from memory as serving does; after
+    one eager call compiles)."""
+    fn(*copies[0])
     torch.cuda.synchronize()
+    calls = max(calls, len(copies))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+        for i in range(calls):
+            fn(*copies[i % len(copies)])
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -67,25 +75,53 @@ def graph_time(fn, calls: int = 20) -> float:
     return start.elapsed_time(end) / 1000 / (5 * calls)
 
 
-def candidates(x, weight, scale, silu_mul: bool):
-    """(choice, callable) pairs for this shape and batch."""
+def copies_past_l2(*tensors: torch.Tensor) -> list[tuple]:
+    count = max(2, 4 * L2_BYTES // sum(t.nbytes for t in tensors) + 1)
+    return [tuple(t.clone() for t in tensors) for _ in range(count)]
+
+
+def candidates(x, weight, silu_mul: bool, stored: Fp8Choice | None):
+    """(choice, fn(weight, scale)) pairs for x and this weight's shape; only the stored choice when given."""
     from nanoserve_kernels.fp8_linear import scaled_mm, takes_scaled_mm
     from nanoserve_kernels.triton_activation import silu_and_mul
     from nanoserve_kernels.triton_fp8_gemm import fp8_gemm
     from nanoserve_kernels.triton_fp8_quant import quantize_activation
     rows = x.shape[0]
-    if rows <= WEIGHT_ONLY_MAX:
-        for launch in launches(WEIGHT_ONLY, rows):
-            yield Fp8Choice(WEIGHT_ONLY, TRITON, launch), \
-                lambda launch=launch: fp8_gemm(x, weight, scale, BLOCK, launch, silu_mul=silu_mul)
-    for launch in launches(W8A8, rows):
-        def w8a8(launch=launch):
+
+    def weight_only(launch):
+        return lambda weight, scale: fp8_gemm(x, weight, scale, BLOCK, launch, silu_mul=silu_mul)
+
+    def w8a8(launch):
+        def run(weight, scale):
             q, s = quantize_activation(x)
             return fp8_gemm(q, weight, scale, BLOCK, launch, x_scale=s, silu_mul=silu_mul, out_dtype=x.dtype)
-        yield Fp8Choice(W8A8, TRITON, launch), w8a8
+        return run
+
+    def torch_scaled_mm(weight, scale):
+        return silu_and_mul(scaled_mm(x, weight, scale)) if silu_mul else scaled_mm(x, weight, scale)
+
+    if stored is not None:
+        yield stored, (torch_scaled_mm if stored.backend == SCALED_MM
+                       else (weight_only if stored.mode == WEIGHT_ONLY else w8a8)(stored.launch))
+        return
+    if rows <= WEIGHT_ONLY_MAX:
+        for launch in launches(WEIGHT_ONLY, rows):
+            yield Fp8Choice(WEIGHT_ONLY, TRITON, launch), weight_only(launch)
+    for launch in launches(W8A8, rows):
+        yield Fp8Choice(W8A8, TRITON, launch), w8a8(launch)
     if takes_scaled_mm(x, weight, BLOCK):
-        yield Fp8Choice(W8A8, SCALED_MM, fp8_configs.default_choice(fp8_configs.bucket(rows)).launch), \
-            lambda: silu_and_mul(scaled_mm(x, weight, scale)) if silu_mul else scaled_mm(x, weight, scale)
+        yield Fp8Choice(W8A8, SCALED_MM, fp8_configs.default_choice(fp8_configs.bucket(rows)).launch), torch_scaled_mm
+
+
+def bf16_call(x, silu_mul: bool):
+    """fn(weight) of the layer in bf16 as the model runs it at these rows (linear.linear; gate/up with its
+    SiLU-and-mul fused where triton_gate_up takes the batch, as nanoserve_model/row_fusion.py does)."""
+    from nanoserve_kernels.triton_activation import silu_and_mul
+    from nanoserve_kernels.triton_gate_up import gate_up_silu, takes
+    from nanoserve_model.linear import linear
+    if not silu_mul:
+        return lambda weight: linear(x, weight)
+    return lambda weight: gate_up_silu(x, weight) if takes(x, weight) else silu_and_mul(linear(x, weight))
 
 
 def reference(x, weight, scale, mode: str, silu_mul: bool) -> torch.Tensor:
@@ -96,8 +132,12 @@ def reference(x, weight, scale, mode: str, silu_mul: bool) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def tune_shape(n: int, k: int, silu_mul: bool, buckets: list[int], deadline: float) -> dict:
+def tune_shape(n: int, k: int, silu_mul: bool, buckets: list[int], deadline: float, stored: dict | None) -> dict:
+    """{bucket: entry} of the fastest FP8 choice at each bucket (only the `stored` table's, re-timed, where
+    it has the bucket) with its time and the bf16 call's."""
     weight, scale = fp8_reference.quantize_weight(torch.randn(n, k, device="cuda") * 0.02, BLOCK)
+    fp8_copies = copies_past_l2(weight, scale)
+    bf16_copies = copies_past_l2(fp8_reference.dequantize_weight(weight, scale, BLOCK, torch.bfloat16))
     table = {}
     for rows in buckets:
         if time.monotonic() > deadline:
@@ -106,24 +146,28 @@ def tune_shape(n: int, k: int, silu_mul: bool, buckets: list[int], deadline: flo
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         expected = {mode: reference(x, weight, scale, mode, silu_mul) for mode in (WEIGHT_ONLY, W8A8)}
         best, best_time = None, float("inf")
-        for chosen, fn in candidates(x, weight, scale, silu_mul):
+        kept = stored.get(str(rows)) if stored else None
+        for chosen, fn in candidates(x, weight, silu_mul, Fp8Choice(**kept) if kept else None):
             try:
-                got = fn()
+                got = fn(weight, scale)
                 error = float((got.float() - expected[chosen.mode].float()).norm() / expected[chosen.mode].norm())
                 if error > 2e-2:
                     print(f"  {n}x{k} rows {rows} {chosen.mode}/{chosen.backend} {chosen.launch}: wrong ({error:.1e})")
                     continue
-                seconds = graph_time(fn)
+                seconds = graph_time(fn, fp8_copies)
             except Exception as err:  # a launch shape that does not fit, a torch without the backend
                 print(f"  {n}x{k} rows {rows} {chosen.mode}/{chosen.backend}: {type(err).__name__}: {err}"[:200])
                 continue
             if seconds < best_time:
                 best, best_time = chosen, seconds
-        if best is not None:
-            table[str(rows)] = dict(mode=best.mode, backend=best.backend, launch=best.launch)
-            tflops = 2 * rows * n * k / best_time / 1e12
-            print(f"{n:>6}x{k:<6}{' silu' if silu_mul else '     '} rows {rows:>5}: {best_time * 1e6:8.1f} us "
-                  f"{best.mode:>11} {best.backend:>9} {tflops:6.1f} TFLOP/s {best.launch}")
+        if best is None:
+            continue
+        bf16_time = graph_time(bf16_call(x, silu_mul), bf16_copies)
+        table[str(rows)] = dict(mode=best.mode, backend=best.backend, launch=best.launch, us=round(best_time * 1e6, 3),
+                                bf16_us=round(bf16_time * 1e6, 3))
+        tflops = 2 * rows * n * k / best_time / 1e12
+        print(f"{n:>6}x{k:<6}{' silu' if silu_mul else '     '} rows {rows:>5}: {best_time * 1e6:8.1f} us "
+              f"(bf16 {bf16_time * 1e6:8.1f}) {best.mode:>11} {best.backend:>9} {tflops:6.1f} TFLOP/s {best.launch}")
     return table
 
 
@@ -133,19 +177,25 @@ def main() -> None:
     p.add_argument("--buckets", type=int, nargs="+", default=BUCKETS)
     p.add_argument("--budget-s", type=float, default=600.0, help="stop tuning after this long (what is tuned is kept)")
     p.add_argument("--out", type=Path, default=fp8_configs.CONFIG_FILE, help="the table to update")
+    p.add_argument("--recheck", action="store_true",
+                   help="re-time only the table's choice (and bf16) where it has the bucket: minutes less")
     args = p.parse_args()
     deadline = time.monotonic() + args.budget_s
     device = torch.cuda.get_device_name()
     tables = json.loads(args.out.read_text()) if args.out.exists() else {}
     table = tables.setdefault(device, {})
     print(f"tuning FP8 linears on {device}, torch {torch.__version__}")
-    for shape in args.shapes:
-        for n, k, silu_mul in SHAPES[shape]:
-            table[fp8_configs.shape_key(n, k, silu_mul)] = {
-                **table.get(fp8_configs.shape_key(n, k, silu_mul), {}), **tune_shape(n, k, silu_mul, args.buckets,
-                                                                                     deadline)}
-    args.out.write_text(json.dumps(tables, indent=1, sort_keys=True) + "\n")
+    shapes = [shape for name in args.shapes for shape in SHAPES[name]]
+    for i, (n, k, silu_mul) in enumerate(shapes):
+        key = fp8_configs.shape_key(n, k, silu_mul)
+        shape_deadline = time.monotonic() + (deadline - time.monotonic()) / (len(shapes) - i)  # an equal share
+        table[key] = {**table.get(key, {}), **tune_shape(n, k, silu_mul, args.buckets, shape_deadline,
+                                                         table.get(key) if args.recheck else None)}
+        args.out.write_text(json.dumps(tables, indent=1, sort_keys=True) + "\n")  # what is tuned is kept
     print(f"wrote {args.out}")
+    for n, k, silu_mul in shapes:
+        if fp8_configs.served_in_bf16(device, n, k, silu_mul, tables):
+            print(f"{fp8_configs.shape_key(n, k, silu_mul)}: served in bf16 (faster at the decode buckets)")
 
 
 if __name__ == "__main__":

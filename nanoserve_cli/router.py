@@ -5,8 +5,8 @@ SMG takes the OpenAI API on --openai-port and sends each request to one replica'
 policy (--router-policy; cache_aware by default: a request goes where its prefix was last served,
 unless that replica is far busier). It is set up for replicas that come and go: it probes their
 /health every second and leaves one out after two failures (a draining replica answers 503 at once),
-it polls their load every second (LOAD_POLL_SECONDS says why), it counts a replica as overloaded by
-its queue, not its KV usage (OVERLOAD_KV_USAGE says why), and it retries a request that a
+it polls their load every second (LOAD_POLL_SECONDS says why), it counts a replica as overloaded only
+when a full batch waits or its KV pool is full (overload_flags says why), and it retries a request that a
 replica refused (503 while draining) or could not take (connection refused) on another one, so a
 rolling restart loses no request.
 """
@@ -25,13 +25,18 @@ HEALTH_CHECK_SECONDS = 1  # a draining replica is left out within about two of t
 # start went nearly all to the one replica polled first (580 of 616 on two H200s). Polled every second,
 # and with routing held back until every replica has been polled once, the burst splits evenly.
 LOAD_POLL_SECONDS = 1
-# SMG leaves a replica out of routing from 0.8 KV usage by default. A replica's usage counts the blocks its
-# running requests hold, shared prefixes included, so a cache-aware replica that keeps its tenants' long
-# system prompts sits near 0.8 with nothing waiting (bench/gpu_scaleout.sh's tenants: ~187 of 256 blocks
-# in prompts alone), and leaving it out sends its requests where their prefix is not cached. A replica
-# that cannot take more queues them, which SMG's other signal (8 waiting requests) sees: here only a full
-# pool counts.
-OVERLOAD_KV_USAGE = 1
+
+
+def overload_flags(max_num_seqs: int) -> list[str]:
+    """When SMG leaves a replica out of routing. Its defaults (8 waiting requests, 0.8 KV usage) undo
+    cache-aware routing exactly where it pays: a replica holding its tenants' long system prompts sits
+    near 0.8 usage with nothing waiting, and one that takes a burst queues more than 8 requests for a
+    step or two; leaving it out sends those requests where their prefix is not cached, which fills the
+    other replica's pool with the same prompts (on two H200s SMG's overload fallback placed 1,874 of
+    the 2,358 requests of bench/gpu_scaleout.sh's tenants: hit rate 0.52, no better than round robin). A replica runs
+    up to --max-num-seqs sequences at once, so a shorter queue starts within its next batch: overloaded
+    means a whole batch waiting, or a full pool. SMG's spill gate still evens out a lasting imbalance."""
+    return ["--worker-overload-waiting-requests", str(max_num_seqs), "--worker-overload-token-usage", "1"]
 
 
 class RouterMissing(Exception):
@@ -48,7 +53,7 @@ def router_command(args: Namespace, gateway_urls: list[str], metrics_port: int) 
             "--prometheus-host", args.host, "--prometheus-port", str(metrics_port),
             "--health-check-interval-secs", str(HEALTH_CHECK_SECONDS), "--health-failure-threshold", "2",
             "--worker-startup-check-interval", "1", "--load-monitor-interval", str(LOAD_POLL_SECONDS),
-            "--worker-overload-token-usage", str(OVERLOAD_KV_USAGE),
+            *overload_flags(args.max_num_seqs),
             # it is stopped first and lets the requests through it finish, as long as a replica would
             "--shutdown-grace-period-secs", str(math.ceil(args.shutdown_timeout)),
             "--log-level", "warn", "--log-json"]  # its text lines carry colour codes, whatever the terminal

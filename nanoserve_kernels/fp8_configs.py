@@ -1,7 +1,11 @@
 """How each FP8 linear runs, by weight shape and batch-size bucket: weight-only or W8A8, through our
 Triton GEMM or torch's blockwise scaled_mm, and the Triton launch shape. bench/tune_fp8.py measures
 every candidate on the GPU and writes the fastest per (N, K, M bucket) into fp8_configs.json (beside
-this file), one table per device name; shapes or devices it has not seen take DEFAULT's choice.
+this file), one table per device name; shapes or devices it has not seen take DEFAULT's choice. Bucket
+1 is the matrix-vector kernel's (backend GEMV: its tiles and e4m3 conversion), written by bench/gemv.py.
+
+Beside each choice the tuners record its time ("us") and that of the same layer in bf16 ("bf16_us": the
+weight dequantized once, run by the 16-bit path), so that `served_in_bf16` can say where FP8 does not pay.
 """
 import functools
 import json
@@ -12,7 +16,9 @@ CONFIG_FILE = Path(__file__).with_name("fp8_configs.json")
 MAX_BUCKET = 8192  # larger batches take this bucket's choice
 WEIGHT_ONLY = "weight_only"
 W8A8 = "w8a8"
-TRITON, SCALED_MM = "triton", "scaled_mm"
+TRITON, SCALED_MM, GEMV = "triton", "scaled_mm", "gemv"
+# The batch sizes a decode step runs (--max-num-seqs defaults to 256), over which served_in_bf16 compares.
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -20,10 +26,12 @@ class Fp8Choice:
     mode: str        # WEIGHT_ONLY or W8A8
     backend: str     # TRITON or SCALED_MM (W8A8 with 128 x 128 weight blocks only)
     launch: dict = field(default_factory=dict)  # the Triton kernel's BLOCK_M/N/K, GROUP_M, num_warps/stages
+    us: float | None = None       # its measured time, microseconds a call
+    bf16_us: float | None = None  # the same layer's in bf16, measured beside it
 
 
 def bucket(rows: int) -> int:
-    """The batch-size bucket of `rows` (> 1): the next power of two, at most MAX_BUCKET."""
+    """The batch-size bucket of `rows`: the next power of two, at most MAX_BUCKET."""
     return min(MAX_BUCKET, 1 << (rows - 1).bit_length())
 
 
@@ -49,7 +57,26 @@ def _tables() -> dict:
     return json.loads(CONFIG_FILE.read_text()) if CONFIG_FILE.exists() else {}
 
 
+def tuned(device_name: str, n: int, k: int, rows_bucket: int, silu_mul: bool = False,
+          tables: dict | None = None) -> Fp8Choice | None:
+    """The measured choice for this device, shape and bucket, if any."""
+    entry = (_tables() if tables is None else tables).get(device_name, {}).get(shape_key(n, k, silu_mul), {}).get(
+        str(rows_bucket))
+    return Fp8Choice(**entry) if entry else None
+
+
 def choose(device_name: str, n: int, k: int, rows: int, silu_mul: bool = False) -> Fp8Choice:
-    """The tuned choice for this device and shape at `rows` rows, else the default."""
-    entry = _tables().get(device_name, {}).get(shape_key(n, k, silu_mul), {}).get(str(bucket(rows)))
-    return Fp8Choice(**entry) if entry else default_choice(bucket(rows))
+    """The tuned choice for this device and shape at `rows` (> 1) rows, else the default."""
+    return tuned(device_name, n, k, bucket(rows), silu_mul) or default_choice(bucket(rows))
+
+
+def served_in_bf16(device_name: str, n: int, k: int, silu_mul: bool = False, tables: dict | None = None) -> bool:
+    """Whether the layer runs faster dequantized: with both times measured at every decode bucket, one call
+    at each in bf16 takes less in all than one in FP8 at each. A sum, not a bucket-by-bucket vote, so that
+    each batch size weighs by its time (the large decode batches of a loaded server most) and a near-tie
+    in one small bucket does not decide. Served in bf16, the layer runs bf16 at prefill too. Unmeasured
+    shapes stay in FP8."""
+    choices = [tuned(device_name, n, k, rows_bucket, silu_mul, tables) for rows_bucket in DECODE_BUCKETS]
+    if any(c is None or c.us is None or c.bf16_us is None for c in choices):
+        return False
+    return sum(c.bf16_us for c in choices) < sum(c.us for c in choices)

@@ -12,13 +12,16 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> None:
-    """logits [batch, vocab]: row rows[i] keeps only the tokens bitmask[i] allows (bitmask
-    [len(rows), bitmask_words(vocab)] int32, rows int64, both on the logits' device); rows None:
-    every row, bitmask[i] masking row i."""
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, mask_rows: torch.Tensor,
+                        rows: torch.Tensor | None) -> None:
+    """logits [batch, vocab]: row rows[i] keeps only the tokens bitmask[mask_rows[i]] allows (bitmask
+    [table rows, bitmask_words(vocab)] int32, mask_rows and rows int64, all on the logits' device);
+    rows None: every row, row i masked by bitmask[mask_rows[i]]. The mask rows index a table (the
+    sampling rank's per-slot masks), so a step's rows need no gathering first."""
     vocab_size = logits.shape[1]
     # Little-endian words: byte k of a row holds tokens 8k .. 8k + 7, lowest bit first.
-    allowed = _BYTE_BITS.to(logits.device)[bitmask.view(torch.uint8).long()].reshape(len(bitmask), -1)
+    words = bitmask[mask_rows]
+    allowed = _BYTE_BITS.to(logits.device)[words.view(torch.uint8).long()].reshape(len(words), -1)
     rows = slice(None) if rows is None else rows
     logits[rows] = logits[rows].masked_fill(~allowed[:, :vocab_size], float("-inf"))
 

@@ -20,11 +20,15 @@ mul between gate/up and down is made in the gate/up gemv's output instead (each 
 the matching up rows, "SILU_MUL"): made in the down gemv's loads it was a loss (bench/gemv.py --fused, H100:
 8B down 47.9 vs 38.7 us separate), every program recomputing an exp per element of a 12,288-wide row.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from nanoserve_kernels import fp8_configs
+from nanoserve_kernels.e4m3_words import BITS_SUM_UNIT, BITS_X_UNIT, words_to_float32
 from nanoserve_kernels.pdl import pdl_launch, wait_for_previous_kernel
 from nanoserve_kernels.triton_activation import silu_mul
 
@@ -61,20 +65,73 @@ def _inverse_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps, BLOCK_K: tl.cons
 
 @triton.jit
 def _weight_tile(w_ptr, rows, row_ok, start, cols, K, stride_w):
-    """W[rows, start:start + BLOCK_K]; zeros past its edges (a tile past K loads nothing)."""
+    """W[rows, start:start + len(cols)]; zeros past its edges (a tile past K loads nothing)."""
     return tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + start + cols[None, :],
                    mask=row_ok[:, None] & (start + cols < K)[None, :], other=0.0)
 
 
 @triton.jit
-def _tile_sums(w, x, scale_ptr, rows, row_ok, start, K, stride_scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, WEIGHT_SCALE: tl.constexpr):
-    """Each row's sum of w * x over one tile; for an e4m3 weight whose scales vary along K ("block"),
-    each SCALE_BK-column group's sum times its scale (a per-row scale is applied once, at the end)."""
-    products = w.to(tl.float32) * x[None, :]
+def _x_at(x_ptr, residual_ptr, norm_ptr, columns, ok, inverse_rms, PROLOGUE: tl.constexpr,
+          HAS_RESIDUAL: tl.constexpr):
+    """x (or its RMSNorm) at `columns`, in float32 from the model dtype."""
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + columns, mask=ok, other=0.0).to(tl.float32)
+    if PROLOGUE == "rms_norm":
+        if HAS_RESIDUAL:  # normalized from the residual as stored, in the model dtype
+            x = (x + tl.load(residual_ptr + columns, mask=ok, other=0.0).to(tl.float32)).to(dtype)
+        weight = tl.load(norm_ptr + columns, mask=ok, other=0.0).to(tl.float32)
+        x = (weight * (x.to(tl.float32) * inverse_rms)).to(dtype).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _x_tile(x_ptr, residual_ptr, norm_ptr, start, cols, K, inverse_rms, PROLOGUE: tl.constexpr,
+            HAS_RESIDUAL: tl.constexpr, CONVERT: tl.constexpr):
+    """x over one tile, float32, as _products takes it: [columns] (CONVERT "triton"), or [words, 4], the
+    columns of each word ("bits": times 2^64)."""
+    if CONVERT == "ptx" or CONVERT == "bits":
+        columns = start + 4 * cols[:, None] + tl.arange(0, 4)[None, :]
+    else:
+        columns = start + cols
+    x = _x_at(x_ptr, residual_ptr, norm_ptr, columns, columns < K, inverse_rms, PROLOGUE, HAS_RESIDUAL)
+    if CONVERT == "bits":
+        x *= BITS_X_UNIT
+    return x
+
+
+@triton.jit
+def _products(w, x, CONVERT: tl.constexpr):
+    """w * x over one tile (x from _x_tile), float32. CONVERT "triton": w [rows, columns] in the model dtype
+    or e4m3 (Triton's conversion); "ptx" and "bits": w [rows, words] int32, four e4m3 a word
+    (nanoserve_kernels/e4m3_words.py), and the result the sum of each word's four products ("bits": times
+    2^-56)."""
+    if CONVERT == "ptx" or CONVERT == "bits":
+        products = tl.sum(words_to_float32(w, CONVERT) * x[None, :, :], axis=2)
+    else:
+        products = w.to(tl.float32) * x[None, :]
+    return products
+
+
+@triton.jit
+def _times_column_scales(x, scale_ptr, row, start, cols, K, stride_scale, SCALE_BN: tl.constexpr,
+                         SCALE_BK: tl.constexpr, CONVERT: tl.constexpr):
+    """x (from _x_tile) times the block scale of each of its columns, of the scale row holding `row`."""
+    words: tl.constexpr = CONVERT == "ptx" or CONVERT == "bits"
+    columns = start + (4 if words else 1) * cols  # a word's four columns share a scale block
+    scale = tl.load(scale_ptr + (row // SCALE_BN) * stride_scale + columns // SCALE_BK, mask=columns < K, other=0.0)
+    return x * scale[:, None] if words else x * scale
+
+
+@triton.jit
+def _tile_sums(products, scale_ptr, rows, row_ok, start, K, stride_scale, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, WEIGHT_SCALE: tl.constexpr):
+    """Each row's sum of the tile's products (a column each, or a word of LANES columns each); for an e4m3
+    weight whose scales vary along K ("block"), each SCALE_BK-column group's sum times its scale (a per-row
+    scale is applied once, at the end)."""
     if WEIGHT_SCALE == "block":
         groups = tl.arange(0, BLOCK_K // SCALE_BK)
-        sums = tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_K // SCALE_BK, SCALE_BK]), axis=2)
+        sums = tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_K // SCALE_BK, products.shape[1] * SCALE_BK // BLOCK_K]),
+                      axis=2)
         scales = tl.load(scale_ptr + (rows // SCALE_BN)[:, None] * stride_scale + (start // SCALE_BK + groups)[None, :],
                          mask=row_ok[:, None] & (start + groups * SCALE_BK < K)[None, :], other=0.0)
         return tl.sum(sums * scales, axis=1)
@@ -85,43 +142,69 @@ def _tile_sums(w, x, scale_ptr, rows, row_ok, start, K, stride_scale, BLOCK_N: t
 def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K, stride_w,
                  stride_scale, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
-                 WEIGHT_SCALE: tl.constexpr = "none", SCALE_BN: tl.constexpr = 1, SCALE_BK: tl.constexpr = 1):
+                 WEIGHT_SCALE: tl.constexpr = "none", SCALE_BN: tl.constexpr = 1, SCALE_BK: tl.constexpr = 1,
+                 CONVERT: tl.constexpr = "triton", SUM_ONCE: tl.constexpr = False):
     """PROLOGUE "none": x as given; "rms_norm": x = norm(x (+ residual)). SILU_MUL: W holds N gate
     rows then N up rows, and y = silu(gate) * up of the products, each rounded to the model dtype
     first as the unfused projection's output is. Each weight tile is loaded one iteration ahead,
     the first before the wait for the previous kernel (nanoserve_kernels/pdl.py): weights are
     never written while serving. WEIGHT_SCALE "none": W in the model dtype; else W is e4m3, dequantized
     in registers by its float32 scales [rows / SCALE_BN, K / SCALE_BK]: "row" one per row (per
-    channel), "block" per SCALE_BK columns too."""
+    channel), "block" per SCALE_BK columns too. CONVERT (e4m3 only) says how (_products); "ptx" and
+    "bits" take W as int32 words (w_ptr, stride_w in words; K a multiple of 4). SUM_ONCE with block scales
+    needs a program's rows (and its up rows) in one scale row: BLOCK_N dividing SCALE_BN, which divides N."""
     dtype = y_ptr.dtype.element_ty
+    LANES: tl.constexpr = 4 if CONVERT == "ptx" or CONVERT == "bits" else 1  # columns a loaded element holds
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, BLOCK_K)
+    cols = tl.arange(0, BLOCK_K // LANES)
     row_ok = rows < N
-    w = _weight_tile(w_ptr, rows, row_ok, 0, cols, K, stride_w)
+    w = _weight_tile(w_ptr, rows, row_ok, 0, cols, K // LANES, stride_w)
     if SILU_MUL:
-        w_up = _weight_tile(w_ptr, rows + N, row_ok, 0, cols, K, stride_w)
+        w_up = _weight_tile(w_ptr, rows + N, row_ok, 0, cols, K // LANES, stride_w)
     else:
         w_up = w
     wait_for_previous_kernel(PDL)
+    inverse_rms = 1.0
     if PROLOGUE == "rms_norm":
         inverse_rms = _inverse_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps, BLOCK_K, HAS_RESIDUAL)
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    up_acc = tl.zeros([BLOCK_N], tl.float32)
+    # SUM_ONCE: the products add up per column (the block scales on x's columns) and each row sums once, at
+    # the end, instead of a reduction (across warps) per tile
+    if SUM_ONCE:
+        acc = tl.zeros([BLOCK_N, BLOCK_K // LANES], tl.float32)
+        up_acc = tl.zeros([BLOCK_N, BLOCK_K // LANES], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        up_acc = tl.zeros([BLOCK_N], tl.float32)
+    first_row = tl.program_id(0) * BLOCK_N
     for start in range(0, K, BLOCK_K):
-        col_ok = start + cols < K
-        x = tl.load(x_ptr + start + cols, mask=col_ok, other=0.0).to(tl.float32)
-        if PROLOGUE == "rms_norm":
-            if HAS_RESIDUAL:  # normalized from the residual as stored, in the model dtype
-                x = (x + tl.load(residual_ptr + start + cols, mask=col_ok, other=0.0).to(tl.float32)).to(dtype)
-            weight = tl.load(norm_ptr + start + cols, mask=col_ok, other=0.0).to(tl.float32)
-            x = (weight * (x.to(tl.float32) * inverse_rms)).to(dtype).to(tl.float32)
-        acc += _tile_sums(w, x, scale_ptr, rows, row_ok, start, K, stride_scale, BLOCK_N, BLOCK_K, SCALE_BN, SCALE_BK,
-                          WEIGHT_SCALE)
-        w = _weight_tile(w_ptr, rows, row_ok, start + BLOCK_K, cols, K, stride_w)
+        x = _x_tile(x_ptr, residual_ptr, norm_ptr, start, cols, K, inverse_rms, PROLOGUE, HAS_RESIDUAL, CONVERT)
+        if SUM_ONCE:
+            x_gate = x
+            if WEIGHT_SCALE == "block":
+                x_gate = _times_column_scales(x, scale_ptr, first_row, start, cols, K, stride_scale, SCALE_BN,
+                                              SCALE_BK, CONVERT)
+            acc += _products(w, x_gate, CONVERT)
+        else:
+            acc += _tile_sums(_products(w, x, CONVERT), scale_ptr, rows, row_ok, start, K, stride_scale, BLOCK_N,
+                              BLOCK_K, SCALE_BN, SCALE_BK, WEIGHT_SCALE)
+        w = _weight_tile(w_ptr, rows, row_ok, (start + BLOCK_K) // LANES, cols, K // LANES, stride_w)
         if SILU_MUL:
-            up_acc += _tile_sums(w_up, x, scale_ptr, rows + N, row_ok, start, K, stride_scale, BLOCK_N, BLOCK_K,
-                                 SCALE_BN, SCALE_BK, WEIGHT_SCALE)
-            w_up = _weight_tile(w_ptr, rows + N, row_ok, start + BLOCK_K, cols, K, stride_w)
+            if SUM_ONCE:
+                x_up = x
+                if WEIGHT_SCALE == "block":
+                    x_up = _times_column_scales(x, scale_ptr, first_row + N, start, cols, K, stride_scale, SCALE_BN,
+                                                SCALE_BK, CONVERT)
+                up_acc += _products(w_up, x_up, CONVERT)
+            else:
+                up_acc += _tile_sums(_products(w_up, x, CONVERT), scale_ptr, rows + N, row_ok, start, K,
+                                     stride_scale, BLOCK_N, BLOCK_K, SCALE_BN, SCALE_BK, WEIGHT_SCALE)
+            w_up = _weight_tile(w_ptr, rows + N, row_ok, (start + BLOCK_K) // LANES, cols, K // LANES, stride_w)
+    if SUM_ONCE:
+        acc = tl.sum(acc, axis=1)
+        up_acc = tl.sum(up_acc, axis=1)
+    if CONVERT == "bits":
+        acc *= BITS_SUM_UNIT
+        up_acc *= BITS_SUM_UNIT
     if WEIGHT_SCALE == "row":
         acc *= tl.load(scale_ptr + (rows // SCALE_BN) * stride_scale, mask=row_ok, other=0.0)
         if SILU_MUL:
@@ -178,33 +261,81 @@ def takes_fp8(weight: torch.Tensor, block: tuple[int, int]) -> bool:
                              and all(tiles(k, silu_mul, fp8=True)[1] % block[1] == 0 for silu_mul in (False, True)))
 
 
+CONVERTS = ("triton", "ptx", "bits")  # ways to read e4m3 (_products), measured by bench/gemv.py --fp8 block --sweep
+
+
+def default_launch(k: int, silu_mul: bool, fp8: bool) -> dict:
+    """`tiles`, read with Triton's conversion and summed a tile at a time."""
+    block_n, block_k, warps = tiles(k, silu_mul, fp8)
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, CONVERT="triton", SUM_ONCE=False)
+
+
+def fp8_launch(device_name: str, n: int, k: int, silu_mul: bool, block: tuple[int, int]) -> dict:
+    """The e4m3 launch (BLOCK_N, BLOCK_K, num_warps, CONVERT, SUM_ONCE) for W [n, k] (n: the gate and up
+    rows together with silu_mul): bench/gemv.py's measured winner for this device and shape where it tiles
+    these scale blocks, else the default."""
+    tuned = fp8_configs.tuned(device_name, n, k, 1, silu_mul)
+    if tuned is not None and tuned.backend == fp8_configs.GEMV and (
+            block[1] >= k or tuned.launch["BLOCK_K"] % block[1] == 0):
+        return tuned.launch
+    return default_launch(k, silu_mul, fp8=True)
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+def _as_words(weight: torch.Tensor) -> torch.Tensor | None:
+    """The e4m3 weight as int32 words of four columns, where its rows are whole words."""
+    if weight.shape[1] % 4 or weight.stride(0) % 4 or weight.data_ptr() % 4:
+        return None
+    return weight.view(torch.uint8).view(torch.int32)
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int | None = None,
             block_k: int | None = None, num_warps: int | None = None, residual: torch.Tensor | None = None,
             residual_out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
             prologue: str = "none", silu_mul: bool = False, weight_scale: torch.Tensor | None = None,
-            block: tuple[int, int] | None = None) -> torch.Tensor:
+            block: tuple[int, int] | None = None, convert: str | None = None, sum_once: bool | None = None
+            ) -> torch.Tensor:
     n, k = weight.shape
     assert x.shape == (1, k) and x.stride(1) == 1 and weight.stride(1) == 1
-    chosen = tiles(k, silu_mul, fp8=weight_scale is not None)
-    block_n, block_k, num_warps = block_n or chosen[0], block_k or chosen[1], num_warps or chosen[2]
+    if weight_scale is not None and x.is_cuda:
+        chosen = fp8_launch(_device_name(x.device), n, k, silu_mul, block)
+    else:  # 16-bit, or the interpreter
+        chosen = default_launch(k, silu_mul, fp8=weight_scale is not None)
+    block_n, block_k = block_n or chosen["BLOCK_N"], block_k or chosen["BLOCK_K"]
+    num_warps, convert = num_warps or chosen["num_warps"], convert or chosen["CONVERT"]
+    sum_once = chosen.get("SUM_ONCE", False) if sum_once is None else sum_once
+    if sum_once and weight_scale is not None and weight_scale.shape[1] > 1:  # a program's rows in one scale row
+        sum_once = block[0] % block_n == 0 and (not silu_mul or n // 2 % block[0] == 0)
+    w = weight
+    if convert != "triton":  # four e4m3 columns a word, where the rows are whole words
+        assert weight_scale is not None, convert
+        w = _as_words(weight)
+        w, convert = (weight, "triton") if w is None else (w, convert)
     if silu_mul:  # gate rows, then as many up rows
         assert n % 2 == 0
         n //= 2
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, residual, residual_out, norm_weight, weight, weight_scale, bias, y, n, k, weight.stride(0),
+        x, residual, residual_out, norm_weight, w, weight_scale, bias, y, n, k, w.stride(0),
         0 if weight_scale is None else weight_scale.stride(0), eps, BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul,
-        num_warps=num_warps, **_scale_args(weight_scale, block, block_k), **pdl_launch(x.device))
+        CONVERT=convert, SUM_ONCE=sum_once, num_warps=num_warps, **_scale_args(weight_scale, block, block_k),
+        **pdl_launch(x.device))
     return y
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
          block_k: int | None = None, num_warps: int | None = None, weight_scale: torch.Tensor | None = None,
-         block: tuple[int, int] | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for one row x [1, K] (tiles chosen by `tiles` unless given); of an e4m3
-    weight given its scales and their block."""
-    return _launch(x, weight, bias, block_n, block_k, num_warps, weight_scale=weight_scale, block=block)
+         block: tuple[int, int] | None = None, convert: str | None = None, sum_once: bool | None = None
+         ) -> torch.Tensor:
+    """F.linear(x, weight, bias) for one row x [1, K] (tiles chosen by `tiles`, or `fp8_launch`, unless
+    given); of an e4m3 weight given its scales and their block."""
+    return _launch(x, weight, bias, block_n, block_k, num_warps, weight_scale=weight_scale, block=block,
+                   convert=convert, sum_once=sum_once)
 
 
 def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

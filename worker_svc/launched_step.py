@@ -54,6 +54,10 @@ class LaunchedStep:
         self.end = clock.last_end = clock.mark()
         self.host_seconds = time.perf_counter() - host_started
 
+    def tokens_home(self) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The sampled tokens in host memory and, on CUDA, the event after which they are there."""
+        return self.tokens, self.end if self.clock.cuda else None
+
     def reply(self, step_id: int) -> worker_pb2.StepResponse:
         """Waits for the step's work, then its sampled tokens (rank 0) and timings."""
         if self.clock.cuda:

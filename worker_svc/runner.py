@@ -17,6 +17,7 @@ from nanoserve_kernels.fp8_reference import FP8_DTYPE
 from nanoserve_kernels.kv_quant import bytes_per_row, is_quantized, kv_cache_dtype, scales_shape
 from nanoserve_model.checkpoint import CONFIG_FILES, weight_files
 from nanoserve_model.config import ModelConfig, resolve_dtype
+from nanoserve_model.fp8_bf16_layers import serve_faster_layers_in_bf16
 from nanoserve_model.loader import load_model
 from nanoserve_model.parallel import broadcast_from_first_rank, tp_rank, tp_world_size
 from nanoserve_model.quantization import serving_scheme
@@ -100,6 +101,12 @@ class ModelRunner:
         self.quantization = serving_scheme(config.quantization, self.model_config.quantization)
         self.model = load_model(path, self.model_config, self.dtype, self.device, config.load_format,
                                 self.quantization)
+        self.bf16_layers = None  # FP8 layers this GPU serves faster dequantized
+        if self.quantization is not None and self.device.type == "cuda":
+            device_name = torch.cuda.get_device_name(self.device)
+            self.bf16_layers = serve_faster_layers_in_bf16(self.model, device_name, self.dtype)
+            if self.bf16_layers.names:
+                log.info("rank %d: %s", config.rank, self.bf16_layers.log_line(device_name))
         self.sampler = Sampler(self.device, config.seed)
         # Rank 0's grammar engine reads the checkpoint's tokenizer, once the first constrained request comes.
         self.grammar_tokenizer = GrammarTokenizer(path / TOKENIZER_FILE, self.model_config.vocab_size,
@@ -160,6 +167,8 @@ class ModelRunner:
     def _quantization_name(self) -> str:
         if self.quantization is None:
             return ""
+        if self.bf16_layers is not None and self.bf16_layers.names:
+            return f"{self.quantization.describe()}, {self.bf16_layers.describe()}"
         dequantized = self._weight_dtype() != "float8_e4m3fn"
         return self.quantization.describe() + (", dequantized at load" if dequantized else "")
 
@@ -369,7 +378,10 @@ class ModelRunner:
             broadcast_from_first_rank(tokens)
             self.last_tokens[inputs.sampled_slots] = tokens
         logprobs = self.extras.finish(logits, tokens, inputs and inputs.sampled_slots) if work else None
-        return LaunchedStep(self.clock, start, tokens if logits is not None else None, host_started, logprobs)
+        step = LaunchedStep(self.clock, start, tokens if logits is not None else None, host_started, logprobs)
+        if step.tokens is not None:
+            self.extras.tokens_home(*step.tokens_home())
+        return step
 
     def step(self, request: worker_pb2.StepRequest) -> list[int]:
         """launch() and wait: the step's sampled tokens."""

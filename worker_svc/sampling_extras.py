@@ -117,16 +117,21 @@ class SamplingExtras:
             if self.grammar is not None:
                 history = extras.history_token_ids[:] if extras.grammar else []
                 self.grammar.reset(slot, extras.grammar, history[len(history) - num_generated:])
-            sampling = extras.sampling
-            if not asks_for_extras(sampling):
-                self.processors.clear(slot)
-                self.num_logprobs[slot], self.num_prompt_logprobs[slot] = -1, 0
-                continue
-            self.processors.reset(slot, processor_params(sampling, self.eos_token_ids, self.processors.vocab_size),
-                                  extras.history_token_ids[:], num_generated)
-            self.num_logprobs[slot] = sampling.logprobs if sampling.HasField("logprobs") else -1
-            self.num_prompt_logprobs[slot] = sampling.prompt_logprobs
-            self.any_logprobs |= sampling.HasField("logprobs")
+            self._reset_processors(slot, extras, num_generated)
+        if self.grammar is not None:
+            self.grammar.fill_first_masks()
+
+    def _reset_processors(self, slot: int, extras: worker_pb2.EntryExtras, num_generated: int) -> None:
+        sampling = extras.sampling
+        if not asks_for_extras(sampling):
+            self.processors.clear(slot)
+            self.num_logprobs[slot], self.num_prompt_logprobs[slot] = -1, 0
+            return
+        self.processors.reset(slot, processor_params(sampling, self.eos_token_ids, self.processors.vocab_size),
+                              extras.history_token_ids[:], num_generated)
+        self.num_logprobs[slot] = sampling.logprobs if sampling.HasField("logprobs") else -1
+        self.num_prompt_logprobs[slot] = sampling.prompt_logprobs
+        self.any_logprobs |= sampling.HasField("logprobs")
 
     def heaviest(self, logits: torch.Tensor) -> torch.Tensor:
         """Processes `logits` as the costliest requests would (every pass, top-p over whole sorted
@@ -165,12 +170,16 @@ class SamplingExtras:
         sampled sequence asks for it."""
         self._flags, self._masked = 0, self._masked[:0]
         if not (self.processors.num_flagged or self.any_logprobs or (self.grammar and self.grammar.num_constrained)):
+            if self.grammar is not None:
+                self.grammar.unmasked_step()  # a run of masked steps may just have ended
             return logits  # no live sequence asks for anything
         self._slots = work.slots[work.sampled]
         if self.grammar is not None:
             self._masked = self.grammar.constrained_rows(self._slots)
             if self._masked.size:
-                self.grammar.mask(logits, self._slots, self._masked)
+                self.grammar.mask(logits, self._slots, self._masked, device_slots)
+            else:
+                self.grammar.unmasked_step()
         self._flags = self.processors.batch_flags(self._slots)
         return self.processors(logits, self._slots, device_slots, self._flags) if self._flags else logits
 
@@ -180,8 +189,6 @@ class SamplingExtras:
         step's logprob rows, or None (also on ranks that do not sample)."""
         sampled = None
         if raw_logits is not None and tokens is not None:
-            if self._masked.size:
-                self.grammar.observe(tokens, self._slots, self._masked)
             if self._flags:
                 self.processors.observe(tokens, self._slots, device_slots, self._flags)
             sampled = self._score_sampled(raw_logits, tokens)
@@ -189,6 +196,12 @@ class SamplingExtras:
             return None
         prompt, self.prompt_rows = self.prompt_rows, []
         return StepLogprobs(sampled, prompt)
+
+    def tokens_home(self, tokens: torch.Tensor, event: torch.cuda.Event | None) -> None:
+        """The step's sampled tokens, copied home (in host memory once `event` has passed): the
+        grammars of its masked rows move on by them."""
+        if self._masked.size:
+            self.grammar.observe(tokens, event, self._slots, self._masked)
 
     def _score_sampled(self, raw_logits: torch.Tensor, tokens: torch.Tensor):
         if not self.any_logprobs:

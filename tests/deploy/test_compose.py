@@ -275,7 +275,8 @@ def test_the_dp2_router_is_smg_as_up_runs_it(services, groups):
     gateways = [gw for g in groups if services[g.scheduler].get("profiles") == ["dp2"] for gw in g.gateways]
     urls = [f"http://{gw}:{cli_args(gw, services[gw]).port}" for gw in sorted(gateways)]
     assert args.worker_urls == urls
-    up = Namespace(host="0.0.0.0", openai_port=8000, router_policy="cache_aware", shutdown_timeout=SHUTDOWN_TIMEOUT)
+    up = Namespace(host="0.0.0.0", openai_port=8000, router_policy="cache_aware", shutdown_timeout=SHUTDOWN_TIMEOUT,
+                   max_num_seqs=flags.defaults("up")["max_num_seqs"])
     assert [str(arg) for arg in router["command"]] == router_command(up, urls, args.prometheus_port)[3:]
     assert {name: dep["condition"] for name, dep in router["depends_on"].items()} == \
         {gw: "service_healthy" for gw in gateways}

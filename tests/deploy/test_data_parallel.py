@@ -15,6 +15,7 @@ import pytest
 
 from nanoserve.client import Client
 from nanoserve_cli import layout
+from nanoserve.flags import defaults
 from nanoserve_cli.router import router_command, wait_routing
 from tests.gateway.gateway_process import start_gateway, wait_listening
 from tests.services.processes import (CLI, ENV, free_port, free_ports, running_service, shown_on_failure, stop,
@@ -138,7 +139,8 @@ def test_a_rolling_restart_behind_the_router_fails_no_request(tiny_model_dir, tm
     with shown_on_failure(*logs):
         replicas = [start_replica(tiny_model_dir, logs[d], gateway_ports[d], worker_ports[d], scheduler_ports[d])
                     for d in range(2)]
-        args = Namespace(host="127.0.0.1", openai_port=router_port, router_policy="cache_aware", shutdown_timeout=10)
+        args = Namespace(host="127.0.0.1", openai_port=router_port, router_policy="cache_aware", shutdown_timeout=10,
+                         max_num_seqs=defaults("up")["max_num_seqs"])
         router = subprocess.Popen(router_command(args, [f"http://127.0.0.1:{p}" for p in gateway_ports], free_port()),
                                   env=ENV, stdout=logs[2].open("wb"), stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{router_port}"

@@ -7,6 +7,7 @@ from argparse import Namespace
 from collections.abc import Iterator
 from pathlib import Path
 
+from nanoserve.flags import defaults
 from nanoserve_cli.router import router_command, wait_routing
 from tests.gateway.gateway_process import start_gateway, wait_listening
 from tests.services.processes import ENV, free_port, shown_on_failure, start_scheduler, start_worker, stop, \
@@ -43,7 +44,8 @@ def running_smg(worker_urls: list[str], log: Path, policy: str, *flags: str) -> 
     """SMG as `nanoserve up --data-parallel-size N` runs it (nanoserve_cli/router.py), with `policy` and
     then `flags`, once it routes to every one of `worker_urls`; yields its URL."""
     port = free_port()
-    up = Namespace(host="127.0.0.1", openai_port=port, router_policy=policy, shutdown_timeout=5)
+    up = Namespace(host="127.0.0.1", openai_port=port, router_policy=policy, shutdown_timeout=5,
+                   max_num_seqs=defaults("up")["max_num_seqs"])
     proc = subprocess.Popen([*router_command(up, worker_urls, free_port()), *flags], env=ENV, stdout=log.open("ab"),
                             stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

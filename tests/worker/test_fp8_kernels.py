@@ -70,9 +70,11 @@ def check_gemm(device: str, dtype: torch.dtype, launch: dict = SMALL_LAUNCH,
                         (*what, "silu")
 
 
-def check_gemv(device: str, dtype: torch.dtype) -> None:
-    """One row through the matrix-vector kernel reading e4m3: plain, with a bias, with the RMSNorm prologue
-    and the residual add, and with the SiLU-and-mul."""
+def check_gemv(device: str, dtype: torch.dtype, convert: str = "triton", sum_once: bool = False) -> None:
+    """One row through the matrix-vector kernel reading e4m3 (`convert`: how, triton_gemv.CONVERTS; `sum_once`:
+    the block scales on x, one sum a row): plain, with a bias, with the RMSNorm prologue and the residual add,
+    and with the SiLU-and-mul."""
+    variant = dict(convert=convert, sum_once=sum_once)
     from nanoserve_kernels.triton_gemv import gemv, rms_norm_gemv
     from nanoserve_model.norm import rms_normalize
     for seed, (n, k, block) in enumerate(SHAPES):
@@ -82,17 +84,19 @@ def check_gemv(device: str, dtype: torch.dtype) -> None:
         norm_weight, bias = torch.rand(k, generator=generator).to(dtype).to(device), None
         for bias in (None, torch.randn(n, generator=generator).to(dtype).to(device)):
             expected = fp8_reference.fp8_linear(x, weight, scale, block, bias)
-            assert relative_error(gemv(x, weight, bias, weight_scale=scale, block=block), expected) < \
-                TOLERANCE[dtype], (n, k, block)
+            assert relative_error(gemv(x, weight, bias, weight_scale=scale, block=block, **variant), expected) \
+                < TOLERANCE[dtype], (n, k, block, variant)
         normed = rms_normalize(x + residual, norm_weight, 1e-6)
-        got, new_residual = rms_norm_gemv(x, residual, norm_weight, 1e-6, weight, weight_scale=scale, block=block)
+        got, new_residual = rms_norm_gemv(x, residual, norm_weight, 1e-6, weight, weight_scale=scale, block=block,
+                                          **variant)
         assert torch.allclose(new_residual, x + residual)
         assert relative_error(got, fp8_reference.fp8_linear(normed, weight, scale, block)) < 2 * TOLERANCE[dtype]
         if n % (2 * block[0]) == 0 or block[0] == 1:
             gate, up = fp8_reference.fp8_linear(normed, weight, scale, block).float().chunk(2, dim=1)
             got, _ = rms_norm_gemv(x, residual, norm_weight, 1e-6, weight, silu_mul=True, weight_scale=scale,
-                                   block=block)
-            assert relative_error(got, torch.nn.functional.silu(gate) * up) < 2 * TOLERANCE[dtype], (n, k, "silu")
+                                   block=block, **variant)
+            assert relative_error(got, torch.nn.functional.silu(gate) * up) < 2 * TOLERANCE[dtype], \
+                (n, k, "silu", variant)
 
 
 def run_interpreted_cases(kernel: str) -> None:
@@ -101,8 +105,12 @@ def run_interpreted_cases(kernel: str) -> None:
         # interpreter runs the kernel a program a row (M = 300: ~3 s a shape)
         check_gemm("cpu", torch.float16, dict(SMALL_LAUNCH, BLOCK_M=64, BLOCK_N=64), fp8_reference.quantize_activation)
         return
+    if kernel == "gemv":  # Triton's conversion, then the integer one summing once a row, a dtype each (the
+        check_gemv("cpu", torch.float32)  # PTX conversion runs on CUDA only: tests/gpu)
+        check_gemv("cpu", torch.float16, convert="bits", sum_once=True)
+        return
     for dtype in (torch.float32, torch.float16):
-        {"quantize": check_quantize, "gemv": check_gemv}[kernel]("cpu", dtype)
+        check_quantize("cpu", dtype)
 
 
 @pytest.mark.parametrize("kernel", each_in_its_own_group("fp8-interpreter", ("quantize", "gemm", "gemv")))
@@ -139,15 +147,20 @@ def test_fp8_gemm_compiles_for_hopper(w8a8: bool, silu_mul: bool, launch: dict) 
     assert "e4m3" in ptx
 
 
-@pytest.mark.parametrize("mode, silu_mul", [("block", False), ("block", True), ("row", False), ("row", True)])
-def test_fp8_gemv_compiles_for_hopper(mode: str, silu_mul: bool) -> None:
+@pytest.mark.parametrize("mode, silu_mul, convert, sum_once", [
+    ("block", False, "triton", False), ("block", True, "triton", False), ("row", False, "triton", False),
+    ("row", True, "triton", False), ("block", True, "ptx", True), ("row", False, "bits", False)])
+def test_fp8_gemv_compiles_for_hopper(mode: str, silu_mul: bool, convert: str, sum_once: bool) -> None:
+    """Each way of reading e4m3: Triton's conversion and Hopper's paired convert (inline PTX, which the
+    interpreter cannot run) take the e4m3 converts, the integer one none."""
     from nanoserve_kernels import triton_gemv
     types = {name: "*bf16" for name in ("x_ptr", "residual_ptr", "residual_out_ptr", "norm_ptr", "bias_ptr", "y_ptr")}
-    types |= {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "eps": "fp32"}
+    types |= {"w_ptr": "*fp8e4nv" if convert == "triton" else "*i32", "scale_ptr": "*fp32", "eps": "fp32"}
     constexprs = dict(BLOCK_N=4, BLOCK_K=2048, HAS_BIAS=False, PROLOGUE="rms_norm", HAS_RESIDUAL=True,
                       SILU_MUL=silu_mul, PDL=False, WEIGHT_SCALE=mode, SCALE_BN=128 if mode == "block" else 1,
-                      SCALE_BK=128)
-    assert "e4m3" in _compile_for_hopper(triton_gemv._gemv_kernel, types, constexprs, num_warps=4)
+                      SCALE_BK=128, CONVERT=convert, SUM_ONCE=sum_once)
+    ptx = _compile_for_hopper(triton_gemv._gemv_kernel, types, constexprs, num_warps=4)
+    assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (convert != "bits")
 
 
 def test_activation_quantization_compiles_for_hopper() -> None:

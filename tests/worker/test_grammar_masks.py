@@ -13,6 +13,7 @@ from llguidance.numpy import fill_next_token_bitmask
 
 from nanoserve.grammar_tokenizer import GrammarTokenizer
 from scheduler_svc.structured_outputs import GrammarCompiler
+from worker_svc import grammar_masks
 from worker_svc.grammar_masks import GrammarMasks
 
 VOCAB, EOS = 151936, (151645,)
@@ -38,12 +39,15 @@ def masked_step(masks: GrammarMasks, slots: list[int], draw: list[int]) -> np.nd
     logits = torch.zeros(len(slots), VOCAB)
     slots_array = np.array(slots)
     rows = masks.constrained_rows(slots_array)
-    masks.mask(logits, slots_array, rows)
-    masks.observe(torch.tensor(draw), slots_array, rows)
+    masks.mask(logits, slots_array, rows, torch.from_numpy(slots_array))
+    masks.observe(torch.tensor(draw), None, slots_array, rows)
     return torch.isfinite(logits).numpy()
 
 
-def test_masks_follow_each_sequence_and_a_reused_slot(tokenizer):
+@pytest.mark.parametrize("inline_rows", [0, grammar_masks.INLINE_ROWS], ids=["mask thread", "launcher"])
+def test_masks_follow_each_sequence_and_a_reused_slot(tokenizer, monkeypatch, inline_rows):
+    """Both ways a step's matchers advance: on the mask thread, and (small steps) on the launcher."""
+    monkeypatch.setattr(grammar_masks, "INLINE_ROWS", inline_rows)
     compiler = GrammarCompiler(tokenizer)
     digits, words = compiler.compile("json", json.dumps(DIGITS)), compiler.compile("json", json.dumps(WORDS))
     text = tokenizer.get()
@@ -51,12 +55,54 @@ def test_masks_follow_each_sequence_and_a_reused_slot(tokenizer):
     opening, one = text.tokenize_str('{"n": '), text.tokenize_str("1")
     masks.reset(0, digits, opening)  # resumed: it has already drawn the object's opening
     masks.reset(2, words, [])
+    masks.fill_first_masks()
     kept = masked_step(masks, [0, 2], [one[0], text.tokenize_str('"alpha"')[0]])
     assert (kept[0] == allowed_by_oracle(tokenizer, digits, opening)).all()
     assert (kept[1] == allowed_by_oracle(tokenizer, words, [])).all()
     # slot 0 goes to a sequence of the other grammar before its last draw has reached the old matcher
     masks.reset(0, words, [])
+    masks.fill_first_masks()
     kept = masked_step(masks, [2, 0], [0, 0])
     assert (kept[0] == allowed_by_oracle(tokenizer, words, text.tokenize_str('"alpha"')[:1])).all()
     assert (kept[1] == allowed_by_oracle(tokenizer, words, [])).all()
     assert kept[1].sum() < VOCAB and (kept[1] != allowed_by_oracle(tokenizer, digits, opening + one[:1])).any()
+
+
+@pytest.mark.parametrize("inline_rows", [0, grammar_masks.INLINE_ROWS], ids=["mask thread", "launcher"])
+def test_unconstrained_rows_between_constrained_ones(tokenizer, monkeypatch, inline_rows):
+    """A step that samples an unconstrained row between two constrained ones: that row keeps every
+    token, and each matcher moves on by its own row's draw."""
+    monkeypatch.setattr(grammar_masks, "INLINE_ROWS", inline_rows)
+    digits = GrammarCompiler(tokenizer).compile("json", json.dumps(DIGITS))
+    text = tokenizer.get()
+    opening, one, two, close = (text.tokenize_str(t) for t in ('{"n": ', "1", "2", "}"))
+    masks = GrammarMasks(3, tokenizer, torch.device("cpu"))
+    masks.reset(0, digits, opening + one)
+    masks.reset(2, digits, opening)
+    masks.fill_first_masks()
+    # the unconstrained row's draw would break either grammar
+    masked_step(masks, [0, 1, 2], [close[0], text.tokenize_str(" hello")[0], two[0]])
+    kept = masked_step(masks, [0, 1, 2], [0, 0, 0])
+    assert (kept[0] == allowed_by_oracle(tokenizer, digits, opening + one + close)).all()
+    assert kept[1].all()
+    assert (kept[2] == allowed_by_oracle(tokenizer, digits, opening + two)).all()
+    assert (kept[0] != kept[2]).any()
+
+def test_a_run_of_masked_steps_is_logged_with_its_split(tokenizer, caplog):
+    """Each run of masked steps ends in one log line: its steps, rows and the time split per step."""
+    grammar = GrammarCompiler(tokenizer).compile("json", json.dumps(DIGITS))
+    masks = GrammarMasks(3, tokenizer, torch.device("cpu"))
+    masks.reset(1, grammar, [])
+    masks.reset(2, grammar, [])
+    masks.fill_first_masks()
+    opening = tokenizer.get().tokenize_str('{"n": ')
+    with caplog.at_level("INFO", logger="nanoserve.worker"):
+        for token in opening[:3]:
+            masked_step(masks, [0, 1, 2], [0, token, token])
+        masks.unmasked_step()
+        masks.unmasked_step()  # no run to end: nothing more
+    lines = [record.getMessage() for record in caplog.records if "grammar masks" in record.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("grammar masks over 3 steps (6 rows), ms a step: ")
+    parts = dict(part.split("=") for part in lines[0].split(": ")[1].split())
+    assert set(parts) == {"tokens_wait", "consume", "fill", "first", "launcher_wait", "queue"}
+    assert all(float(value) >= 0 for value in parts.values()) and float(parts["fill"]) > 0

@@ -438,8 +438,9 @@ def check_gate_up_silu(device: str, dtype: torch.dtype, shapes: tuple[tuple[int,
 
 
 def check_token_bitmask(apply_token_bitmask: Callable, device: str) -> None:
-    """Masked rows keep exactly the tokens llguidance's own numpy mask keeps (the torch reference too);
-    other rows are untouched. A vocabulary that is not a multiple of 32, in float32 and bfloat16."""
+    """Masked rows keep exactly the tokens llguidance's own numpy mask of their table row keeps (the
+    torch reference too); other rows are untouched. A vocabulary that is not a multiple of 32, in
+    float32 and bfloat16; table rows in another order than the logits rows, one of them used twice."""
     import numpy as np
     from llguidance.numpy import apply_token_bitmask_inplace
 
@@ -448,18 +449,18 @@ def check_token_bitmask(apply_token_bitmask: Callable, device: str) -> None:
     generator = torch.Generator().manual_seed(0)
     for vocab_size, dtype in ((5_003, torch.float32), (151_936, torch.bfloat16)):
         logits = torch.randn(5, vocab_size, generator=generator).to(dtype)
-        rows = torch.tensor([4, 0, 2])
-        words = torch.randint(-2**31, 2**31 - 1, (len(rows), bitmask_words(vocab_size)), dtype=torch.int64,
+        rows, mask_rows = torch.tensor([4, 0, 2]), torch.tensor([3, 1, 3])
+        table = torch.randint(-2**31, 2**31 - 1, (4, bitmask_words(vocab_size)), dtype=torch.int64,
                               generator=generator).to(torch.int32)
         expected = logits.float().numpy().copy()
-        for i, row in enumerate(rows.tolist()):
-            apply_token_bitmask_inplace(expected[row], words[i].numpy())
+        for row, mask_row in zip(rows.tolist(), mask_rows.tolist()):
+            apply_token_bitmask_inplace(expected[row], table[mask_row].numpy())
         for apply in (reference, apply_token_bitmask):
             got = logits.to(device)
-            apply(got, words.to(device), rows.to(device))
+            apply(got, table.to(device), mask_rows.to(device), rows.to(device))
             assert np.array_equal(got.float().cpu().numpy(), expected), (apply, vocab_size, dtype)
-            every = logits[rows].to(device)  # rows None: bitmask row i masks logits row i
-            apply(every, words.to(device), None)
+            every = logits[rows].to(device)  # rows None: logits row i masked by table row mask_rows[i]
+            apply(every, table.to(device), mask_rows.to(device), None)
             assert np.array_equal(every.float().cpu().numpy(), expected[rows.tolist()]), (apply, "every row")
 
 
