@@ -54,11 +54,13 @@ for shape in ("qwen3-0.6b", "qwen3-8b"):
     step = lambda run: "/".join(f"{run[f'decode_{name}_ms']:.2f}" for name in ("busy", "idle", "host"))
     prefill = lambda run: f"{run['prefill_steps']} x {run['prefill_busy_ms']:.1f}/{run['prefill_host_ms']:.1f}"
     device = lambda run: f"{run['device_seconds']:.2f} of {run['seconds']:.2f}"
+    cached = lambda run: f"{run.get('prefix_hit_tokens', 0):,} of {run.get('prompt_tokens', 0):,}"
     print(f"{shape}: throughput {plain['tok_per_s']:,.0f} -> {constrained['tok_per_s']:,.0f} tok/s, ratio "
           f"{r['throughput_ratio']:.3f} (target 0.9); decode steps {plain['decode_steps']} -> "
           f"{constrained['decode_steps']}, busy/idle/host ms {step(plain)} -> {step(constrained)}; prefill/mixed "
           f"steps x busy/host ms {prefill(plain)} -> {prefill(constrained)}; device s in steps {device(plain)} -> "
-          f"{device(constrained)}; mask split ms a masked step: {split(constrained.get('mask_split', {}))}")
+          f"{device(constrained)}; prompt tokens from the prefix cache {cached(plain)} -> {cached(constrained)}; "
+          f"mask split ms a masked step: {split(constrained.get('mask_split', {}))}")
     itl = r["itl_batch1_ms"]
     print(f"{shape}: batch-1 ITL {itl['plain']:.3f} -> {itl['json_schema']:.3f} ms, {100 * (r['itl_ratio'] - 1):+.1f}% "
           f"(target +5%); mask split ms a step: {split(r.get('itl_mask_split', {}))}; first use p50 "

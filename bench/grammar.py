@@ -3,8 +3,10 @@
 - DESIGN throughput (bench/throughput.py's workload: 256 requests, prompts and outputs uniform in
   [100, 1,024], temperature 0.6, ignore_eos) with every request held to a JSON schema (an object with
   one unbounded lowercase-text string; a request whose object is complete ends early, with stop),
-  then the same requests unconstrained, each asking for as many tokens as its constrained run gave:
-  both runs compute the same tokens in the same batches, and only the grammar differs;
+  then requests of the same lengths unconstrained, each asking for as many tokens as its constrained
+  run gave: both runs compute as many tokens in the same batches, and only the grammar differs. The
+  plain run's prompts are fresh ids of the same lengths: the constrained run's own prompts would be in
+  the prefix cache by then (each run reports its prefix-cache hit tokens);
 - batch-1 inter-token latency, the two alternated;
 - first use of a typical schema (12 properties, nested object, enum, array, bounds), each time a new
   one: the scheduler's check (the text to a grammar, checked against the vocabulary), the sampling
@@ -183,7 +185,9 @@ async def throughput(stub, jobs, constraint: dict | None) -> tuple[dict, list[in
     device_s = sum(map(total, ("decode_busy_seconds", "decode_idle_seconds", "prefill_busy_seconds")))
     return ({"output_tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds, "stopped": stopped,
              "invalid_among_stopped": bad, "decode_steps": steps, "prefill_steps": total("prefill_steps"),
-             "mixed_steps": total("mixed_steps"), "device_seconds": device_s, **per_step},
+             "mixed_steps": total("mixed_steps"), "device_seconds": device_s,
+             "prefix_hit_tokens": total("prefix_cache_hit_tokens"), "prompt_tokens": total("prompt_tokens_total"),
+             **per_step},
             [count for count, _, _ in results])
 
 
@@ -204,7 +208,9 @@ async def measure(address: str, repeats: int, shape: tuple[int, int, int], log: 
         jobs = workload(*shape)
         constrained, lengths = await throughput(stub, jobs, LONG)
         constrained["mask_split"] = await end_masked_run(stub, log)
-        plain, _ = await throughput(stub, [(prompt, n) for (prompt, _), n in zip(jobs, lengths)], None)
+        fresh = random.Random(1)  # same lengths, other ids: none of the constrained run's cached blocks
+        plain, _ = await throughput(stub, [([fresh.randint(0, 10000) for _ in prompt], n)
+                                           for (prompt, _), n in zip(jobs, lengths)], None)
         out = {"plain": plain, "json_schema": constrained}
         out["throughput_ratio"] = out["json_schema"]["tok_per_s"] / out["plain"]["tok_per_s"]
         results = await asyncio.gather(*(run_one(stub, p, 256, SHORT) for p, _ in jobs[:64]))
