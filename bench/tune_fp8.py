@@ -12,7 +12,8 @@ The fastest per (N, K, bucket) is kept, with its time ("us") and that of the sam
 the weight dequantized, run as the unquantized model runs it), from which fp8_configs.served_in_bf16 decides
 where FP8 does not pay. Times are CUDA-graph replays of 20 calls or more (what serving runs), cycling
 through copies of the weight that together exceed the L2 cache, so that every call reads from memory.
---recheck re-times only the table's stored choice (and bf16) at the buckets it has.
+--recheck re-times only the table's stored choice, torch's scaled_mm (no compile) and bf16 at the buckets it
+has.
 
     python3 bench/tune_fp8.py [--shapes 0.6b 8b] [--buckets 2 4 ... 8192] [--budget-s 240] [--recheck] [--out FILE]
 """
@@ -81,7 +82,8 @@ def copies_past_l2(*tensors: torch.Tensor) -> list[tuple]:
 
 
 def candidates(x, weight, silu_mul: bool, stored: Fp8Choice | None):
-    """(choice, fn(weight, scale)) pairs for x and this weight's shape; only the stored choice when given."""
+    """(choice, fn(weight, scale)) pairs for x and this weight's shape; only the stored choice (and scaled_mm)
+    when given."""
     from nanoserve_kernels.fp8_linear import scaled_mm, takes_scaled_mm
     from nanoserve_kernels.triton_activation import silu_and_mul
     from nanoserve_kernels.triton_fp8_gemm import fp8_gemm
@@ -100,9 +102,12 @@ def candidates(x, weight, silu_mul: bool, stored: Fp8Choice | None):
     def torch_scaled_mm(weight, scale):
         return silu_and_mul(scaled_mm(x, weight, scale)) if silu_mul else scaled_mm(x, weight, scale)
 
-    if stored is not None:
+    scaled_mm_choice = Fp8Choice(W8A8, SCALED_MM, fp8_configs.default_choice(fp8_configs.bucket(rows)).launch)
+    if stored is not None:  # and torch's scaled_mm beside it: no compile, and the stored choice may predate it
         yield stored, (torch_scaled_mm if stored.backend == SCALED_MM
                        else (weight_only if stored.mode == WEIGHT_ONLY else w8a8)(stored.launch))
+        if stored.backend != SCALED_MM and takes_scaled_mm(x, weight, BLOCK):
+            yield scaled_mm_choice, torch_scaled_mm
         return
     if rows <= WEIGHT_ONLY_MAX:
         for launch in launches(WEIGHT_ONLY, rows):
@@ -110,7 +115,7 @@ def candidates(x, weight, silu_mul: bool, stored: Fp8Choice | None):
     for launch in launches(W8A8, rows):
         yield Fp8Choice(W8A8, TRITON, launch), w8a8(launch)
     if takes_scaled_mm(x, weight, BLOCK):
-        yield Fp8Choice(W8A8, SCALED_MM, fp8_configs.default_choice(fp8_configs.bucket(rows)).launch), torch_scaled_mm
+        yield scaled_mm_choice, torch_scaled_mm
 
 
 def bf16_call(x, silu_mul: bool):
@@ -178,7 +183,8 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=600.0, help="stop tuning after this long (what is tuned is kept)")
     p.add_argument("--out", type=Path, default=fp8_configs.CONFIG_FILE, help="the table to update")
     p.add_argument("--recheck", action="store_true",
-                   help="re-time only the table's choice (and bf16) where it has the bucket: minutes less")
+                   help="re-time only the table's choice, torch's scaled_mm and bf16 where it has the bucket: "
+                        "minutes less")
     args = p.parse_args()
     deadline = time.monotonic() + args.budget_s
     device = torch.cuda.get_device_name()
