@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from nanoserve_kernels.fp8_configs import CONFIG_FILE
+from nanoserve_kernels.fp8_configs import CONFIG_FILE, GEMV, tuned
 from nanoserve_kernels.triton_gemv import gemv, rms_norm_gemv, tiles
 
 SHAPES = {  # (name, N, K) of one layer's projections: W is [N, K]
@@ -41,6 +41,7 @@ SHAPES = {  # (name, N, K) of one layer's projections: W is [N, K]
 LM_HEADS = {"0.6b": ("lm_head", 151936, 1024), "8b": ("lm_head", 151936, 4096)}  # once a step, not a layer
 REPLAYS = 64
 L2_BYTES = 50 * 2**20
+LAUNCH_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "CONVERT", "SUM_ONCE", "STAGES")  # an e4m3 gemv launch
 FP8_BLOCKS = {"block": lambda k: (128, 128), "row": lambda k: (1, k)}  # scale block of each --fp8 layout
 
 
@@ -97,34 +98,38 @@ def sweep(call, weights: list, k: int, fp8: str | None) -> dict[tuple[int, int, 
     return timings
 
 
-def fp8_candidates(k: int, silu_mul: bool) -> list[dict]:
-    """Launches of the e4m3 gemv to time: Triton's conversion at today's tiles (the reference of the others);
-    at those tiles the PTX conversion with one sum a row and without and the integer one with; at the
-    16-bit kernel's tiles with twice the columns (as many bytes a tile) the PTX one both ways; then the PTX
-    one with one sum a row at twice the rows, 8 warps, and a few more tiles."""
-    current = tiles(k, silu_mul, fp8=True)
-    rows16, columns16, warps16 = tiles(k, silu_mul)
-    shapes = [current, (rows16, min(2 * columns16, 2 * triton_pow2(k)), warps16), (2 * current[0], *current[1:]),
-              (current[0], current[1], 8), (current[0], 2 * current[1], current[2]),
-              (max(1, current[0] // 2), 2 * current[1], current[2])]
-    shapes = [s for i, s in enumerate(shapes) if s not in shapes[:i] and s[1] <= 2 * triton_pow2(k)]
-    launches = [dict(BLOCK_N=current[0], BLOCK_K=current[1], num_warps=current[2], CONVERT="triton", SUM_ONCE=False)]
-    pairs = ((("ptx", True), ("ptx", False), ("bits", True)), (("ptx", True), ("ptx", False)), (("ptx", True),))
-    for i, (block_n, block_k, warps) in enumerate(shapes):
-        for convert, sum_once in pairs[min(i, 2)]:
-            launches.append(dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, CONVERT=convert,
-                                 SUM_ONCE=sum_once))
-    return launches
+def fp8_candidates(k: int, silu_mul: bool, stored: dict | None = None) -> list[dict]:
+    """Launches of the e4m3 gemv to time: Triton's conversion at the default tiles (the reference of the
+    others) and the table's `stored` launch; then, at the stored tiles (else the default ones), Triton's
+    conversion with 3 tiles in flight (Triton's pipeliner) and the PTX conversion summing once a row or a
+    tile at a time, one tile ahead or 2-3 by the pipeliner; at twice the rows and with 8 warps once a row,
+    one or 3 tiles ahead; and the integer conversion."""
+    default = tiles(k, silu_mul, fp8=True)
+    rows, columns, warps = (stored["BLOCK_N"], stored["BLOCK_K"], stored["num_warps"]) if stored else default
+
+    def launch(convert: str, sum_once: bool, stages: int = 0, block_n: int = rows, num_warps: int = warps) -> dict:
+        return dict(BLOCK_N=block_n, BLOCK_K=columns, num_warps=num_warps, CONVERT=convert, SUM_ONCE=sum_once,
+                    STAGES=stages)
+
+    reference = dict(BLOCK_N=default[0], BLOCK_K=default[1], num_warps=default[2], CONVERT="triton", SUM_ONCE=False,
+                     STAGES=0)
+    grid = [launch("triton", False, 3), launch("ptx", True), launch("ptx", False), launch("ptx", True, 3),
+            launch("ptx", False, 3), launch("ptx", True, 2), launch("ptx", True, block_n=2 * rows),
+            launch("ptx", True, 3, block_n=2 * rows), launch("ptx", True, num_warps=8),
+            launch("ptx", True, 3, num_warps=8), launch("bits", True)]
+    launches = [reference] + ([{**reference, **stored}] if stored else []) + grid
+    return [item for i, item in enumerate(launches) if item not in launches[:i]]
 
 
-def fp8_sweep(call, weights: list, k: int, silu_mul: bool, deadline: float) -> dict[str, float]:
+def fp8_sweep(call, weights: list, k: int, silu_mul: bool, deadline: float, stored: dict | None
+              ) -> dict[str, float]:
     """Seconds per call of each fp8_candidates launch (keyed by its JSON) that gives the Triton conversion's
     output (within bf16 rounding), until `deadline`; all compiled first, several at a time."""
-    launches = fp8_candidates(k, silu_mul)
+    launches = fp8_candidates(k, silu_mul, stored)
 
     def run(launch: dict, weight=weights[0]):
         return call(weight, block_n=launch["BLOCK_N"], block_k=launch["BLOCK_K"], num_warps=launch["num_warps"],
-                    convert=launch["CONVERT"], sum_once=launch["SUM_ONCE"])
+                    convert=launch["CONVERT"], sum_once=launch["SUM_ONCE"], stages=launch["STAGES"])
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:  # compiles: ptxas runs outside the GIL
         outputs = list(pool.map(lambda launch: _or_error(run, launch), launches))
@@ -154,7 +159,7 @@ def _or_error(fn, *args):
 def write_gemv_table(report: list[dict], table_file: Path) -> None:
     """Each shape's fastest e4m3 launch, with its time and the 16-bit call's, as bucket 1 of this device's
     FP8 table (nanoserve_kernels/fp8_configs.py)."""
-    from nanoserve_kernels.fp8_configs import GEMV, WEIGHT_ONLY, shape_key
+    from nanoserve_kernels.fp8_configs import WEIGHT_ONLY, shape_key
     tables = json.loads(table_file.read_text()) if table_file.exists() else {}
     table = tables.setdefault(torch.cuda.get_device_name(), {})
     for entry in report:
@@ -221,14 +226,16 @@ def main() -> None:
                     f"{entry['gemv_us']:>9.2f}{entry['cublas_tbps']:>8.2f}{entry['gemv_tbps']:>8.2f}")
             if args.sweep and args.fp8:
                 call = fp8_call(model_call(name, x), args.fp8, k)
-                timings = fp8_sweep(call, weights, k, name == "gate_up", time.monotonic() + shape_budget)
+                stored = tuned(torch.cuda.get_device_name(), n, k, 1, name == "gate_up")
+                timings = fp8_sweep(call, weights, k, name == "gate_up", time.monotonic() + shape_budget,
+                                    stored.launch if stored and stored.backend == GEMV else None)
                 best = min(timings, key=timings.get)
                 entry.update(model_call_us=time_per_call(call, weights) * 1e6, best_us=timings[best] * 1e6,
                              best_launch=json.loads(best), bf16_call_us=bf16_call * 1e6,
                              sweep_us={config: seconds * 1e6 for config, seconds in timings.items()})
                 launch = entry["best_launch"]
                 line += (f"{entry['model_call_us']:>9.2f}{entry['best_us']:>9.2f}{entry['bf16_call_us']:>9.2f} "
-                         f"{tuple(launch[key] for key in ('BLOCK_N', 'BLOCK_K', 'num_warps', 'CONVERT', 'SUM_ONCE'))}")
+                         f"{tuple(launch.get(key) for key in LAUNCH_KEYS)}")
             elif args.sweep:
                 call = model_call(name, x)
                 timings = sweep(call, weights, k, args.fp8)
@@ -249,7 +256,7 @@ def main() -> None:
           + ("  model call us (fusions in), its best us (block_n, block_k, warps)"
              if args.sweep and not args.fp8 else "")
           + ("  model call us (fusions in), its best us, the 16-bit call us, (block_n, block_k, warps, conversion,"
-             " sum once)" if args.sweep and args.fp8 else ""))
+             " sum once, stages)" if args.sweep and args.fp8 else ""))
     print("\n".join(rows))
     layer = [e for e in report if e["layer"] != "lm_head"]
     total = {model: (sum(e["cublas_us"] for e in layer if e["model"] == model),

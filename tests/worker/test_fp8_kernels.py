@@ -70,11 +70,12 @@ def check_gemm(device: str, dtype: torch.dtype, launch: dict = SMALL_LAUNCH,
                         (*what, "silu")
 
 
-def check_gemv(device: str, dtype: torch.dtype, convert: str = "triton", sum_once: bool = False) -> None:
+def check_gemv(device: str, dtype: torch.dtype, convert: str = "triton", sum_once: bool = False,
+               stages: int = 0) -> None:
     """One row through the matrix-vector kernel reading e4m3 (`convert`: how, triton_gemv.CONVERTS; `sum_once`:
-    the block scales on x, one sum a row): plain, with a bias, with the RMSNorm prologue and the residual add,
-    and with the SiLU-and-mul."""
-    variant = dict(convert=convert, sum_once=sum_once)
+    the block scales on x, one sum a row; `stages`: tiles loaded ahead by Triton's pipeliner, else one by the
+    kernel): plain, with a bias, with the RMSNorm prologue and the residual add, and with the SiLU-and-mul."""
+    variant = dict(convert=convert, sum_once=sum_once, stages=stages)
     from nanoserve_kernels.triton_gemv import gemv, rms_norm_gemv
     from nanoserve_model.norm import rms_normalize
     for seed, (n, k, block) in enumerate(SHAPES):
@@ -105,9 +106,9 @@ def run_interpreted_cases(kernel: str) -> None:
         # interpreter runs the kernel a program a row (M = 300: ~3 s a shape)
         check_gemm("cpu", torch.float16, dict(SMALL_LAUNCH, BLOCK_M=64, BLOCK_N=64), fp8_reference.quantize_activation)
         return
-    if kernel == "gemv":  # Triton's conversion, then the integer one summing once a row, a dtype each (the
-        check_gemv("cpu", torch.float32)  # PTX conversion runs on CUDA only: tests/gpu)
-        check_gemv("cpu", torch.float16, convert="bits", sum_once=True)
+    if kernel == "gemv":  # Triton's conversion, then the integer one summing once a row with the tiles loaded in
+        check_gemv("cpu", torch.float32)  # the loop, a dtype each (the PTX conversion runs on CUDA only: tests/gpu)
+        check_gemv("cpu", torch.float16, convert="bits", sum_once=True, stages=2)
         return
     for dtype in (torch.float32, torch.float16):
         check_quantize("cpu", dtype)
@@ -147,10 +148,10 @@ def test_fp8_gemm_compiles_for_hopper(w8a8: bool, silu_mul: bool, launch: dict) 
     assert "e4m3" in ptx
 
 
-@pytest.mark.parametrize("mode, silu_mul, convert, sum_once", [
-    ("block", False, "triton", False), ("block", True, "triton", False), ("row", False, "triton", False),
-    ("row", True, "triton", False), ("block", True, "ptx", True), ("row", False, "bits", False)])
-def test_fp8_gemv_compiles_for_hopper(mode: str, silu_mul: bool, convert: str, sum_once: bool) -> None:
+@pytest.mark.parametrize("mode, silu_mul, convert, sum_once, stages", [
+    ("block", False, "triton", False, 0), ("block", True, "triton", False, 0), ("row", False, "triton", False, 0),
+    ("row", True, "triton", False, 0), ("block", True, "ptx", True, 3), ("row", False, "bits", False, 0)])
+def test_fp8_gemv_compiles_for_hopper(mode: str, silu_mul: bool, convert: str, sum_once: bool, stages: int) -> None:
     """Each way of reading e4m3: Triton's conversion and Hopper's paired convert (inline PTX, which the
     interpreter cannot run) take the e4m3 converts, the integer one none."""
     from nanoserve_kernels import triton_gemv
@@ -158,9 +159,10 @@ def test_fp8_gemv_compiles_for_hopper(mode: str, silu_mul: bool, convert: str, s
     types |= {"w_ptr": "*fp8e4nv" if convert == "triton" else "*i32", "scale_ptr": "*fp32", "eps": "fp32"}
     constexprs = dict(BLOCK_N=4, BLOCK_K=2048, HAS_BIAS=False, PROLOGUE="rms_norm", HAS_RESIDUAL=True,
                       SILU_MUL=silu_mul, PDL=False, WEIGHT_SCALE=mode, SCALE_BN=128 if mode == "block" else 1,
-                      SCALE_BK=128, CONVERT=convert, SUM_ONCE=sum_once)
+                      SCALE_BK=128, CONVERT=convert, SUM_ONCE=sum_once, STAGES=stages)
     ptx = _compile_for_hopper(triton_gemv._gemv_kernel, types, constexprs, num_warps=4)
     assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (convert != "bits")
+    assert ("cp.async" in ptx) == (stages > 0)  # the pipeliner's copies to shared memory
 
 
 def test_activation_quantization_compiles_for_hopper() -> None:
