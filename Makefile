@@ -66,12 +66,14 @@ serve: install
 	  kill -0 $$up 2>/dev/null || { wait $$up; exit 1; }; sleep 1; done; \
 	$(VENV)/bin/nanoserve generate "Tell me about the sea." --address 127.0.0.1:$(PORT) --max-tokens 32
 
-# Two pytest workers per core (pytest-xdist): a third of a worker's time goes to waiting on the
-# processes its tests start, and one thread a process (OMP_NUM_THREADS=1), as the workers and their
-# servers already fill the cores (intra-op threads spun idle beside them). --dist loadgroup: a file's
-# tests stay on one worker, in order, so its module fixtures (a running server) start once;
-# --no-loadscope-reorder: the groups go out in tests/conftest.py's order (longest first).
-TEST_WORKERS ?= $(shell echo $$((2 * $$(nproc))))
+# One pytest worker more than cores (pytest-xdist): a worker waits on the processes its tests start part
+# of the time, but the workers and their servers fill the cores, and each more worker costs CPU (one
+# more collection, more contention). On 2 cores, the same suite: 2 workers 470 s of pytest, 3 441 s,
+# 4 463 s, 5 486 s. One thread a process (OMP_NUM_THREADS=1), as the workers and their servers already
+# fill the cores (intra-op threads spun idle beside them). --dist loadgroup: a file's tests stay on one
+# worker, in order, so its module fixtures (a running server) start once; --no-loadscope-reorder: the
+# groups go out in tests/conftest.py's order (longest first).
+TEST_WORKERS ?= $(shell echo $$(($$(nproc) + 1)))
 test: install tiny-model
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests
 

@@ -6,13 +6,16 @@ from pathlib import Path
 import pytest
 
 from nanoserve_cli.cache import demo_model_dir
-from nanoserve_cli.demo_model import build_tiny_model
 from tests.services.processes import release_ports
 
 
 def _tiny_model(tied: bool) -> Path:
     path = demo_model_dir(tied)
     if not (path / "model.safetensors").exists():  # written last: its presence means a whole build
+        # imported here: make test's pytest-xdist controller loads this file too, and torch with
+        # transformers would cost it ~2 s before it starts its workers
+        from nanoserve_cli.demo_model import build_tiny_model
+
         build_tiny_model(path, tied)
     return path
 
