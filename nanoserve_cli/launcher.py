@@ -137,10 +137,11 @@ def stop_all(procs: list[subprocess.Popen]) -> None:
 def run_local(args: argparse.Namespace) -> int:
     signals = StopSignals()
     try:
-        model = Path(args.model) if args.model else demo_model()
-        check_before_start(args, model)
+        # the GPUs first: a layout this host cannot hold is wrong whatever else runs on it (its ports)
         gpus = layout.replica_gpus(layout.visible_gpus(args.device, os.environ), args.data_parallel_size,
                                    args.tensor_parallel_size) if args.data_parallel_size > 1 else None
+        model = Path(args.model) if args.model else demo_model()
+        check_before_start(args, model)
         router = router_command(args, [f"http://127.0.0.1:{layout.gateway_port(args, d)}"
                                        for d in range(args.data_parallel_size)],
                                 layout.router_metrics_port(args)) if args.data_parallel_size > 1 else None
