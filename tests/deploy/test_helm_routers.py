@@ -6,7 +6,8 @@ from importlib import metadata
 import pytest
 import yaml
 
-from nanoserve_cli.router import LOAD_POLL_SECONDS
+from nanoserve.flags import defaults
+from nanoserve_cli.router import LOAD_POLL_SECONDS, overload_flags
 from tests.deploy.chart_model import (FULLNAME, NAMESPACE, PROFILES, REPO, command_line, of_kind, one, pod_templates,
                                       pods, render, schema_errors)
 
@@ -38,6 +39,17 @@ def test_smg_discovers_the_pods_that_serve_the_openai_api(profile):
             assert args.service_discovery_port == gateway.port
     ports = {port["name"]: port["containerPort"] for port in container["ports"]}
     assert (ports["http"], ports["metrics"]) == (args.port, args.prometheus_port)
+
+
+@pytest.mark.parametrize("max_num_seqs", [None, 64])
+def test_smg_counts_a_replica_overloaded_as_up_does(max_num_seqs):
+    """A whole batch waiting (the engine's --max-num-seqs, the flag table's default when unset) or a
+    full pool, the thresholds `nanoserve up` gives SMG."""
+    docs = render(**({"engine.maxNumSeqs": max_num_seqs} if max_num_seqs else {}))
+    [container] = one(docs, "Deployment", ROUTER)["spec"]["template"]["spec"]["containers"]
+    expected = overload_flags(max_num_seqs or defaults("up")["max_num_seqs"])
+    start = container["args"].index(expected[0])
+    assert container["args"][start:start + len(expected)] == expected
 
 
 def test_smg_may_only_read_pods_in_its_namespace():
