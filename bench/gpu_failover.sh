@@ -7,13 +7,8 @@
 # 2. two replicas of the 0.6B shape (random weights), one per GPU, at 8 requests/s while a whole replica
 #    is SIGKILLed every 30 s and started again; the clients fail over (bench/chaos.py --kill replica):
 #    failed requests (target 0), recovery and extra latency per affected request, $OUT/chaos_replica.json.
-set -uo pipefail
-out=${OUT:-bench/out}; mkdir -p "$out"; export OUT=$out
-export PYTHONPATH=$PWD:$PWD/proto PYTHONUNBUFFERED=1 NANOSERVE_CACHE=$PWD/.cache
-if ls .whl/*.whl >/dev/null 2>&1; then  # packages the GPU image lacks (health, reflection)
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
+source bench/gpu_env.sh
+export OUT=$out
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 timeout 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_failover_gpu.py 2>&1 \
   | tee "$out/gpu_failover.log" | grep -E "^failover:|passed|failed|skipped|Error" | tail -8

@@ -18,14 +18,9 @@
 #   applies at start); then bench/fp8_pairs.py: 8B bf16 / FP8 (batch-1 ITL, TTFT@512, DESIGN throughput),
 #   0.6B bf16 / FP8, 8B FP8 + FP8 KV; the file's other tests in the time left. $OUT/fp8_configs.json is the
 #   table to commit; $OUT/summary.log the results.
-set -uo pipefail
 mode=${1:-speed}
-out=${OUT:-bench/out}; mkdir -p "$out"
-export PYTHONPATH=$PWD:$PWD/proto PYTHONUNBUFFERED=1 NANOSERVE_CACHE=$PWD/.cache OUT=$out
-if ls .whl/*.whl >/dev/null 2>&1; then  # packages the GPU image lacks (health, reflection)
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
+source bench/gpu_env.sh
+export OUT=$out
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "$mode" = tune ]; then
   timeout 560 python3 bench/tune_fp8.py --budget-s 500 2>&1 | tee "$out/tune_fp8.log" | tail -120
