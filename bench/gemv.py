@@ -45,8 +45,15 @@ LAUNCH_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "CONVERT", "SUM_ONCE", "STAGES
 FP8_BLOCKS = {"block": lambda k: (128, 128), "row": lambda k: (1, k)}  # scale block of each --fp8 layout
 
 
+def copies_past_l2(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """Sets of copies of the tensors that together exceed the L2 cache four times: calls that cycle
+    through them read their operands from memory, as serving does."""
+    count = max(2, 4 * L2_BYTES // sum(t.nbytes for t in tensors) + 1)
+    return [tuple(t.clone() for t in tensors) for _ in range(count)]
+
+
 def weight_copies(w: torch.Tensor) -> list[torch.Tensor]:
-    return [w.clone() for _ in range(max(2, 4 * L2_BYTES // w.nbytes + 1))]
+    return [copy for copy, in copies_past_l2(w)]
 
 
 def time_per_call(fn, weights: list[torch.Tensor], repeats: int = 20) -> float:
@@ -172,9 +179,7 @@ def write_gemv_table(report: list[dict], table_file: Path) -> None:
 def fp8_weights(w: torch.Tensor, fp8: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Copies of w in e4m3 with their scales (exceeding L2 as weight_copies does), as (weight, scale)."""
     from nanoserve_kernels.fp8_reference import quantize_weight
-    quantized, scale = quantize_weight(w, FP8_BLOCKS[fp8](w.shape[1]))
-    copies = max(2, 4 * L2_BYTES // quantized.nbytes + 1)
-    return [(quantized.clone(), scale.clone()) for _ in range(copies)]
+    return copies_past_l2(*quantize_weight(w, FP8_BLOCKS[fp8](w.shape[1])))
 
 
 def fp8_call(call, fp8: str, k: int):

@@ -31,6 +31,7 @@ sys.path[:0] = [str(REPO), str(REPO / "proto")]
 
 from nanoserve_kernels import fp8_configs, fp8_reference  # noqa: E402
 from nanoserve_kernels.fp8_configs import SCALED_MM, TRITON, W8A8, WEIGHT_ONLY, Fp8Choice  # noqa: E402
+from gemv import copies_past_l2  # noqa: E402  (bench/, this script's folder)
 
 BLOCK = (128, 128)
 SHAPES = {  # name -> [(N, K, silu_mul)]: q/k/v, o, gate/up, down at one rank
@@ -39,7 +40,6 @@ SHAPES = {  # name -> [(N, K, silu_mul)]: q/k/v, o, gate/up, down at one rank
 }
 BUCKETS = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 WEIGHT_ONLY_MAX = 256
-L2_BYTES = 50 * 2**20  # the H100's
 
 
 def launches(mode: str, rows: int) -> list[dict]:
@@ -74,11 +74,6 @@ def graph_time(fn, copies: list[tuple], calls: int = 20) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / 1000 / (5 * calls)
-
-
-def copies_past_l2(*tensors: torch.Tensor) -> list[tuple]:
-    count = max(2, 4 * L2_BYTES // sum(t.nbytes for t in tensors) + 1)
-    return [tuple(t.clone() for t in tensors) for _ in range(count)]
 
 
 def candidates(x, weight, silu_mul: bool, stored: Fp8Choice | None):
