@@ -3,12 +3,14 @@
 
 SMG listens with the accept queue Rust's standard library gives every listener, 128 connections, and
 no flag changes it. A burst of new connections larger than what SMG accepts meanwhile overflows it: the
-kernel drops the connection's SYN and the client sends it again only after its initial retransmission
-timeout, one second (three for a second drop). On two H200s a benchmark's 512 streams opened at once
-from four client processes reached the replicas spread over about a second, and two replicas through
-SMG gave 0.88 of twice one replica straight to its gateway, whose uvicorn listens with 2,048. Linux
-lets a listening socket's queue be set again by another listen() on it, so a thread here finds SMG's
-listening socket among this process's descriptors once SMG has bound it, and deepens its queue.
+kernel drops those SYNs and each client sends its SYN again only after its initial retransmission
+timeout, one second (three for a second drop). On the 2-core development machine 512 connections
+opened at once to a freshly started SMG lost 140-153 SYNs so (bench/burst_arrival.py); a benchmark
+that opens its 512 streams at once from four client processes can do the same; on two H200s its
+requests reached the replicas spread over about a second (docs/scale-out.md). uvicorn, each replica's
+gateway, listens with 2,048. Linux sets a listening socket's queue again on another listen() on it, so
+a thread here finds SMG's listening socket among this process's descriptors once SMG has bound it, and
+deepens its queue.
 """
 import logging
 import os
