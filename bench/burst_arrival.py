@@ -35,6 +35,7 @@ import datetime
 import itertools
 import json
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -152,9 +153,9 @@ def summarize(streams: list[Stream], overflows: int) -> dict:
 
 
 @contextlib.contextmanager
-def router(gateways: list[str], policy: str, own_launcher: bool, log: Path) -> Iterator[int]:
+def router(gateways: list[str], policy: str, own_launcher: bool, log: Path, port: int = 0) -> Iterator[int]:
     """SMG in front of the gateways with up's flags, through up's launcher or SMG's own: its port."""
-    port = free_port()
+    port = port or free_port()
     up = argparse.Namespace(host="127.0.0.1", openai_port=port, router_policy=policy, shutdown_timeout=5,
                             max_num_seqs=defaults("up")["max_num_seqs"])
     command = router_command(up, gateways, free_port())
@@ -169,16 +170,74 @@ def router(gateways: list[str], policy: str, own_launcher: bool, log: Path) -> I
         stop_all([proc])
 
 
-def print_row(path: str, round_: int, r: dict) -> None:
-    print(f"{path:<9}{round_:>6}{r['connections']:>7}{r['slow_connects']:>6}{r['listen_overflows']:>10}"
+@contextlib.contextmanager
+def backends(args: argparse.Namespace) -> Iterator[tuple[list[str], list[Path]]]:
+    """The replicas' gateway URLs and their schedulers' logs: --gateways and --scheduler-logs, else null
+    replicas started here, each scheduler logging to a file beside --out."""
+    if args.gateways:
+        yield args.gateways, args.scheduler_logs
+        return
+    logs = [args.out.with_suffix(f".scheduler{d}.log") for d in range(args.replicas)]
+    with contextlib.ExitStack() as running:
+        for log in logs:
+            log.write_bytes(b"")
+        yield [running.enter_context(started_gateway(running.enter_context(
+            null_service(args.tokenizer, "", args.step_ms, log=log)))) for log in logs], logs
+
+
+def run_paths(args: argparse.Namespace, gateways: list[str], logs: list[Path]) -> list[dict]:
+    """Each round a burst down each path, the paths' order rotating: each burst's summary."""
+    runs = []
+    with contextlib.ExitStack() as running:
+        ports = {"direct": int(gateways[0].rsplit(":", 1)[1])}
+        for path in set(args.paths) - {"direct"}:
+            ports[path] = running.enter_context(router(gateways, args.policy, path == "smg-own",
+                                                       args.out.with_suffix(".smg.log")))
+        model = model_of(gateways[0])
+        decode = Tokenizer.from_file(str(Path(args.tokenizer) / "tokenizer.json")).decode
+        seeds = itertools.count(args.seed)
+        for round_ in range(args.rounds):
+            for index in range(len(args.paths)):
+                path = args.paths[(round_ + index) % len(args.paths)]
+                count = args.connections * (1 if path == "direct" else len(gateways))
+                # the throughput workload's prompts as text (as bench/serve.py --text-prompts sends them)
+                requests = make_requests(count, tuple(args.input_len), (args.output_tokens,) * 2, seed=next(seeds))
+                bodies = [json.dumps({"model": model, "prompt": decode(r.prompt), "max_tokens": r.max_tokens,
+                                      "stream": True, "ignore_eos": True}).encode() for r in requests]
+                before = listen_overflows()
+                streams = asyncio.run(burst(ports[path], bodies))
+                overflows = listen_overflows() - before
+                time.sleep(0.5)  # the last "request finished" lines reach the logs
+                read_arrivals(logs, streams)
+                runs.append({"path": path, "round": round_, **summarize(streams, overflows)})
+                print_row(runs[-1])
+                time.sleep(1.0)  # the connections' ends settle before the next burst
+    return runs
+
+
+def serve_smg_own(args: argparse.Namespace) -> None:
+    """SMG's own launcher with up's flags on --serve-smg-own's port in front of --gateways, until stopped."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    with router(args.gateways, args.policy, True, args.out.with_suffix(".smg.log"), args.serve_smg_own):
+        print(f"SMG's own launcher routes on port {args.serve_smg_own}", flush=True)
+        signal.pause()
+
+
+def print_row(r: dict) -> None:
+    print(f"{r['path']:<9}{r['round']:>6}{r['connections']:>7}{r['slow_connects']:>6}{r['listen_overflows']:>10}"
           f"{r['arrival_ms']['p50']:>9.0f}{r['arrival_ms']['p90']:>9.0f}{r['arrival_ms']['p99']:>9.0f}"
           f"{r['arrival_spread_ms']:>9.0f}{r['first_token_ms']['p50']:>9.0f}{r['first_token_ms']['p90']:>9.0f}",
           flush=True)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--replicas", type=int, default=1, help="replicas behind SMG (direct goes to the first)")
+    p.add_argument("--replicas", type=int, default=1, help="null replicas started here (direct goes to the first)")
+    p.add_argument("--gateways", nargs="+", default=[], metavar="URL", help="running replicas' gateways instead")
+    p.add_argument("--scheduler-logs", nargs="+", default=[], type=Path, metavar="FILE",
+                   help="with --gateways: where their schedulers log (their \"request finished\" lines)")
+    p.add_argument("--serve-smg-own", type=int, default=0, metavar="PORT",
+                   help="with --gateways: only run SMG's own launcher with up's flags on PORT until stopped")
     p.add_argument("--connections", type=int, default=512, help="connections a replica takes in each burst")
     p.add_argument("--paths", nargs="+", default=["direct", "smg", "smg-own"], choices=["direct", "smg", "smg-own"])
     p.add_argument("--policy", default="cache_aware", help="SMG's --policy")
@@ -190,41 +249,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "burst_arrival.json")
     args = p.parse_args(argv)
+    if (args.scheduler_logs or args.serve_smg_own) and not args.gateways:
+        p.error("--scheduler-logs and --serve-smg-own go with --gateways")
+    if args.gateways and not args.serve_smg_own and not args.scheduler_logs:
+        p.error("--gateways needs --scheduler-logs (the schedulers' arrival times)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    logs = [args.out.with_suffix(f".scheduler{d}.log") for d in range(args.replicas)]
-    smg_log = args.out.with_suffix(".smg.log")
-    for log in [*logs, smg_log]:
-        log.write_bytes(b"")
-    report = {"command": " ".join(sys.argv), "replicas": args.replicas, "policy": args.policy, "runs": []}
+    if args.serve_smg_own:
+        serve_smg_own(args)
+        return
     print(f"{'path':<9}{'round':>6}{'conns':>7}{'slow':>6}{'overflows':>10}  arrival ms p50 / p90 / p99, "
           "spread; first token p50 / p90")
-    with contextlib.ExitStack() as running:
-        gateways = [running.enter_context(started_gateway(running.enter_context(
-            null_service(args.tokenizer, "", args.step_ms, log=log)))) for log in logs]
-        model = model_of(gateways[0])
-        ports = {"direct": int(gateways[0].rsplit(":", 1)[1])}
-        for path in set(args.paths) - {"direct"}:
-            ports[path] = running.enter_context(router(gateways, args.policy, path == "smg-own", smg_log))
-        decode = Tokenizer.from_file(str(Path(args.tokenizer) / "tokenizer.json")).decode
-        seeds = itertools.count(args.seed)
-        for round_ in range(args.rounds):
-            for index in range(len(args.paths)):
-                path = args.paths[(round_ + index) % len(args.paths)]
-                count = args.connections * (1 if path == "direct" else args.replicas)
-                # the throughput workload's prompts as text (as bench/serve.py --text-prompts sends them)
-                requests = make_requests(count, tuple(args.input_len), (args.output_tokens,) * 2, seed=next(seeds))
-                bodies = [json.dumps({"model": model, "prompt": decode(r.prompt), "max_tokens": r.max_tokens,
-                                      "stream": True, "ignore_eos": True}).encode() for r in requests]
-                before = listen_overflows()
-                streams = asyncio.run(burst(ports[path], bodies))
-                overflows = listen_overflows() - before
-                time.sleep(0.5)  # the last "request finished" lines reach the logs
-                read_arrivals(logs, streams)
-                result = summarize(streams, overflows)
-                report["runs"].append({"path": path, "round": round_, **result})
-                print_row(path, round_, result)
-                time.sleep(1.0)  # the connections' ends settle before the next burst
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    with backends(args) as (gateways, logs):
+        runs = run_paths(args, gateways, logs)
+    args.out.write_text(json.dumps({"command": " ".join(sys.argv), "replicas": len(gateways),
+                                    "policy": args.policy, "runs": runs}, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 
