@@ -20,10 +20,11 @@
 #   table to commit; $OUT/summary.log the results.
 # perf (< 9 minutes, each step cut to what is left; FP8_PERF_BUDGET_S, default 510): self-tuning, for the 8B
 #   targets: the kernels' test; the batch-1 e4m3 gemv sweep on the 8B shapes (a grid around the stored tiles);
-#   bench/tune_fp8.py --shapes 8b at the decode buckets 256-32 (the most served first) with every candidate (tiles, K split 1/2/4,
-#   scaled_mm), which writes nanoserve_kernels/fp8_configs.json; bench/fp8_pairs.py 8B bf16 / FP8 / FP8 + FP8 KV
-#   served with that table; the file's other tests last. $OUT: fp8_configs.json (commit it), tune_fp8.log and
-#   gemv_fp8_block.json (every candidate's time), pairs.json, summary.log.
+#   bench/tune_fp8.py --shapes 8b with every candidate (tiles, K split 1/2/4, scaled_mm) at the decode buckets
+#   256 to 32 (the most served first), then 512 and 2048 rows while its time lasts, which writes
+#   nanoserve_kernels/fp8_configs.json; bench/fp8_pairs.py 8B bf16 / FP8 / FP8 + FP8 KV served with that table;
+#   the file's other tests last. $OUT: fp8_configs.json (commit it), tune_fp8.log and gemv_fp8_block.json (every
+#   candidate's time), pairs.json, summary.log.
 mode=${1:-speed}
 source bench/gpu_env.sh
 export OUT=$out
@@ -36,7 +37,7 @@ fi
 if [ "$mode" = speed ] || [ "$mode" = perf ]; then
   if [ "$mode" = perf ]; then
     end=$((SECONDS + ${FP8_PERF_BUDGET_S:-510})) shapes=qwen3-8b gemv_s=110 tune_s=115 pairs_s=210 pairs_after=100
-    gemv=(--models 8b --budget-s 30) tune=(--shapes 8b --buckets 256 128 64 32 --budget-s 100)
+    gemv=(--models 8b --budget-s 30) tune=(--shapes 8b --buckets 256 128 64 32 512 2048 --budget-s 100)
     pairs=(--only 8b_bf16 8b_fp8 8b_fp8_kvfp8)
   else
     end=$((SECONDS + ${FP8_SPEED_BUDGET_S:-470})) shapes="qwen3-8b qwen3-0.6b" gemv_s=120 tune_s=75 pairs_s=300
