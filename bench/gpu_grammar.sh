@@ -2,14 +2,14 @@
 # On a lent GPU machine, from the repo root (issue 40). Wheels the image lacks (llguidance, jsonschema and
 # its needs) come from .whl/. Results under $OUT (default bench/out).
 #
-#   bench/gpu_grammar.sh        (one call of under 8 minutes) the grammar-mask kernel against its reference
-#                               on CUDA, the structured-output service tests on CUDA, bench/grammar.py on the
+#   bench/gpu_grammar.sh        (one call of under 8 minutes) the grammar-mask kernel and the race sampler
+#                               (masked or not) against their references on CUDA, the structured-output service tests on CUDA, bench/grammar.py on the
 #                               0.6B and 8B shapes (dummy weights), then bench/grammar_host.py on the 0.6B shape;
-#   bench/gpu_grammar.sh bench  (under 5 minutes) the kernel test and bench/grammar.py on both shapes only.
+#   bench/gpu_grammar.sh bench  (under 5 minutes) the kernel tests and bench/grammar.py on both shapes only.
 # Both end with a summary, two lines a shape: the throughput ratio; rank 0's decode steps (device busy, idle
 # before each, host time) and prefill/mixed steps (busy, host); the device's seconds in steps against the
-# run's; the mask split (mask thread: tokens wait, consume, fill, first masks; launcher: wait, queue; ms a
-# masked step); batch-1 ITL with its split, first use and invalid outputs.
+# run's; the mask split (mask thread: tokens wait, consume, fill, first masks; launcher: wait, then queuing the
+# copy of the step's rows (and, where processors or logprobs follow, the mask kernel); ms a masked step); batch-1 ITL with its split, first use and invalid outputs.
 #
 # bench/grammar.py: DESIGN throughput with every request JSON-schema constrained against none, batch-1 ITL
 # with and without, first-use compile of a typical schema, invalid outputs among constrained ones that
@@ -18,7 +18,7 @@ source bench/gpu_env.sh
 mode=${1:-all}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import llguidance, jsonschema; print('llguidance', llguidance.__version__)" || exit 1
-timeout 30 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py -k token_bitmask 2>&1 \
+timeout 90 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py -k "token_bitmask or sampling" 2>&1 \
   | tee "$out/grammar_kernel.log" | tail -3
 if [ "$mode" = all ]; then
   NANOSERVE_TEST_DEVICE=cuda timeout 100 python3 -m pytest -q -p no:cacheprovider \

@@ -7,10 +7,11 @@ once with every sequence held to bench/grammar.py's LONG schema and once without
 Per step kind (prefill/mixed: a step that computes some prompt; decode), it reports the runner's
 launch time (host; on the CPU the forward runs inside it, the same on both sides) and, in the
 constrained run, the launcher thread's time in the grammar's hooks: reset (a sequence starts),
-mask (the step's masks: whatever of their filling and of the previous step's tokens' consumption
-the launcher thread waits for or does, then the apply) and observe (the drawn tokens handed on);
-`grammar_host_ms` is their sum less the apply (`_apply`), which on a GPU is a kernel launch but
-here runs on the CPU.
+draw_masks or mask (the step's masks: whatever of their filling and of the previous step's tokens'
+consumption the launcher thread waits for, the copy of the step's rows, and for mask the apply) and
+observe (the drawn tokens handed on to the mask thread); `grammar_host_ms` is their sum less the
+apply (`_apply`), which on a GPU is a kernel launch but here runs on the CPU. (draw_masks' masks are
+applied inside the sampler's race: no launch of their own on a GPU, here the reference's work.)
 
 On a GPU (--device cuda) the forward runs behind the launch, as in serving; each step is still
 waited for before the next, so `launch_ms` there is the host's time plus the step's wait.
@@ -154,7 +155,8 @@ def main() -> None:
     runner = ModelRunner(config)
     grammar = GrammarCompiler(runner.grammar_tokenizer).compile("json", json.dumps(LONG))
     runner.allocate_kv_cache(num_blocks)
-    timed, result = Timed(runner.extras.grammar, ("reset", "fill_first_masks", "mask", "observe", "_apply")), {}
+    timed = Timed(runner.extras.grammar, ("reset", "fill_first_masks", "draw_masks", "mask", "observe", "_apply"))
+    result = {}
     for name, text in (("plain", ""), ("json_schema", grammar)):
         drive(runner, timed, jobs[:2], text, args.max_num_batched_tokens, 2)  # warm-up: vocabulary, template
         profile = cProfile.Profile() if args.profile and text else None

@@ -18,6 +18,7 @@ V directly (its series).
 import torch
 
 from nanoserve.mathutil import cdiv
+from nanoserve_kernels.token_bitmask import TokenMasks, masked_copy
 
 PHILOX_ROUNDS = 10
 PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57  # round multipliers
@@ -77,9 +78,12 @@ def race_noise(keys: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> t
 
 
 def race_sample(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor,
-                counters: torch.Tensor) -> torch.Tensor:
+                counters: torch.Tensor, masks: TokenMasks | None = None) -> torch.Tensor:
     """One token id (int64) per row of logits [rows, vocab]; temperatures [rows] (0: greedy), keys
-    and counters [rows] int64. Scores are float32, the temperature applied by division."""
+    and counters [rows] int64; `masks`: grammar masks the race respects (a refused token scores -inf).
+    Scores are float32, the temperature applied by division."""
+    if masks is not None:
+        logits = masked_copy(logits, masks)
     scores = logits.to(torch.float32, copy=True)  # the caller's logits stay as they are
     sampled = temperatures > 0
     if sampled.any():

@@ -3,13 +3,32 @@
 
 A mask row is the grammar engine's bitmask (llguidance's and xgrammar's layout): int32 words, bit j of
 word w allowing token 32 w + j. Tokens a row's mask leaves out get -inf, in place, before any other
-logits processor and the draw, so neither temperature nor top-k/top-p can bring them back."""
+logits processor and the draw, so neither temperature nor top-k/top-p can bring them back. A draw with no other
+processor takes the masks into the sampling kernel itself (TokenMasks), rather than in a launch of
+their own."""
+from typing import NamedTuple
+
 import torch
 
 
 def bitmask_words(vocab_size: int) -> int:
     """int32 words in one mask row."""
     return (vocab_size + 31) // 32
+
+
+class TokenMasks(NamedTuple):
+    """Masks for a draw: row i of the logits keeps the tokens table[rows[i]] allows, or every token
+    where rows[i] < 0 (an unconstrained sequence)."""
+    table: torch.Tensor  # [table rows, bitmask_words(vocab)] int32
+    rows: torch.Tensor   # [logits rows] int64
+
+
+def masked_copy(logits: torch.Tensor, masks: TokenMasks) -> torch.Tensor:
+    """logits with `masks` applied, in a copy (the reference for a draw that takes masks)."""
+    masked = torch.nonzero(masks.rows >= 0).flatten()
+    logits = logits.clone()
+    apply_token_bitmask(logits, masks.table, masks.rows[masked], masked)
+    return logits
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, mask_rows: torch.Tensor,

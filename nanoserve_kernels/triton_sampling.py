@@ -5,7 +5,8 @@ The first kernel splits each row's vocabulary into equal ranges, one program eac
 still fills the GPU: each lane of a program keeps the best score and its token among the entries
 it sees, drawing noise only for rows at temperature > 0, and the program reduces its lanes once at
 the end (a reduction per block cost a fifth of the loop). The second picks each row's best over its
-ranges.
+ranges. A draw under grammar masks reads each masked row's mask words beside its logits in the first
+kernel (its MASKED variant), so the masks cost the host no launch of their own.
 
 On a GPU the two logarithms of a draw use the hardware's approximate log2 (MUFU.LG2): libdevice's
 exact logf is a dozen FMAs and its special cases, and with it the kernel was bound by instruction
@@ -22,6 +23,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from nanoserve_kernels import race_sampling
+from nanoserve_kernels.token_bitmask import TokenMasks
 
 # Vocabulary entries per step of a program (four per Philox draw), and programs wanted per SM: at
 # [256, 151,936] 2,048 and 4 take 79 us, 2,048 and 8 79, 4,096 and 4 101 (H100; 64 rows 23, 27, 31 us).
@@ -53,12 +55,16 @@ def _exponential_noise(words):
     return tl.where(v < _SERIES_BELOW, series, -_log(1.0 - v))
 
 
-@triton.jit(do_not_specialize=["vocab_size", "blocks_per_split"])
+# The mask rows are often the step's sampled slots, a view at any 8-byte offset: one compile for all.
+@triton.jit(do_not_specialize=["vocab_size", "blocks_per_split", "mask_words"],
+            do_not_specialize_on_alignment=["mask_rows"])
 def _race_kernel(logits, stride_row, temperatures, keys, counters, best_scores, best_tokens, vocab_size,
-                 blocks_per_split, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+                 blocks_per_split, bitmask, mask_rows, mask_words, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                 MASKED: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     temperature = tl.load(temperatures + row).to(tl.float32)
+    mask_row = tl.load(mask_rows + row).to(tl.int64) if MASKED else -1
     key = tl.load(keys + row)
     counter = tl.load(counters + row)
     zero = tl.zeros([BLOCK // 4], tl.uint32)
@@ -71,6 +77,10 @@ def _race_kernel(logits, stride_row, temperatures, keys, counters, best_scores, 
         entries = block * BLOCK + tl.arange(0, BLOCK)
         scores = tl.load(logits + row.to(tl.int64) * stride_row + entries, mask=entries < vocab_size,
                          other=float("-inf")).to(tl.float32)
+        if MASKED:  # the row's grammar mask (token_bitmask.py's layout); a row < 0 keeps every token
+            if mask_row >= 0:
+                word = tl.load(bitmask + mask_row * mask_words + entries // 32, mask=entries < vocab_size, other=0)
+                scores = tl.where(((word >> (entries % 32)) & 1) != 0, scores, float("-inf"))
         if temperature > 0:
             draws = (block * (BLOCK // 4) + tl.arange(0, BLOCK // 4)).to(tl.uint32)
             w0, w1, w2, w3 = tl.philox(key, draws, counter_lo, counter_hi, zero)
@@ -110,8 +120,9 @@ def num_splits(rows: int, vocab_size: int, device: torch.device) -> int:
 
 
 def race_sample(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor,
-                counters: torch.Tensor) -> torch.Tensor:
-    """nanoserve_kernels.race_sampling.race_sample: one token id (int64) per row of logits [rows, vocab]."""
+                counters: torch.Tensor, masks: TokenMasks | None = None) -> torch.Tensor:
+    """nanoserve_kernels.race_sampling.race_sample: one token id (int64) per row of logits [rows, vocab].
+    Grammar masks are read inside the race, so a masked draw costs no launch of its own."""
     rows, vocab_size = logits.shape
     assert logits.stride(1) == 1
     splits = num_splits(rows, vocab_size, logits.device)
@@ -120,8 +131,9 @@ def race_sample(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Te
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return tokens
+    table, mask_rows = masks if masks is not None else (keys, keys)  # unread without masks
     _race_kernel[(rows, splits)](logits, logits.stride(0), temperatures, keys, counters, best_scores, best_tokens,
-                                 vocab_size, triton.cdiv(triton.cdiv(vocab_size, BLOCK), splits),
-                                 SPLITS=splits, BLOCK=BLOCK)
+                                 vocab_size, triton.cdiv(triton.cdiv(vocab_size, BLOCK), splits), table, mask_rows,
+                                 table.shape[-1], SPLITS=splits, BLOCK=BLOCK, MASKED=masks is not None)
     _pick_kernel[(rows,)](best_scores, best_tokens, tokens, SPLITS=splits)
     return tokens

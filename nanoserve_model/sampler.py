@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from nanoserve_kernels.race_sampling import race_sample
+from nanoserve_kernels.token_bitmask import TokenMasks
 
 # The worker's own draws count in the upper half of the counter space, which seeded rows (whose
 # counter is a token count) never reach.
@@ -71,22 +72,25 @@ class Sampler:
         return SamplingBatch(*(torch.from_numpy(column).to(self.device) for column in columns),
                              all_greedy=not columns.temperatures.any())
 
-    def warm_up(self, logits: torch.Tensor) -> None:
+    def warm_up(self, logits: torch.Tensor, masks: TokenMasks | None = None) -> None:
         """Samples the first n rows of logits for every n, largest first: the race's launch shape
         follows the row count, and a shape first met while serving compiles there (~1 s each on a
-        cold Triton cache: the first throughput run on a fresh machine was 27% slower)."""
+        cold Triton cache: the first throughput run on a fresh machine was 27% slower). With `masks`
+        (a row for each of the logits'), the masked race's shapes."""
         batch = self.batch([SamplingRow(1.0, None, 0)] * len(logits))
         for rows in range(len(logits), 0, -1):
             self(logits[:rows], SamplingBatch(batch.temperatures[:rows], batch.keys[:rows], batch.counters[:rows],
-                                              all_greedy=False))
+                                              all_greedy=False),
+                 masks and TokenMasks(masks.table, masks.rows[:rows]))
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, masks: TokenMasks | None = None) -> torch.Tensor:
         """One token id per row of logits [S, vocab], on the device (int64, no host sync);
-        temperature is applied in float32. An all-greedy batch takes one argmax (the race's own
-        greedy rule) and skips the race's launches."""
-        if batch.all_greedy:
+        temperature is applied in float32; `masks`: the rows' grammar masks, applied inside the race.
+        An all-greedy batch with no masks takes one argmax (the race's own greedy rule) and skips the
+        race's launches."""
+        if batch.all_greedy and masks is None:
             return logits.argmax(dim=-1)
-        return self._race(logits, batch.temperatures, batch.keys, batch.counters)
+        return self._race(logits, batch.temperatures, batch.keys, batch.counters, masks)
 
 
 class SamplingColumns(NamedTuple):

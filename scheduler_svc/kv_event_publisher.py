@@ -29,6 +29,7 @@ log = logging.getLogger("nanoserve.scheduler")
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 DATA_PARALLEL_RANK = 0  # a replica is one scheduler: several replicas are told apart by their endpoints
+REPLAY_SEND_TIMEOUT_MS = 1000  # how long a replay waits for a reader that does not take it before giving up
 
 
 class KVEventPublisher:
@@ -49,6 +50,11 @@ class KVEventPublisher:
             else:
                 self.pub.connect(config.endpoint)
             if self.replay is not None:
+                # A whole replay (every kept batch and its end) fits the reader's queue, and a queue that is
+                # still full fails the send (ROUTER_MANDATORY) instead of dropping batches from its middle.
+                self.replay.setsockopt(zmq.SNDHWM, config.buffer_steps + 1)
+                self.replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                self.replay.setsockopt(zmq.SNDTIMEO, REPLAY_SEND_TIMEOUT_MS)
                 self.replay.bind(config.replay_endpoint)
         except zmq.ZMQError as err:
             self._close_sockets()
@@ -114,10 +120,13 @@ class KVEventPublisher:
             return
         client, _, start = frames
         first = int.from_bytes(start, "big")
-        for sequence, payload in list(self.kept):
-            if sequence >= first:
-                self.replay.send_multipart((client, b"", sequence.to_bytes(8, "big"), payload))
-        self.replay.send_multipart((client, b"", END_OF_REPLAY, b""))
+        try:
+            for sequence, payload in list(self.kept):
+                if sequence >= first:
+                    self.replay.send_multipart((client, b"", sequence.to_bytes(8, "big"), payload))
+            self.replay.send_multipart((client, b"", END_OF_REPLAY, b""))
+        except zmq.ZMQError as err:  # the reader left, or has not read its earlier replays: it gets no end marker
+            log.warning("KV events: a replay from %d stopped, its reader does not take it (%s)", first, err)
 
 
 def _as_list(token_ids: array) -> list[int]:

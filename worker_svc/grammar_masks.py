@@ -5,14 +5,17 @@ crosses the wire.
 Each constrained slot's next mask is filled ahead, into a per-slot table in pinned host memory, by
 one mask thread that takes its jobs in order: the first masks of a step's new sequences, once their
 matchers exist, and after each step the rows that step drew: the thread waits for the step's
-tokens to come home, the matchers consume them and fill their next masks (both on llguidance's own
-threads). A step that samples constrained rows waits for the jobs queued before it, copies the
-table's rows it needs to the device's copy of the table and masks the logits in one launch (each
-logits row reads its slot's row) before every other logits processor: the launcher thread does none
-of the grammar work and gathers nothing, so it builds and queues the step's forward pass while the
-masks are filled, and the fill starts the moment the tokens it needs are home. Only steps that
-sample constrained rows wait for the previous step's tokens; the others (prefills and resets
-included) keep the pipeline as deep as it is. mask_timings.py splits the time per step.
+tokens to come home, the matchers consume them and fill their next masks (llguidance's native fill
+drops the GIL; many rows go to llguidance's own threads). The launcher thread does none of that work,
+at any batch size: while the mask thread advances step N's matchers, the launcher builds and queues
+step N+1's forward pass, and only right before step N+1's draw does it wait for the jobs (normally
+done by then). It then copies the table's rows the step needs to the device's copy of the table and
+hands the draw its masks: either to the sampler (draw_masks), whose race kernel reads each row's mask
+beside its logits, so a masked draw costs the launcher one copy and no launch of its own; or, when
+other logits processors or logprobs follow, by masking the logits in place in one launch (mask),
+before them. Only steps that sample constrained rows wait for the previous step's tokens; the others
+(prefills and resets included) keep the pipeline as deep as it is. mask_timings.py splits the time
+per step.
 
 A grammar is compiled once per text (a template matcher, cached; each sequence takes a copy) on a
 thread of its own, off the step loop. A reset also replays the generated tokens the scheduler sends,
@@ -27,10 +30,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 from llguidance import LLExecutor, LLMatcher
-from llguidance.numpy import consume_token_par, fill_next_token_bitmask, fill_next_token_bitmask_par
+from llguidance.numpy import consume_token_par, fill_next_token_bitmask_par
 
 from nanoserve.grammar_tokenizer import GrammarTokenizer
-from nanoserve_kernels.token_bitmask import apply_token_bitmask, bitmask_words
+from nanoserve_kernels.token_bitmask import TokenMasks, apply_token_bitmask, bitmask_words
 from nanoserve_model.logits_processors import upload
 from worker_svc.mask_timings import MaskTimings
 
@@ -43,11 +46,9 @@ TEMPLATE_CACHE_SIZE = 256
 # one core of the busy 2-core development machine, so a few threads do; every further thread is one more
 # that a busy host may deschedule in the middle of a step's rows, holding up the whole step.
 MASK_THREADS = max(1, min(4, (os.cpu_count() or 2) // 4))
-# A step with at most this many constrained rows has its matchers advanced on the launcher thread, when
-# the next masked step needs them: a row takes ~10 us, while handing the work to the mask thread and
-# back takes the GIL three times more per step, each a switch on the launcher's critical path (batch-1
-# decode is bound by the launcher's Python).
-INLINE_ROWS = 4
+# A step with at most this many masked rows copies them on the step's own stream: a side stream's
+# hand-over costs the launcher more than the copy of a few 19 KB rows costs the device.
+SIDE_STREAM_ROWS = 4
 
 
 class GrammarMasks:
@@ -62,14 +63,15 @@ class GrammarMasks:
         # so a step's rows go to the device straight from here, with no per-step buffer.
         self.host_table = torch.zeros((capacity, self.words), dtype=torch.int32, pin_memory=pinned)
         self.next_masks = self.host_table.numpy()
+        # where llguidance fills a slot's row: address + slot * row_bytes
+        self.table_address, self.row_bytes = self.host_table.data_ptr(), 4 * self.words
         self.device_table = self.host_table.to(device) if pinned else self.host_table
         # A large step's rows (up to 19 KB each) go over on a stream of their own, beside the forward pass
         # still running, rather than after it on the step's stream.
         self.copy_stream = torch.cuda.Stream(device) if pinned else None
         self.new_sequences: list[tuple[int, Future]] = []  # this step's resets, their first masks not yet asked for
         self.jobs: list[Future] = []  # the mask thread's jobs since the last masked step
-        self.inline_advance: tuple | None = None  # a small step's advance, left to the next masked step
-        self.device_rows: torch.Tensor | None = None  # the masked rows of the current step; None: all of them
+        self.every_row = True  # whether every row the current step samples is masked
         self.compiler = ThreadPoolExecutor(2, thread_name_prefix="grammar")
         self.mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")  # one: jobs keep their order
         self.executor: LLExecutor | None = None
@@ -126,9 +128,10 @@ class GrammarMasks:
 
     def _fill(self, live: list[tuple[LLMatcher, int]]) -> None:
         """Each matcher's next mask into its slot's row: on llguidance's threads, one row here (handing
-        it over costs more)."""
+        it over costs more), straight into the row's memory."""
         if len(live) == 1:
-            fill_next_token_bitmask(live[0][0], self.next_masks, live[0][1])
+            matcher, slot = live[0]
+            matcher.unsafe_compute_mask_ptr(self.table_address + slot * self.row_bytes, self.row_bytes)
         elif live:
             fill_next_token_bitmask_par(self._executor(), live, self.next_masks)
 
@@ -140,28 +143,41 @@ class GrammarMasks:
 
     def mask(self, logits: torch.Tensor, slots: np.ndarray, rows: np.ndarray, device_slots: torch.Tensor) -> None:
         """Masks, in place, the logits rows `rows` (constrained_rows of `slots`, the step's sampled
-        slots, which `device_slots` holds on the device) by their grammars."""
+        slots, which `device_slots` holds on the device) by their grammars: one launch, for a step whose
+        logits other processors or logprobs read after the masks."""
+        started, waited = self._rows_ready(slots, rows)
+        device_rows = None if self.every_row else upload(rows, self.device)
+        mask_rows = device_slots if device_rows is None else device_slots[device_rows]
+        self._apply(logits, self.device_table, mask_rows, device_rows)
+        self.timings.masked_step(len(rows), launcher_wait=waited - started, queue=time.perf_counter() - waited)
+
+    def draw_masks(self, slots: np.ndarray, rows: np.ndarray, device_slots: torch.Tensor) -> TokenMasks:
+        """The masks of the step's draw (rows and slots as for mask()), for the sampler to apply: each
+        sampled row reads its slot's row of the device's table, or none (an unconstrained row)."""
+        started, waited = self._rows_ready(slots, rows)
+        table_rows = (device_slots if self.every_row else
+                      upload(np.where(self.constrained[slots], slots, -1), self.device))
+        self.timings.masked_step(len(rows), launcher_wait=waited - started, queue=time.perf_counter() - waited)
+        return TokenMasks(self.device_table, table_rows)
+
+    def _rows_ready(self, slots: np.ndarray, rows: np.ndarray) -> tuple[float, float]:
+        """Waits for the mask thread's jobs, then queues the copy of the step's masked rows to the device;
+        when the wait began and ended."""
         started = time.perf_counter()
         for job in self.jobs:  # each, so that any job's error surfaces here
             job.result()
         self.jobs.clear()
         waited = time.perf_counter()
-        if self.inline_advance is not None:  # after the jobs: a reset slot's first mask is filled by then
-            self._advance(*self.inline_advance)
-            self.inline_advance = None
-        advanced = time.perf_counter()
+        self.every_row = len(rows) == len(slots)
         if self.copy_stream is not None:
             self._copy_rows(slots[rows])
-        self.device_rows = None if len(rows) == len(logits) else upload(rows, self.device)
-        mask_rows = device_slots if self.device_rows is None else device_slots[self.device_rows]
-        self._apply(logits, self.device_table, mask_rows, self.device_rows)
-        self.timings.masked_step(len(rows), launcher_wait=waited - started, queue=time.perf_counter() - advanced)
+        return started, waited
 
     def _copy_rows(self, masked_slots: np.ndarray) -> None:
         """The table's rows from the step's first to its last masked slot, to the device's table. The
-        last masked step's kernel has read the device's table by now: its tokens, drawn after it, are home."""
+        last masked step's draw has read the device's table by now: its tokens, drawn there, are home."""
         first, end = int(masked_slots.min()), int(masked_slots.max()) + 1
-        if len(masked_slots) <= INLINE_ROWS:
+        if len(masked_slots) <= SIDE_STREAM_ROWS:
             self.device_table[first:end].copy_(self.host_table[first:end], non_blocking=True)
             return
         with torch.cuda.stream(self.copy_stream):
@@ -172,26 +188,24 @@ class GrammarMasks:
         """A sampled step with no constrained row: a run of masked steps, if any, has ended."""
         self.timings.log_run(log)
 
-    def warm_up(self, logits: torch.Tensor) -> None:
+    def warm_up(self, logits: torch.Tensor) -> TokenMasks:
         """Runs the mask kernel in both its variants (some rows, every row) with masks that keep every
-        token, so that it compiles at start-up, never while serving."""
+        token, so that it compiles at start-up, never while serving; the same masks for every row, for
+        the sampler's masked race to warm up with."""
         allow_all = torch.full((len(logits), self.words), -1, dtype=torch.int32, device=logits.device)
         every = torch.arange(len(logits), device=logits.device)
         self._apply(logits, allow_all, every, every)
         self._apply(logits, allow_all, every, None)
+        return TokenMasks(allow_all, every)
 
     def observe(self, drawn: torch.Tensor, event: torch.cuda.Event | None, slots: np.ndarray, rows: np.ndarray) -> None:
         """The step's drawn tokens on their way home (`drawn`, one per sampled slot, in host memory
         once `event` has passed; None: already there): the mask thread advances the masked rows'
-        matchers by them and fills their next masks (a small step's: the launcher thread, at the next
-        masked step)."""
+        matchers by them and fills their next masks."""
         masked = slots[rows].tolist()
-        positions = None if self.device_rows is None else rows.tolist()
-        advance = ([self.matchers[slot] for slot in masked], masked, drawn, positions, event)
-        if len(masked) <= INLINE_ROWS:
-            self.inline_advance = advance
-        else:
-            self.jobs.append(self.mask_thread.submit(self._advance, *advance))
+        positions = None if self.every_row else rows.tolist()
+        self.jobs.append(self.mask_thread.submit(self._advance, [self.matchers[slot] for slot in masked], masked,
+                                                 drawn, positions, event))
 
     def _advance(self, matchers: list[Future], slots: list[int], drawn: torch.Tensor, positions: list[int] | None,
                  event: torch.cuda.Event | None) -> None:

@@ -1,7 +1,8 @@
 """Where the grammar masks' time goes on the sampling rank, per masked step: what the mask thread
 spent waiting for a step's tokens to come home, letting the matchers consume them and filling
 their next masks (and new sequences' first masks, their compile included), and what the launcher
-thread spent waiting for that work, then queuing the copy and the mask kernel. A step whose
+thread spent waiting for that work, then queuing the copy of the step's rows (and the mask kernel,
+where processors or logprobs follow; otherwise the sampler's race reads the masks). A step whose
 forward outlasts the mask thread's work shows no launcher wait.
 
 The figures add up over a run of consecutive masked steps and are logged as one line when the

@@ -243,8 +243,8 @@ class ModelRunner:
         if logits is not None:
             self.sampler.warm_up(logits)  # every row count, in the logits' own dtype as serving sees them
             self.sampler.warm_up(self.extras.heaviest(logits))  # and in float32, as the extras hand them on
-            if self.extras.grammar is not None:
-                self.extras.grammar.warm_up(logits)
+            if self.extras.grammar is not None:  # the mask kernel, and the race under masks
+                self.sampler.warm_up(logits, self.extras.grammar.warm_up(logits))
 
     def _capture_graphs(self, decode_buckets: list[int], prefill_buckets: list[int]) -> StepGraphs | None:
         """The step graphs for these buckets over the current cache; None where steps run eagerly
@@ -372,9 +372,11 @@ class ModelRunner:
         logits, inputs = self._compute(work)
         tokens = None
         if inputs is not None and work.sampled:
-            tokens = (self.sampler(self.extras.process(logits, work, inputs.sampled_slots), inputs.sampling)
-                      if logits is not None else
-                      torch.empty(len(work.sampled), dtype=torch.int64, device=self.device))
+            if logits is not None:
+                processed, masks = self.extras.process(logits, work, inputs.sampled_slots)
+                tokens = self.sampler(processed, inputs.sampling, masks)
+            else:
+                tokens = torch.empty(len(work.sampled), dtype=torch.int64, device=self.device)
             broadcast_from_first_rank(tokens)
             self.last_tokens[inputs.sampled_slots] = tokens
         logprobs = self.extras.finish(logits, tokens, inputs and inputs.sampled_slots) if work else None

@@ -4,13 +4,14 @@ penalties, min_tokens, logit_bias) and the log probabilities (logprobs, prompt_l
 slot of the sequence table.
 
 The runner hooks in at three points: the forward pass hands over the hidden states of the
-prompt positions a step scores (score_prompts), the sampler draws from process()'s logits, and
-finish() scores the sampled tokens against the raw logits and hands the rows to the reply.
+prompt positions a step scores (score_prompts), the sampler draws from process()'s logits under its
+grammar masks, and finish() scores the sampled tokens against the raw logits and hands the rows to the reply.
 A step whose sequences ask for none of it costs a couple of attribute reads.
 """
 import numpy as np
 import torch
 
+from nanoserve_kernels.token_bitmask import TokenMasks
 from nanoserve_model.logits_processors import LogitsProcessors, ProcessorParams
 from nanoserve_model.logprobs import ScoredRows, score_tokens
 from nanoserve.v1 import llm_pb2, worker_pb2
@@ -164,24 +165,33 @@ class SamplingExtras:
                     self.prompt_rows.append((score_tokens(logits, target_ids[start:end], num_top),
                                              target_ids[start:end], num_top))
 
-    def process(self, logits: torch.Tensor, work: StepWork, device_slots: torch.Tensor) -> torch.Tensor:
-        """The logits the sampler draws from: masked by the grammars of constrained sequences (in
-        place: the logprobs then score the masked logits, as vLLM's do), then processed when a
-        sampled sequence asks for it."""
+    def process(self, logits: torch.Tensor, work: StepWork,
+                device_slots: torch.Tensor) -> tuple[torch.Tensor, TokenMasks | None]:
+        """The logits the sampler draws from, processed when a sampled sequence asks for it, and the
+        grammar masks of constrained sequences for the sampler's draw; or, when processors or logprobs
+        read the logits, no masks: they are applied first, in place (the logprobs then score the
+        masked logits, as vLLM's do)."""
         self._flags, self._masked = 0, self._masked[:0]
         if not (self.processors.num_flagged or self.any_logprobs or (self.grammar and self.grammar.num_constrained)):
             if self.grammar is not None:
                 self.grammar.unmasked_step()  # a run of masked steps may just have ended
-            return logits  # no live sequence asks for anything
+            return logits, None  # no live sequence asks for anything
         self._slots = work.slots[work.sampled]
+        self._flags = self.processors.batch_flags(self._slots)
+        masks = None
         if self.grammar is not None:
             self._masked = self.grammar.constrained_rows(self._slots)
-            if self._masked.size:
+            if not self._masked.size:
+                self.grammar.unmasked_step()
+            elif self._flags or self._scores_any(self._slots):
                 self.grammar.mask(logits, self._slots, self._masked, device_slots)
             else:
-                self.grammar.unmasked_step()
-        self._flags = self.processors.batch_flags(self._slots)
-        return self.processors(logits, self._slots, device_slots, self._flags) if self._flags else logits
+                masks = self.grammar.draw_masks(self._slots, self._masked, device_slots)
+        return (self.processors(logits, self._slots, device_slots, self._flags) if self._flags else logits), masks
+
+    def _scores_any(self, slots: np.ndarray) -> bool:
+        """Whether the step scores any of its sampled rows (logprobs)."""
+        return self.any_logprobs and bool((self.num_logprobs[slots] >= 0).any())
 
     def finish(self, raw_logits: torch.Tensor | None, tokens: torch.Tensor | None,
                device_slots: torch.Tensor | None) -> StepLogprobs | None:

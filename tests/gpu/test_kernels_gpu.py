@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
 from nanoserve_kernels import flash_attn_backend, race_sampling, triton_decode  # noqa: E402
 from nanoserve_kernels import triton_kv_store, triton_prefill, triton_rotary, triton_sampling  # noqa: E402
 from nanoserve_kernels import triton_token_bitmask  # noqa: E402
+from nanoserve_kernels.token_bitmask import TokenMasks, bitmask_words  # noqa: E402
 from nanoserve_model import qwen3  # noqa: E402
 from tests.worker.test_triton_kernels import (  # noqa: E402
     Case, check_decode, check_fused_gemv, check_gate_up_silu, check_prefill, check_rotary, check_rotary_store,
@@ -150,7 +151,8 @@ def test_triton_token_bitmask() -> None:
 @pytest.mark.parametrize("rows", [1, 7, 256])
 def test_triton_sampling_of_bf16_logits_matches_the_cpu_reference(rows: int) -> None:
     """Qwen3-sized bf16 logits, half the rows greedy: the same tokens as the plain-torch race on the
-    CPU (the noise is counter-based; only float rounding could part them, at an exact near-tie)."""
+    CPU (the noise is counter-based; only float rounding could part them, at an exact near-tie), with
+    grammar masks or without."""
     gen = torch.Generator("cuda").manual_seed(rows)
     logits = (4 * torch.randn(rows, 151_936, generator=gen, device="cuda")).bfloat16()
     temperatures = torch.arange(rows, device="cuda").remainder(2).double() * 0.8
@@ -158,6 +160,15 @@ def test_triton_sampling_of_bf16_logits_matches_the_cpu_reference(rows: int) -> 
     counters = torch.arange(rows, device="cuda") + 2**40
     tokens = triton_sampling.race_sample(logits, temperatures, keys, counters)
     expected = race_sampling.race_sample(*(t.cpu() for t in (logits, temperatures, keys, counters)))
+    assert tokens.cpu().tolist() == expected.tolist()
+    # under grammar masks (every third row unconstrained), read inside the race as a worker's draw does
+    table = torch.randint(-2**31, 2**31 - 1, (rows, bitmask_words(151_936)), generator=gen, device="cuda",
+                          dtype=torch.int64)
+    mask_rows = torch.arange(rows, device="cuda").flip(0).masked_fill(torch.arange(rows, device="cuda") % 3 == 1, -1)
+    masks = TokenMasks(table.to(torch.int32), mask_rows)
+    tokens = triton_sampling.race_sample(logits, temperatures, keys, counters, masks)
+    expected = race_sampling.race_sample(*(t.cpu() for t in (logits, temperatures, keys, counters)),
+                                         TokenMasks(*(t.cpu() for t in masks)))
     assert tokens.cpu().tolist() == expected.tolist()
 
 

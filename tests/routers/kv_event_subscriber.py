@@ -72,7 +72,7 @@ def apply(cached: set[int], batch: KVEventBatch) -> None:
 class Subscriber:
     """Connects to the publisher's PUB `endpoint` (which binds it) and asks `replay_endpoint` for gaps."""
 
-    def __init__(self, endpoint: str, replay_endpoint: str, topic: bytes = b""):
+    def __init__(self, endpoint: str, replay_endpoint: str, topic: bytes = b"", receive_buffer: int = -1):
         self.context = zmq.Context()
         self.sub = self.context.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic)
@@ -80,6 +80,7 @@ class Subscriber:
         self.monitor = self.sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.sub.connect(endpoint)
         self.replay_socket = self.context.socket(zmq.DEALER)
+        self.replay_socket.setsockopt(zmq.RCVBUF, receive_buffer)  # -1: the system's size
         self.replay_socket.connect(replay_endpoint)
         self.topics: set[bytes] = set()
 
@@ -102,9 +103,10 @@ class Subscriber:
             received[int.from_bytes(sequence, "big")] = payload
         return received
 
-    def replay(self, start: int, timeout: float = 10) -> dict[int, bytes]:
-        """Every batch the publisher still keeps from `start` on."""
+    def replay(self, start: int, timeout: float = 10, read_after: float = 0) -> dict[int, bytes]:
+        """Every batch the publisher still keeps from `start` on (read `read_after` seconds after asking)."""
         self.replay_socket.send_multipart((b"", start.to_bytes(8, "big")))
+        time.sleep(read_after)
         replayed, deadline = {}, time.monotonic() + timeout
         while True:
             assert self.replay_socket.poll(int(max(0.0, deadline - time.monotonic()) * 1000)), "no replay answer"

@@ -86,6 +86,26 @@ def test_replayed_events_reproduce_the_cached_hashes(tmp_path):
     assert all(batch.data_parallel_rank == 0 and batch.ts <= time.time() for batch in batches)
 
 
+def test_a_slow_reader_gets_its_whole_replay(tmp_path):
+    # More batches than a ROUTER queues for one peer by default (1,000), to a reader with a tiny socket
+    # buffer that starts reading late: every batch arrives, in order, with the end marker.
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/kv-events",
+                            replay_endpoint=f"tcp://127.0.0.1:{free_port()}")
+    subscriber = Subscriber(config.endpoint, config.replay_endpoint, receive_buffer=4096)
+    publisher = KVEventPublisher(config, BLOCK_SIZE)
+    try:
+        for block in range(3000):
+            publisher.log.removed(block)
+            publisher.flush()
+        subscriber.wait_joined()
+        subscriber.live(timeout=1.0)
+        replayed = subscriber.replay(0, read_after=1.0)
+    finally:
+        publisher.close()
+        subscriber.close()
+    assert sorted(replayed) == list(range(3000))
+
+
 def test_kv_events_config_takes_vllms_json():
     assert not parse_kv_events_config("").enabled
     on = parse_kv_events_config('{"enable_kv_cache_events": true, "replay_endpoint": "tcp://*:5558"}')

@@ -1,7 +1,8 @@
 """The sampling rank's grammar masks, filled ahead on their mask thread: each step's masked logits keep
 exactly the tokens a fresh llguidance matcher fed the same tokens allows (the oracle), also when a
 slot is handed to a new sequence of another grammar while the old one's drawn tokens are still on
-their way to its matcher."""
+their way to its matcher; both where the logits are masked in place and where the masks go to the
+sampler's draw (applied here by the reference the race kernel is tested against)."""
 import json
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from llguidance.numpy import fill_next_token_bitmask
 
 from nanoserve.grammar_tokenizer import GrammarTokenizer
 from scheduler_svc.structured_outputs import GrammarCompiler
-from worker_svc import grammar_masks
+from nanoserve_kernels.token_bitmask import masked_copy
 from worker_svc.grammar_masks import GrammarMasks
 
 VOCAB, EOS = 151936, (151645,)
@@ -34,20 +35,25 @@ def allowed_by_oracle(tokenizer: GrammarTokenizer, grammar: str, tokens: list[in
     return np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:VOCAB].astype(bool)
 
 
-def masked_step(masks: GrammarMasks, slots: list[int], draw: list[int]) -> np.ndarray:
-    """One step sampling `slots`, all constrained: the rows each mask keeps; then `draw` is observed."""
+def masked_step(masks: GrammarMasks, slots: list[int], draw: list[int], in_place: bool = True) -> np.ndarray:
+    """One step sampling `slots`: the rows each mask keeps; then `draw` is observed."""
     logits = torch.zeros(len(slots), VOCAB)
     slots_array = np.array(slots)
     rows = masks.constrained_rows(slots_array)
-    masks.mask(logits, slots_array, rows, torch.from_numpy(slots_array))
+    if in_place:
+        masks.mask(logits, slots_array, rows, torch.from_numpy(slots_array))
+    else:
+        logits = masked_copy(logits, masks.draw_masks(slots_array, rows, torch.from_numpy(slots_array)))
     masks.observe(torch.tensor(draw), None, slots_array, rows)
     return torch.isfinite(logits).numpy()
 
 
-@pytest.mark.parametrize("inline_rows", [0, grammar_masks.INLINE_ROWS], ids=["mask thread", "launcher"])
-def test_masks_follow_each_sequence_and_a_reused_slot(tokenizer, monkeypatch, inline_rows):
-    """Both ways a step's matchers advance: on the mask thread, and (small steps) on the launcher."""
-    monkeypatch.setattr(grammar_masks, "INLINE_ROWS", inline_rows)
+IN_PLACE = pytest.mark.parametrize("in_place", [True, False], ids=["in place", "in the draw"])
+
+
+@IN_PLACE
+def test_masks_follow_each_sequence_and_a_reused_slot(tokenizer, in_place):
+    """Each slot's mask is its own sequence's, resumed or fresh, and a reused slot's is the new one's."""
     compiler = GrammarCompiler(tokenizer)
     digits, words = compiler.compile("json", json.dumps(DIGITS)), compiler.compile("json", json.dumps(WORDS))
     text = tokenizer.get()
@@ -56,23 +62,22 @@ def test_masks_follow_each_sequence_and_a_reused_slot(tokenizer, monkeypatch, in
     masks.reset(0, digits, opening)  # resumed: it has already drawn the object's opening
     masks.reset(2, words, [])
     masks.fill_first_masks()
-    kept = masked_step(masks, [0, 2], [one[0], text.tokenize_str('"alpha"')[0]])
+    kept = masked_step(masks, [0, 2], [one[0], text.tokenize_str('"alpha"')[0]], in_place)
     assert (kept[0] == allowed_by_oracle(tokenizer, digits, opening)).all()
     assert (kept[1] == allowed_by_oracle(tokenizer, words, [])).all()
     # slot 0 goes to a sequence of the other grammar before its last draw has reached the old matcher
     masks.reset(0, words, [])
     masks.fill_first_masks()
-    kept = masked_step(masks, [2, 0], [0, 0])
+    kept = masked_step(masks, [2, 0], [0, 0], in_place)
     assert (kept[0] == allowed_by_oracle(tokenizer, words, text.tokenize_str('"alpha"')[:1])).all()
     assert (kept[1] == allowed_by_oracle(tokenizer, words, [])).all()
     assert kept[1].sum() < VOCAB and (kept[1] != allowed_by_oracle(tokenizer, digits, opening + one[:1])).any()
 
 
-@pytest.mark.parametrize("inline_rows", [0, grammar_masks.INLINE_ROWS], ids=["mask thread", "launcher"])
-def test_unconstrained_rows_between_constrained_ones(tokenizer, monkeypatch, inline_rows):
+@IN_PLACE
+def test_unconstrained_rows_between_constrained_ones(tokenizer, in_place):
     """A step that samples an unconstrained row between two constrained ones: that row keeps every
     token, and each matcher moves on by its own row's draw."""
-    monkeypatch.setattr(grammar_masks, "INLINE_ROWS", inline_rows)
     digits = GrammarCompiler(tokenizer).compile("json", json.dumps(DIGITS))
     text = tokenizer.get()
     opening, one, two, close = (text.tokenize_str(t) for t in ('{"n": ', "1", "2", "}"))
@@ -81,12 +86,13 @@ def test_unconstrained_rows_between_constrained_ones(tokenizer, monkeypatch, inl
     masks.reset(2, digits, opening)
     masks.fill_first_masks()
     # the unconstrained row's draw would break either grammar
-    masked_step(masks, [0, 1, 2], [close[0], text.tokenize_str(" hello")[0], two[0]])
-    kept = masked_step(masks, [0, 1, 2], [0, 0, 0])
+    masked_step(masks, [0, 1, 2], [close[0], text.tokenize_str(" hello")[0], two[0]], in_place)
+    kept = masked_step(masks, [0, 1, 2], [0, 0, 0], in_place)
     assert (kept[0] == allowed_by_oracle(tokenizer, digits, opening + one + close)).all()
     assert kept[1].all()
     assert (kept[2] == allowed_by_oracle(tokenizer, digits, opening + two)).all()
     assert (kept[0] != kept[2]).any()
+
 
 def test_a_run_of_masked_steps_is_logged_with_its_split(tokenizer, caplog):
     """Each run of masked steps ends in one log line: its steps, rows and the time split per step."""

@@ -247,6 +247,31 @@ def check_sampling(race_sample: Callable, device: str) -> None:
     tokens = race_sample(logits, temperatures, keys, counters)
     assert tokens.tolist() == reference_race(logits, temperatures, keys, counters).tolist()
     assert tokens[:8].tolist() == [3] * 8
+    check_masked_sampling(race_sample, device, logits, temperatures, keys, counters)
+
+
+def check_masked_sampling(race_sample: Callable, device: str, logits: torch.Tensor, temperatures: torch.Tensor,
+                          keys: torch.Tensor, counters: torch.Tensor) -> None:
+    """With grammar masks (table rows in another order than the logits rows, one used twice, -1 for an
+    unconstrained row): the reference's tokens, each one its row's mask allows, greedy rows the argmax of
+    the masked logits; unconstrained rows draw what they draw without masks."""
+    from nanoserve_kernels.race_sampling import race_sample as reference_race
+    from nanoserve_kernels.token_bitmask import TokenMasks, bitmask_words, masked_copy
+    gen = torch.Generator(device).manual_seed(1)
+    rows, vocab = logits.shape
+    table = torch.randint(-2**31, 2**31 - 1, (5, bitmask_words(vocab)), dtype=torch.int64, generator=gen,
+                          device=device).to(torch.int32)
+    table[:, :100] = 0  # the unmasked favourites (ids 3 and 2,051 among them) are refused
+    mask_rows = torch.tensor([4, -1, 0, 0, 2, 1, 3, -1] * (rows // 8), device=device)
+    masks = TokenMasks(table, mask_rows)
+    tokens = race_sample(logits, temperatures, keys, counters, masks)
+    assert tokens.tolist() == reference_race(logits, temperatures, keys, counters, masks).tolist()
+    masked, free = mask_rows >= 0, mask_rows < 0
+    words = table[mask_rows[masked], tokens[masked] // 32]
+    assert ((words >> (tokens[masked] % 32)) & 1).all()
+    greedy = masked & (temperatures == 0)
+    assert torch.equal(tokens[greedy], masked_copy(logits, masks)[greedy].argmax(dim=-1))
+    assert torch.equal(tokens[free], race_sample(logits, temperatures, keys, counters)[free])
 
 
 def check_rotary(rotate_qk_: Callable, device: str, dtypes: tuple[torch.dtype, ...]) -> None:
@@ -531,9 +556,13 @@ def test_sampling_kernels_compile_for_hopper() -> None:
     from nanoserve_kernels import triton_sampling
     race = {"logits": "*bf16", "stride_row": "i32", "temperatures": "*fp64", "keys": "*i64", "counters": "*i64",
             "best_scores": "*fp32", "best_tokens": "*i32", "vocab_size": "i32", "blocks_per_split": "i32",
-            "SPLITS": "constexpr", "BLOCK": "constexpr"}
+            "bitmask": "*i32", "mask_rows": "*i64", "mask_words": "i32", "SPLITS": "constexpr", "BLOCK": "constexpr",
+            "MASKED": "constexpr"}
     pick = {"best_scores": "*fp32", "best_tokens": "*i32", "tokens": "*i64", "SPLITS": "constexpr"}
-    for kernel, signature, constexprs in ((triton_sampling._race_kernel, race, {"SPLITS": 64, "BLOCK": 1024}),
+    for kernel, signature, constexprs in ((triton_sampling._race_kernel, race, {"SPLITS": 64, "BLOCK": 1024,
+                                                                                "MASKED": False}),
+                                          (triton_sampling._race_kernel, race, {"SPLITS": 64, "BLOCK": 1024,
+                                                                                "MASKED": True}),
                                           (triton_sampling._pick_kernel, pick, {"SPLITS": 64})):
         compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs),
                                   target=GPUTarget("cuda", 90, 32))
