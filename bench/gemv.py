@@ -41,7 +41,8 @@ SHAPES = {  # (name, N, K) of one layer's projections: W is [N, K]
 LM_HEADS = {"0.6b": ("lm_head", 151936, 1024), "8b": ("lm_head", 151936, 4096)}  # once a step, not a layer
 REPLAYS = 64
 L2_BYTES = 50 * 2**20
-LAUNCH_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "CONVERT", "SUM_ONCE", "STAGES")  # an e4m3 gemv launch
+LAUNCH_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "CONVERT", "SUM_ONCE", "STREAM")  # an e4m3 gemv launch
+WORDS_AHEAD_BYTES = 128  # the e4m3 bytes a thread may hold of the tile loaded ahead (32 registers)
 FP8_BLOCKS = {"block": lambda k: (128, 128), "row": lambda k: (1, k)}  # scale block of each --fp8 layout
 
 
@@ -107,43 +108,54 @@ def sweep(call, weights: list, k: int, fp8: str | None) -> dict[tuple[int, int, 
 
 def fp8_candidates(k: int, silu_mul: bool, stored: dict | None = None) -> list[dict]:
     """Launches of the e4m3 gemv to time: Triton's conversion at the default tiles (the reference of the
-    others) and the table's `stored` launch; then, at the stored tiles (else the default ones), Triton's
-    conversion with 3 tiles in flight (Triton's pipeliner) and the PTX conversion summing once a row or a
-    tile at a time, one tile ahead or 2-3 by the pipeliner; at twice the rows and with 8 warps once a row,
-    one or 3 tiles ahead; and the integer conversion."""
+    others) and the table's `stored` launch; at the stored tiles (else the default ones) the PTX conversion
+    summing the other way (once a row or a tile at a time), the integer conversion, and the weights loaded
+    past L1 or not (STREAM); then the PTX conversion, summing and loading as stored, over a grid around the
+    stored tiles: half to four times the rows, half to twice the columns, 4 or 8 warps, where a thread's tile
+    loaded ahead stays within WORDS_AHEAD_BYTES; and at twice the rows, loaded the other way."""
     default = tiles(k, silu_mul, fp8=True)
     rows, columns, warps = (stored["BLOCK_N"], stored["BLOCK_K"], stored["num_warps"]) if stored else default
+    sum_once, stream = (stored["SUM_ONCE"], stored.get("STREAM", False)) if stored else (True, False)
 
-    def launch(convert: str, sum_once: bool, stages: int = 0, block_n: int = rows, num_warps: int = warps) -> dict:
-        return dict(BLOCK_N=block_n, BLOCK_K=columns, num_warps=num_warps, CONVERT=convert, SUM_ONCE=sum_once,
-                    STAGES=stages)
+    def launch(convert: str, once: bool = sum_once, streamed: bool = stream, block_n: int = rows,
+               block_k: int = columns, num_warps: int = warps) -> dict:
+        return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, CONVERT=convert, SUM_ONCE=once,
+                    STREAM=streamed)
 
-    reference = dict(BLOCK_N=default[0], BLOCK_K=default[1], num_warps=default[2], CONVERT="triton", SUM_ONCE=False,
-                     STAGES=0)
-    grid = [launch("triton", False, 3), launch("ptx", True), launch("ptx", False), launch("ptx", True, 3),
-            launch("ptx", False, 3), launch("ptx", True, 2), launch("ptx", True, block_n=2 * rows),
-            launch("ptx", True, 3, block_n=2 * rows), launch("ptx", True, num_warps=8),
-            launch("ptx", True, 3, num_warps=8), launch("bits", True)]
-    launches = [reference] + ([{**reference, **stored}] if stored else []) + grid
+    def fits(block_n: int, block_k: int, num_warps: int) -> bool:
+        return (block_n >= 1 and 512 <= block_k <= 2 * triton_pow2(k)
+                and block_n * block_k * (2 if silu_mul else 1) <= WORDS_AHEAD_BYTES * 32 * num_warps)
+
+    reference = launch("triton", False, False, *default)
+    grid = [launch("ptx", block_n=block_n, block_k=block_k, num_warps=num_warps)
+            for block_n, block_k, num_warps in itertools.product(
+                (rows // 2, rows, 2 * rows, 4 * rows), (columns // 2, columns, 2 * columns), (4, 8))
+            if fits(block_n, block_k, num_warps)]
+    other_loads = [launch("ptx", streamed=not stream, block_n=2 * rows, block_k=block_k, num_warps=num_warps)
+                   for block_k, num_warps in itertools.product((columns // 2, columns), (4, 8))
+                   if fits(2 * rows, block_k, num_warps)]
+    launches = ([reference] + ([{**reference, **stored}] if stored else [])
+                + [launch("ptx", not sum_once), launch("bits"), launch("ptx", streamed=not stream)]
+                + grid + other_loads)
     return [item for i, item in enumerate(launches) if item not in launches[:i]]
 
 
-def fp8_sweep(call, weights: list, k: int, silu_mul: bool, deadline: float, stored: dict | None
+def fp8_sweep(call, weights: list, k: int, silu_mul: bool, budget_s: float, stored: dict | None
               ) -> dict[str, float]:
     """Seconds per call of each fp8_candidates launch (keyed by its JSON) that gives the Triton conversion's
-    output (within bf16 rounding), until `deadline`; all compiled first, several at a time."""
+    output (within bf16 rounding), for `budget_s` seconds; all compiled first, several at a time."""
     launches = fp8_candidates(k, silu_mul, stored)
 
     def run(launch: dict, weight=weights[0]):
         return call(weight, block_n=launch["BLOCK_N"], block_k=launch["BLOCK_K"], num_warps=launch["num_warps"],
-                    convert=launch["CONVERT"], sum_once=launch["SUM_ONCE"], stages=launch["STAGES"])
+                    convert=launch["CONVERT"], sum_once=launch["SUM_ONCE"], stream=launch["STREAM"])
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:  # compiles: ptxas runs outside the GIL
-        outputs = list(pool.map(lambda launch: _or_error(run, launch), launches))
+        outputs = list(pool.map(lambda launch: or_error(run, launch), launches))
     # once more alone where it failed (were two compiles at once the cause, this one is not)
-    outputs = [_or_error(run, launch) if isinstance(out, Exception) else out for launch, out in zip(launches, outputs)]
+    outputs = [or_error(run, launch) if isinstance(out, Exception) else out for launch, out in zip(launches, outputs)]
     torch.cuda.synchronize()
-    expected, timings = outputs[0].float(), {}
+    expected, timings, deadline = outputs[0].float(), {}, time.monotonic() + budget_s
     for launch, out in zip(launches, outputs):
         if isinstance(out, Exception) or time.monotonic() > deadline:
             print(f"  skipped {launch}: {out if isinstance(out, Exception) else 'budget spent'}"[:200], flush=True)
@@ -156,7 +168,7 @@ def fp8_sweep(call, weights: list, k: int, silu_mul: bool, deadline: float, stor
     return timings
 
 
-def _or_error(fn, *args):
+def or_error(fn, *args):
     try:
         return fn(*args)
     except Exception as err:  # a launch that does not compile or fit
@@ -195,7 +207,8 @@ def main() -> None:
     parser.add_argument("--fp8", choices=list(FP8_BLOCKS), help="e4m3 weights with these scales")
     parser.add_argument("--models", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--out", type=Path, help="default bench/out/gemv.json, or gemv_fused.json with --fused")
-    parser.add_argument("--budget-s", type=float, default=600.0, help="--fp8 --sweep: seconds for all the shapes")
+    parser.add_argument("--budget-s", type=float, default=600.0,
+                        help="--fp8 --sweep: seconds of timing for all the shapes (their compiles come first)")
     parser.add_argument("--table", type=Path, default=CONFIG_FILE,
                         help="--fp8 block --sweep writes each shape's winner here (bucket 1)")
     args = parser.parse_args()
@@ -232,7 +245,7 @@ def main() -> None:
             if args.sweep and args.fp8:
                 call = fp8_call(model_call(name, x), args.fp8, k)
                 stored = tuned(torch.cuda.get_device_name(), n, k, 1, name == "gate_up")
-                timings = fp8_sweep(call, weights, k, name == "gate_up", time.monotonic() + shape_budget,
+                timings = fp8_sweep(call, weights, k, name == "gate_up", shape_budget,
                                     stored.launch if stored and stored.backend == GEMV else None)
                 best = min(timings, key=timings.get)
                 entry.update(model_call_us=time_per_call(call, weights) * 1e6, best_us=timings[best] * 1e6,
@@ -261,7 +274,7 @@ def main() -> None:
           + ("  model call us (fusions in), its best us (block_n, block_k, warps)"
              if args.sweep and not args.fp8 else "")
           + ("  model call us (fusions in), its best us, the 16-bit call us, (block_n, block_k, warps, conversion,"
-             " sum once, stages)" if args.sweep and args.fp8 else ""))
+             " sum once, past L1)" if args.sweep and args.fp8 else ""))
     print("\n".join(rows))
     layer = [e for e in report if e["layer"] != "lm_head"]
     total = {model: (sum(e["cublas_us"] for e in layer if e["model"] == model),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # FP8 weights (issue 38) on a lent GPU, from the repo root; results under $OUT (default bench/out).
-#   bench/gpu_fp8.sh [speed|all|quick|bench|tune]   (speed when none is named)
+#   bench/gpu_fp8.sh [speed|perf|all|quick|bench|tune]   (speed when none is named)
 # all (< 9 minutes): tests/gpu/test_fp8_weights_gpu.py (kernels vs reference in bf16, the dispatch at
 #   M = 1, 2, 7, 64, 300, 4096, scaled_mm, the step graphs, the W8A8 next-token KL beside the bf16 floor),
 #   then on dummy weights, each set one after the other: the 8B shape's batch-1 decode (bench/latency.py)
@@ -18,6 +18,13 @@
 #   applies at start); then bench/fp8_pairs.py: 8B bf16 / FP8 (batch-1 ITL, TTFT@512, DESIGN throughput),
 #   0.6B bf16 / FP8, 8B FP8 + FP8 KV; the file's other tests in the time left. $OUT/fp8_configs.json is the
 #   table to commit; $OUT/summary.log the results.
+# perf (< 9 minutes, each step cut to what is left; FP8_PERF_BUDGET_S, default 510): self-tuning, for the 8B
+#   targets: the kernels' test; the batch-1 e4m3 gemv sweep on the 8B shapes (a grid around the stored tiles);
+#   bench/tune_fp8.py --shapes 8b with every candidate (tiles, K split 1/2/4, scaled_mm) at the decode buckets
+#   256 to 32 (the most served first), then 512 and 2048 rows while its time lasts, which writes
+#   nanoserve_kernels/fp8_configs.json; bench/fp8_pairs.py 8B bf16 / FP8 / FP8 + FP8 KV served with that table;
+#   the file's other tests last. $OUT: fp8_configs.json (commit it), tune_fp8.log and gemv_fp8_block.json (every
+#   candidate's time), pairs.json, summary.log.
 mode=${1:-speed}
 source bench/gpu_env.sh
 export OUT=$out
@@ -27,12 +34,20 @@ if [ "$mode" = tune ]; then
   cp nanoserve_kernels/fp8_configs.json "$out/"
   exit
 fi
-if [ "$mode" = speed ]; then
-  end=$((SECONDS + ${FP8_SPEED_BUDGET_S:-470}))
+if [ "$mode" = speed ] || [ "$mode" = perf ]; then
+  if [ "$mode" = perf ]; then
+    end=$((SECONDS + ${FP8_PERF_BUDGET_S:-510})) shapes=qwen3-8b gemv_s=110 tune_s=115 pairs_s=210 pairs_after=100
+    gemv=(--models 8b --budget-s 30) tune=(--shapes 8b --buckets 256 128 64 32 512 2048 --budget-s 100)
+    pairs=(--only 8b_bf16 8b_fp8 8b_fp8_kvfp8)
+  else
+    end=$((SECONDS + ${FP8_SPEED_BUDGET_S:-470})) shapes="qwen3-8b qwen3-0.6b" gemv_s=120 tune_s=75 pairs_s=300
+    pairs_after=45 gemv=(--models 8b 0.6b --budget-s 25) pairs=()
+    tune=(--shapes 0.6b 8b --recheck --budget-s 60 --buckets 2 4 8 16 32 64 128 256)
+  fi
   left() { echo $((end - SECONDS > 1 ? end - SECONDS : 1)); }
   upto() { echo $(($(left) < $1 ? $(left) : $1)); }  # seconds for a step: at most $1, at most what is left
   tests=tests/gpu/test_fp8_weights_gpu.py
-  for shape in qwen3-8b qwen3-0.6b; do  # the shapes' configs, beside the first test (CPU only)
+  for shape in $shapes; do  # the shapes' configs, beside the first test (CPU only)
     python3 -m nanoserve_cli.demo_model ".cache/$shape-dummy" --shape "$shape" --no-weights >/dev/null &
     python3 -m nanoserve_cli.demo_model ".cache/$shape-fp8-dummy" --shape "$shape" --quantization fp8 --no-weights \
       >/dev/null &
@@ -40,20 +55,21 @@ if [ "$mode" = speed ]; then
   kernels=test_quantize_gemm_and_gemv_match_the_reference_in_bfloat16  # the new kernels first; the rest last
   timeout 90 python3 -m pytest -q -p no:cacheprovider "$tests::$kernels" > "$out/fp8_gpu_tests.log" 2>&1
   wait
-  timeout $(upto 120) python3 bench/gemv.py --fp8 block --sweep --models 8b 0.6b --budget-s 50 \
+  timeout $(upto $gemv_s) python3 bench/gemv.py --fp8 block --sweep "${gemv[@]}" \
     --out "$out/gemv_fp8_block.json" > "$out/gemv_sweep.log" 2>&1
-  timeout $(upto 75) python3 bench/tune_fp8.py --shapes 0.6b 8b --recheck --budget-s 60 \
-    --buckets 2 4 8 16 32 64 128 256 > "$out/tune_fp8.log" 2>&1
+  timeout $(upto $tune_s) python3 bench/tune_fp8.py "${tune[@]}" > "$out/tune_fp8.log" 2>&1
   cp nanoserve_kernels/fp8_configs.json "$out/"
-  timeout $(upto 300) python3 bench/fp8_pairs.py --budget-s $(($(left) - 45)) --out-dir "$out" > "$out/pairs.log" 2>&1
+  timeout $(upto $pairs_s) python3 bench/fp8_pairs.py --budget-s $(($(left) - pairs_after)) --out-dir "$out" \
+    "${pairs[@]}" > "$out/pairs.log" 2>&1
   timeout $(left) python3 -m pytest -q -p no:cacheprovider "$tests" --deselect "$tests::$kernels" 2>&1 \
     | grep -v "^Loading weights" >> "$out/fp8_gpu_tests.log"
   {
     echo "== $tests (the kernels' test, then the others in what time was left)"
     grep -E "passed|failed|error|Error" "$out/fp8_gpu_tests.log" | tail -8
-    echo "== batch-1 e4m3 gemv (bench/gemv.py --fp8 block --sweep)"; grep -v "^  " "$out/gemv_sweep.log" | tail -14
-    echo "== decode buckets, FP8 vs bf16 (bench/tune_fp8.py --recheck)"
-    grep -E "rows|served in bf16|wrote" "$out/tune_fp8.log"
+    echo "== batch-1 e4m3 gemv (bench/gemv.py --fp8 block --sweep ${gemv[*]})"
+    grep -v "^  " "$out/gemv_sweep.log" | tail -14
+    echo "== decode buckets, FP8 vs bf16 (bench/tune_fp8.py ${tune[*]})"
+    grep -E "rows|served in bf16|wrote|budget" "$out/tune_fp8.log"
     echo "== at start"; grep -h "served in bf16\|weights in" "$out"/server_*.log | cut -c1-300
     echo "== pairs (bench/fp8_pairs.py)"; grep -v " INFO \| WARNING " "$out/pairs.log" | tail -14
   } > "$out/summary.log" 2>&1

@@ -4,20 +4,22 @@ nanoserve_kernels/fp8_configs.json (its table for this device name), where fp8_l
 For each projection of the benchmark shapes (q/k/v, o, gate/up with its SiLU-and-mul, down; Qwen3-0.6B
 and 8B, 128 x 128 weight blocks) and each batch-size bucket, every candidate is timed, its output
 checked against the plain-torch reference first:
-  - the weight-only Triton GEMM (up to 256 rows), in a few launch shapes;
-  - the W8A8 Triton GEMM, in a few launch shapes, with the activations' quantization pass;
+  - the weight-only Triton GEMM (up to 32 rows), in a few launch shapes, K split or not;
+  - the W8A8 Triton GEMM, in a few launch shapes, K split or not, with the activations' quantization pass;
   - torch's blockwise scaled_mm (sm90), with the same quantization pass; for gate/up followed by the
     SiLU-and-mul pass (it cannot fuse it), against the Triton GEMM's fused epilogue.
 The fastest per (N, K, bucket) is kept, with its time ("us") and that of the same layer in bf16 ("bf16_us":
 the weight dequantized, run as the unquantized model runs it), from which fp8_configs.served_in_bf16 decides
 where FP8 does not pay. Times are CUDA-graph replays of 20 calls or more (what serving runs), cycling
-through copies of the weight that together exceed the L2 cache, so that every call reads from memory.
+through copies of the weight that together exceed the L2 cache, so that every call reads from memory;
+each bucket's candidates compile first, several at a time.
 --recheck re-times only the table's stored choice, torch's scaled_mm (no compile) and bf16 at the buckets it
 has.
 
     python3 bench/tune_fp8.py [--shapes 0.6b 8b] [--buckets 2 4 ... 8192] [--budget-s 240] [--recheck] [--out FILE]
 """
 import argparse
+import concurrent.futures
 import itertools
 import json
 import sys
@@ -31,7 +33,7 @@ sys.path[:0] = [str(REPO), str(REPO / "proto")]
 
 from nanoserve_kernels import fp8_configs, fp8_reference  # noqa: E402
 from nanoserve_kernels.fp8_configs import SCALED_MM, TRITON, W8A8, WEIGHT_ONLY, Fp8Choice  # noqa: E402
-from gemv import copies_past_l2  # noqa: E402  (bench/, this script's folder)
+from gemv import or_error, copies_past_l2  # noqa: E402  (bench/, this script's folder)
 
 BLOCK = (128, 128)
 SHAPES = {  # name -> [(N, K, silu_mul)]: q/k/v, o, gate/up, down at one rank
@@ -39,18 +41,24 @@ SHAPES = {  # name -> [(N, K, silu_mul)]: q/k/v, o, gate/up, down at one rank
     "8b": [(6144, 4096, False), (4096, 4096, False), (24576, 4096, True), (4096, 12288, False)],
 }
 BUCKETS = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
-WEIGHT_ONLY_MAX = 256
+WEIGHT_ONLY_MAX = 32  # measured: from 64 rows on, W8A8 won every shape
+SPLITS, SPLIT_MAX_ROWS = (1, 2, 4), 256
 
 
-def launches(mode: str, rows: int) -> list[dict]:
-    """The launch shapes tried: row blocks no taller than needed, a few column blocks, warps and stages."""
-    heights = [m for m in (16, 32, 64, 128) if m <= max(16, rows)][-2:]
-    widths = (32, 64, 128) if mode == WEIGHT_ONLY else (64, 128)
+def launches(mode: str, rows: int, silu_mul: bool) -> list[dict]:
+    """The launch shapes tried: a row block as tall as the bucket, 64 rows at most (the weight-only GEMM, at 32
+    rows and under: 32 or 64 columns; W8A8: 64 or 128), and from 128 rows 128 x 64 and 128 x 128 tiles (not
+    for the gate/up GEMM, which holds two accumulators), each with K unsplit or split over 2 or 4 programs (up
+    to SPLIT_MAX_ROWS rows: a 4,096-row projection has 32-64 tiles of 128 x 128 for 132 multiprocessors)."""
+    height = min(64, max(16, rows))
+    tiles = [(height, 32), (height, 64)] if mode == WEIGHT_ONLY else [(height, 64), (height, 128)]
+    if mode == W8A8 and rows >= 128:
+        tiles += [(128, 64)] + ([] if silu_mul else [(128, 128)])
     shapes = []
-    for block_m, block_n, stages in itertools.product(heights, widths, (3, 4)):
-        warps = 8 if block_m * block_n >= 128 * 128 else 4
-        shapes.append(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, num_warps=warps,
-                           num_stages=stages))
+    for (block_m, block_n), split in itertools.product(tiles, SPLITS if rows <= SPLIT_MAX_ROWS else (1,)):
+        tile = block_m * block_n  # 8 warps from 64 x 128 on: with 4, its float32 sums and the scaled step spill
+        shapes.append(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, num_warps=8 if tile >= 8192 else 4,
+                           num_stages=3 if tile >= 128 * 128 else 4, SPLIT_K=split))
     return shapes
 
 
@@ -105,9 +113,9 @@ def candidates(x, weight, silu_mul: bool, stored: Fp8Choice | None):
             yield scaled_mm_choice, torch_scaled_mm
         return
     if rows <= WEIGHT_ONLY_MAX:
-        for launch in launches(WEIGHT_ONLY, rows):
+        for launch in launches(WEIGHT_ONLY, rows, silu_mul):
             yield Fp8Choice(WEIGHT_ONLY, TRITON, launch), weight_only(launch)
-    for launch in launches(W8A8, rows):
+    for launch in launches(W8A8, rows, silu_mul):
         yield Fp8Choice(W8A8, TRITON, launch), w8a8(launch)
     if takes_scaled_mm(x, weight, BLOCK):
         yield scaled_mm_choice, torch_scaled_mm
@@ -147,9 +155,13 @@ def tune_shape(n: int, k: int, silu_mul: bool, buckets: list[int], deadline: flo
         expected = {mode: reference(x, weight, scale, mode, silu_mul) for mode in (WEIGHT_ONLY, W8A8)}
         best, best_time = None, float("inf")
         kept = stored.get(str(rows)) if stored else None
-        for chosen, fn in candidates(x, weight, silu_mul, Fp8Choice(**kept) if kept else None):
+        tried = list(candidates(x, weight, silu_mul, Fp8Choice(**kept) if kept else None))
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:  # compiles, several at a time (ptxas outside the GIL)
+            outputs = list(pool.map(lambda item: or_error(item[1], weight, scale), tried))
+        for (chosen, fn), got in zip(tried, outputs):
             try:
-                got = fn(weight, scale)
+                if isinstance(got, Exception):
+                    got = fn(weight, scale)  # once more alone: two compiles at once may have been the cause
                 error = float((got.float() - expected[chosen.mode].float()).norm() / expected[chosen.mode].norm())
                 if error > 2e-2:
                     print(f"  {n}x{k} rows {rows} {chosen.mode}/{chosen.backend} {chosen.launch}: wrong ({error:.1e})")
@@ -158,6 +170,7 @@ def tune_shape(n: int, k: int, silu_mul: bool, buckets: list[int], deadline: flo
             except Exception as err:  # a launch shape that does not fit, a torch without the backend
                 print(f"  {n}x{k} rows {rows} {chosen.mode}/{chosen.backend}: {type(err).__name__}: {err}"[:200])
                 continue
+            print(f"    {seconds * 1e6:8.1f} us {chosen.mode}/{chosen.backend} {chosen.launch}")
             if seconds < best_time:
                 best, best_time = chosen, seconds
         if best is None:

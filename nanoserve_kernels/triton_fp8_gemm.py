@@ -13,7 +13,17 @@ BLOCK_K divides the weight blocks' 128 columns, so one weight scale covers a ste
 (scales [N, 1]) are the case of one block per row. With SILU_MUL the weight holds gate rows then as many
 up rows (the MLP's packed gate/up) and the epilogue writes silu(gate) * up, as the 16-bit path fuses it
 (triton_gate_up.py), each half rounded to the output dtype first. Launch shapes come from fp8_configs.py.
+
+SPLIT_K > 1 splits each output tile's K steps over that many programs: at decode batches the 8B shape's
+4,096-row projections make 32-64 tiles of 128 x 128 for 132 multiprocessors, so a tile's weights would be
+read by one program while most of the card waits (torch's scaled_mm at 256 rows: 41 us on the 8B down
+projection against 50 us at 512). Each program stores its float32 partial sums in a workspace and counts
+itself in the tile's counter; the last to arrive adds the partials in split order (the same sums whatever
+the arrival order), runs the epilogue and sets the counter back to zero for the next call (CUTLASS's
+serial split-K), so no second kernel and no memset.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -21,25 +31,48 @@ import triton.language as tl
 from nanoserve_kernels.fp8_reference import ACT_GROUP
 from nanoserve_kernels.triton_activation import silu_mul
 
+# Tile counters of split-K launches, zero between calls; a launch with more tiles runs unsplit.
+SPLIT_K_COUNTERS = 1 << 16
+
 
 @triton.jit
-def _scaled_step(a, w_ptrs, w_scale_ptrs, mask_w, col_ok, a_scale, W8A8: tl.constexpr):
+def _scaled_step(a, w_ptrs, w_scale_ptrs, mask_w, scale_ok, a_scale, W8A8: tl.constexpr):
     """One BLOCK_K step's product of the a tile with a weight tile, scaled to float32."""
     w = tl.load(w_ptrs, mask=mask_w, other=0.0)
-    w_scale = tl.load(w_scale_ptrs, mask=col_ok, other=0.0)
+    w_scale = tl.load(w_scale_ptrs, mask=scale_ok, other=0.0)
     if W8A8:
         return tl.dot(a, tl.trans(w)) * (a_scale[:, None] * w_scale[None, :])
     return tl.dot(a, tl.trans(w.to(a.dtype))) * w_scale[None, :]
 
 
+@triton.jit
+def _partial_offsets(tile, split, tiles, part: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Where split `split` of `tile` keeps its partial sums `part` (0: the product, 1: SILU_MUL's up half) in
+    the workspace [SPLIT_K, tiles, 2, BLOCK_M, BLOCK_N] (float32)."""
+    first = ((split * tiles + tile) * 2 + part).to(tl.int64) * (BLOCK_M * BLOCK_N)
+    return first + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+
+
+@triton.jit
+def _split_sum(partial_ptr, tile, tiles, part: tl.constexpr, last, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """The tile's partial sums `part` added in split order (loaded by the last program only; L2, not L1)."""
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        total += tl.load(partial_ptr + _partial_offsets(tile, split, tiles, part, BLOCK_M, BLOCK_N), mask=last,
+                         other=0.0, cache_modifier=".cg")
+    return total
+
+
 @triton.jit(do_not_specialize=["rows"])  # one compile a launch shape, whatever the batch size
-def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, rows, n_size, k_size,
-                     stride_a, stride_asm, stride_ask, stride_w, stride_wsn, stride_wsk, stride_out,
+def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr, rows,
+                     n_size, k_size, split_steps, stride_a, stride_asm, stride_ask, stride_w, stride_wsn, stride_wsk,
+                     stride_out,
                      SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ACT_GROUP: tl.constexpr, W8A8: tl.constexpr,
                      SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr = 1):
     # Programs in groups of GROUP_M row blocks over each column block: the weight tiles they share
-    # are read from memory once and from L2 after.
+    # are read from memory once and from L2 after. With SPLIT_K, axis 1 is the program's share of K.
     pid = tl.program_id(0)
     row_blocks, col_blocks = tl.cdiv(rows, BLOCK_M), tl.cdiv(n_size, BLOCK_N)
     group_size = GROUP_M * col_blocks
@@ -60,18 +93,35 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, 
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     a_scale = tl.zeros([BLOCK_M], tl.float32)
-    for start in range(0, k_size, BLOCK_K):
+    # split_steps BLOCK_K steps a split; the last split's may pass K: masked, adding zeros
+    k_first = tl.program_id(1) * split_steps * BLOCK_K
+    for step in range(0, split_steps):
+        start = k_first + step * BLOCK_K
         k_ok = start + k < k_size
         a = tl.load(a_ptrs + start, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if W8A8:
-            a_scale = tl.load(a_scale_ptr + row * stride_asm + (start // ACT_GROUP) * stride_ask, mask=row_ok,
-                              other=0.0)
+            a_scale = tl.load(a_scale_ptr + row * stride_asm + (start // ACT_GROUP) * stride_ask,
+                              mask=row_ok & (start < k_size), other=0.0)
         mask_w = col_ok[:, None] & k_ok[None, :]
+        scale_ok = col_ok & (start < k_size)
         scale_step = (start // SCALE_BK) * stride_wsk
-        acc += _scaled_step(a, w_ptrs + start, w_scale_ptrs + scale_step, mask_w, col_ok, a_scale, W8A8)
+        acc += _scaled_step(a, w_ptrs + start, w_scale_ptrs + scale_step, mask_w, scale_ok, a_scale, W8A8)
         if SILU_MUL:
             up_acc += _scaled_step(a, w_ptrs + up_offset + start, w_scale_ptrs + up_scale_offset + scale_step,
-                                   mask_w, col_ok, a_scale, W8A8)
+                                   mask_w, scale_ok, a_scale, W8A8)
+    store_ok = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K > 1:
+        tiles = row_blocks * col_blocks
+        tl.store(partial_ptr + _partial_offsets(pid, tl.program_id(1), tiles, 0, BLOCK_M, BLOCK_N), acc)
+        if SILU_MUL:
+            tl.store(partial_ptr + _partial_offsets(pid, tl.program_id(1), tiles, 1, BLOCK_M, BLOCK_N), up_acc)
+        tl.debug_barrier()  # every thread's partials stored before the count that releases them
+        last = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel") == SPLIT_K - 1
+        acc = _split_sum(partial_ptr, pid, tiles, 0, last, SPLIT_K, BLOCK_M, BLOCK_N)
+        if SILU_MUL:
+            up_acc = _split_sum(partial_ptr, pid, tiles, 1, last, SPLIT_K, BLOCK_M, BLOCK_N)
+        tl.store(counter_ptr + pid, 0, mask=last)  # ready for the next call
+        store_ok &= last
     out_dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(bias_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -79,8 +129,14 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, 
             up_acc += tl.load(bias_ptr + n_size + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL:  # as the unfused path: each half rounded to the output dtype, SiLU-and-mul in float32
         acc = silu_mul(acc.to(out_dtype).to(tl.float32), up_acc.to(out_dtype).to(tl.float32))
-    tl.store(out_ptr + row[:, None].to(tl.int64) * stride_out + col[None, :], acc.to(out_dtype),
-             mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out_ptr + row[:, None].to(tl.int64) * stride_out + col[None, :], acc.to(out_dtype), mask=store_ok)
+
+
+@functools.cache
+def _split_k_counters(device: torch.device) -> torch.Tensor:
+    """The device's tile counters (zero between launches, in stream order; allocated before graph capture by
+    the warm-up's eager calls)."""
+    return torch.zeros(SPLIT_K_COUNTERS, dtype=torch.int32, device=device)
 
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int],
@@ -88,7 +144,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
              silu_mul: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) [M, N] for x [M, K]: W8A8 when x is e4m3 with its `x_scale` [M, ceil(K / 128)],
     weight-only when x is 16-bit; with `silu_mul`, silu(gate) * up [M, N / 2] of the packed (gate, up).
-    `launch`: BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages (fp8_configs.py)."""
+    `launch`: BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, optionally SPLIT_K (fp8_configs.py)."""
     rows, k_size = x.shape
     n_size = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     assert x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == k_size
@@ -97,11 +153,18 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     w8a8 = x_scale is not None
     per_row = weight_scale.shape[1] == 1  # one scale a row (per channel, or K within one block): stride 0 along K
     out = torch.empty(rows, n_size, dtype=out_dtype or x.dtype, device=x.device)
-    grid = (triton.cdiv(rows, launch["BLOCK_M"]) * triton.cdiv(n_size, launch["BLOCK_N"]),)
-    _fp8_gemm_kernel[grid](
-        x, x_scale, weight, weight_scale, bias, out, rows, n_size, k_size, x.stride(0),
+    tiles = triton.cdiv(rows, launch["BLOCK_M"]) * triton.cdiv(n_size, launch["BLOCK_N"])
+    split_k = launch.get("SPLIT_K", 1) if tiles <= SPLIT_K_COUNTERS else 1
+    partials = counters = None
+    if split_k > 1:
+        partials = torch.empty(split_k * tiles * 2 * launch["BLOCK_M"] * launch["BLOCK_N"], dtype=torch.float32,
+                               device=x.device)
+        counters = _split_k_counters(x.device)
+    _fp8_gemm_kernel[(tiles, split_k)](
+        x, x_scale, weight, weight_scale, bias, out, partials, counters, rows, n_size, k_size,
+        triton.cdiv(triton.cdiv(k_size, launch["BLOCK_K"]), split_k), x.stride(0),
         x_scale.stride(0) if w8a8 else 0, x_scale.stride(1) if w8a8 else 0, weight.stride(0),
         weight_scale.stride(0), 0 if per_row else weight_scale.stride(1), out.stride(0),
         SCALE_BN=block[0], SCALE_BK=launch["BLOCK_K"] if per_row else block[1], ACT_GROUP=ACT_GROUP, W8A8=w8a8,
-        SILU_MUL=silu_mul, HAS_BIAS=bias is not None, **launch)
+        SILU_MUL=silu_mul, HAS_BIAS=bias is not None, **dict(launch, SPLIT_K=split_k))
     return out

@@ -64,10 +64,11 @@ def _inverse_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps, BLOCK_K: tl.cons
 
 
 @triton.jit
-def _weight_tile(w_ptr, rows, row_ok, start, cols, K, stride_w):
-    """W[rows, start:start + len(cols)]; zeros past its edges (a tile past K loads nothing)."""
+def _weight_tile(w_ptr, rows, row_ok, start, cols, K, stride_w, STREAM: tl.constexpr):
+    """W[rows, start:start + len(cols)]; zeros past its edges (a tile past K loads nothing). STREAM: past L1
+    (".cg"), as read once: L1 keeps x, which every program on the multiprocessor reads."""
     return tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + start + cols[None, :],
-                   mask=row_ok[:, None] & (start + cols < K)[None, :], other=0.0)
+                   mask=row_ok[:, None] & (start + cols < K)[None, :], other=0.0, cache_modifier=".cg" if STREAM else "")
 
 
 @triton.jit
@@ -160,27 +161,29 @@ def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, scale_p
                  stride_scale, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
                  WEIGHT_SCALE: tl.constexpr = "none", SCALE_BN: tl.constexpr = 1, SCALE_BK: tl.constexpr = 1,
-                 CONVERT: tl.constexpr = "triton", SUM_ONCE: tl.constexpr = False, STAGES: tl.constexpr = 0):
+                 CONVERT: tl.constexpr = "triton", SUM_ONCE: tl.constexpr = False, STREAM: tl.constexpr = False):
     """PROLOGUE "none": x as given; "rms_norm": x = norm(x (+ residual)). SILU_MUL: W holds N gate
     rows then N up rows, and y = silu(gate) * up of the products, each rounded to the model dtype
     first as the unfused projection's output is. Each weight tile is loaded one iteration ahead,
     the first before the wait for the previous kernel (nanoserve_kernels/pdl.py): weights are
-    never written while serving; with STAGES, that many ahead by Triton's pipeliner. WEIGHT_SCALE
+    never written while serving (Triton's pipeliner, 2-3 tiles ahead through shared memory, never
+    won: bench/RESULTS.md, 2026-11-27). WEIGHT_SCALE
     "none": W in the model dtype; else W is e4m3, dequantized in registers by its float32 scales
     [rows / SCALE_BN, K / SCALE_BK]: "row" one per row (per channel), "block" per SCALE_BK columns too. CONVERT (e4m3 only) says how (_products); "ptx" and
     "bits" take W as int32 words (w_ptr, stride_w in words; K a multiple of 4). SUM_ONCE with block scales
-    needs a program's rows (and its up rows) in one scale row: BLOCK_N dividing SCALE_BN, which divides N."""
+    needs a program's rows (and its up rows) in one scale row: BLOCK_N dividing SCALE_BN, which divides N.
+    STREAM: the weight tiles loaded as read once (_weight_tile)."""
     dtype = y_ptr.dtype.element_ty
     LANES: tl.constexpr = 4 if CONVERT == "ptx" or CONVERT == "bits" else 1  # columns a loaded element holds
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K // LANES)
     row_ok = rows < N
-    if not STAGES:  # each tile loaded one iteration ahead, the first before the wait for the previous kernel
-        w = _weight_tile(w_ptr, rows, row_ok, 0, cols, K // LANES, stride_w)
-        if SILU_MUL:
-            w_up = _weight_tile(w_ptr, rows + N, row_ok, 0, cols, K // LANES, stride_w)
-        else:
-            w_up = w
+    # each tile loaded one iteration ahead, the first before the wait for the previous kernel
+    w = _weight_tile(w_ptr, rows, row_ok, 0, cols, K // LANES, stride_w, STREAM)
+    if SILU_MUL:
+        w_up = _weight_tile(w_ptr, rows + N, row_ok, 0, cols, K // LANES, stride_w, STREAM)
+    else:
+        w_up = w
     wait_for_previous_kernel(PDL)
     inverse_rms = 1.0
     if PROLOGUE == "rms_norm":
@@ -194,22 +197,16 @@ def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, scale_p
         acc = tl.zeros([BLOCK_N], tl.float32)
         up_acc = tl.zeros([BLOCK_N], tl.float32)
     first_row = tl.program_id(0) * BLOCK_N
-    # STAGES: Triton's pipeliner keeps that many tiles in flight, through shared memory (cp.async)
-    for start in tl.range(0, K, BLOCK_K, num_stages=STAGES if STAGES else None):
-        if STAGES:
-            w = _weight_tile(w_ptr, rows, row_ok, start // LANES, cols, K // LANES, stride_w)
+    for start in range(0, K, BLOCK_K):
         x = _x_tile(x_ptr, residual_ptr, norm_ptr, start, cols, K, inverse_rms, PROLOGUE, HAS_RESIDUAL, CONVERT)
         acc += _tile_terms(w, x, scale_ptr, first_row, rows, row_ok, start, cols, K, stride_scale, BLOCK_N, BLOCK_K,
                            SCALE_BN, SCALE_BK, WEIGHT_SCALE, CONVERT, SUM_ONCE)
-        if not STAGES:
-            w = _weight_tile(w_ptr, rows, row_ok, (start + BLOCK_K) // LANES, cols, K // LANES, stride_w)
+        w = _weight_tile(w_ptr, rows, row_ok, (start + BLOCK_K) // LANES, cols, K // LANES, stride_w, STREAM)
         if SILU_MUL:
-            if STAGES:
-                w_up = _weight_tile(w_ptr, rows + N, row_ok, start // LANES, cols, K // LANES, stride_w)
             up_acc += _tile_terms(w_up, x, scale_ptr, first_row + N, rows + N, row_ok, start, cols, K, stride_scale,
                                   BLOCK_N, BLOCK_K, SCALE_BN, SCALE_BK, WEIGHT_SCALE, CONVERT, SUM_ONCE)
-            if not STAGES:
-                w_up = _weight_tile(w_ptr, rows + N, row_ok, (start + BLOCK_K) // LANES, cols, K // LANES, stride_w)
+            w_up = _weight_tile(w_ptr, rows + N, row_ok, (start + BLOCK_K) // LANES, cols, K // LANES, stride_w,
+                                STREAM)
     if SUM_ONCE:
         acc = tl.sum(acc, axis=1)
         up_acc = tl.sum(up_acc, axis=1)
@@ -276,13 +273,13 @@ CONVERTS = ("triton", "ptx", "bits")  # ways to read e4m3 (_products), measured 
 
 
 def default_launch(k: int, silu_mul: bool, fp8: bool) -> dict:
-    """`tiles`, read with Triton's conversion, one tile ahead, and summed a tile at a time."""
+    """`tiles`, read with Triton's conversion and summed a tile at a time."""
     block_n, block_k, warps = tiles(k, silu_mul, fp8)
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, CONVERT="triton", SUM_ONCE=False, STAGES=0)
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, CONVERT="triton", SUM_ONCE=False, STREAM=False)
 
 
 def fp8_launch(device_name: str, n: int, k: int, silu_mul: bool, block: tuple[int, int]) -> dict:
-    """The e4m3 launch (BLOCK_N, BLOCK_K, num_warps, CONVERT, SUM_ONCE, STAGES) for W [n, k] (n: the gate
+    """The e4m3 launch (BLOCK_N, BLOCK_K, num_warps, CONVERT, SUM_ONCE, STREAM) for W [n, k] (n: the gate
     and up rows together with silu_mul): bench/gemv.py's measured winner for this device and shape where it
     tiles these scale blocks, else the default."""
     tuned = fp8_configs.tuned(device_name, n, k, 1, silu_mul)
@@ -309,7 +306,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bl
             residual_out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
             prologue: str = "none", silu_mul: bool = False, weight_scale: torch.Tensor | None = None,
             block: tuple[int, int] | None = None, convert: str | None = None, sum_once: bool | None = None,
-            stages: int | None = None) -> torch.Tensor:
+            stream: bool | None = None) -> torch.Tensor:
     n, k = weight.shape
     assert x.shape == (1, k) and x.stride(1) == 1 and weight.stride(1) == 1
     if weight_scale is not None and x.is_cuda:
@@ -319,7 +316,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bl
     block_n, block_k = block_n or chosen["BLOCK_N"], block_k or chosen["BLOCK_K"]
     num_warps, convert = num_warps or chosen["num_warps"], convert or chosen["CONVERT"]
     sum_once = chosen.get("SUM_ONCE", False) if sum_once is None else sum_once
-    stages = chosen.get("STAGES", 0) if stages is None else stages
+    stream = chosen.get("STREAM", False) if stream is None else stream
     if sum_once and weight_scale is not None and weight_scale.shape[1] > 1:  # a program's rows in one scale row
         sum_once = block[0] % block_n == 0 and (not silu_mul or n // 2 % block[0] == 0)
     w = weight
@@ -335,7 +332,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bl
         x, residual, residual_out, norm_weight, w, weight_scale, bias, y, n, k, w.stride(0),
         0 if weight_scale is None else weight_scale.stride(0), eps, BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul,
-        CONVERT=convert, SUM_ONCE=sum_once, STAGES=stages, num_warps=num_warps,
+        CONVERT=convert, SUM_ONCE=sum_once, STREAM=stream, num_warps=num_warps,
         **_scale_args(weight_scale, block, block_k), **pdl_launch(x.device))
     return y
 
@@ -343,11 +340,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bl
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
          block_k: int | None = None, num_warps: int | None = None, weight_scale: torch.Tensor | None = None,
          block: tuple[int, int] | None = None, convert: str | None = None, sum_once: bool | None = None,
-         stages: int | None = None) -> torch.Tensor:
+         stream: bool | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for one row x [1, K] (tiles chosen by `tiles`, or `fp8_launch`, unless
     given); of an e4m3 weight given its scales and their block."""
     return _launch(x, weight, bias, block_n, block_k, num_warps, weight_scale=weight_scale, block=block,
-                   convert=convert, sum_once=sum_once, stages=stages)
+                   convert=convert, sum_once=sum_once, stream=stream)
 
 
 def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

@@ -45,11 +45,14 @@ KL_BOUND_NATS = 3e-3
 
 def test_quantize_gemm_and_gemv_match_the_reference_in_bfloat16():
     check_quantize("cuda", torch.bfloat16)
-    # each way the matrix-vector kernel reads e4m3 (the PTX one runs only here), sums and loads ahead
-    for convert, sum_once, stages in (("triton", False, 0), ("ptx", True, 3), ("bits", False, 0)):
-        check_gemv("cuda", torch.bfloat16, convert, sum_once, stages)
+    # each way the matrix-vector kernel reads e4m3 (the PTX one runs only here) and sums
+    for convert, sum_once, stream in (("triton", False, False), ("ptx", True, True), ("ptx", False, False),
+                                      ("bits", False, True)):
+        check_gemv("cuda", torch.bfloat16, convert, sum_once, stream)
     for rows in (2, 64, 300, 4096):  # the default launch shapes of their buckets
         check_gemm("cuda", torch.bfloat16, fp8_configs.default_choice(fp8_configs.bucket(rows)).launch)
+    for split_k in (2, 3):  # K split over programs, a step each or more, some splits past K
+        check_gemm("cuda", torch.bfloat16, dict(fp8_configs.default_choice(64).launch, SPLIT_K=split_k))
 
 
 @pytest.mark.parametrize("block", [(128, 128), (1, 4096)])

@@ -44,7 +44,7 @@ def check_quantize(device: str, dtype: torch.dtype) -> None:
 
 
 def check_gemm(device: str, dtype: torch.dtype, launch: dict = SMALL_LAUNCH,
-               quantize_activation: Callable | None = None) -> None:
+               quantize_activation: Callable | None = None, rows_tried: tuple[int, ...] = ROWS) -> None:
     """W8A8 (x quantized by the kernel, or `quantize_activation`) and weight-only, plain and with the
     SiLU-and-mul and a bias."""
     from nanoserve_kernels.triton_fp8_gemm import fp8_gemm
@@ -54,7 +54,7 @@ def check_gemm(device: str, dtype: torch.dtype, launch: dict = SMALL_LAUNCH,
         weight, scale = random_fp8(n, k, block, device, seed)
         bias = torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
         shape_launch = dict(launch, BLOCK_K=min(launch["BLOCK_K"], block[1])) if scale.shape[1] > 1 else launch
-        for rows in ROWS:
+        for rows in rows_tried:
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype).to(device)
             for w8a8 in (False, True):
                 expected = fp8_reference.fp8_linear(x, weight, scale, block, bias, quantize_input=w8a8)
@@ -71,11 +71,11 @@ def check_gemm(device: str, dtype: torch.dtype, launch: dict = SMALL_LAUNCH,
 
 
 def check_gemv(device: str, dtype: torch.dtype, convert: str = "triton", sum_once: bool = False,
-               stages: int = 0) -> None:
+               stream: bool = False) -> None:
     """One row through the matrix-vector kernel reading e4m3 (`convert`: how, triton_gemv.CONVERTS; `sum_once`:
-    the block scales on x, one sum a row; `stages`: tiles loaded ahead by Triton's pipeliner, else one by the
-    kernel): plain, with a bias, with the RMSNorm prologue and the residual add, and with the SiLU-and-mul."""
-    variant = dict(convert=convert, sum_once=sum_once, stages=stages)
+    the block scales on x, one sum a row; `stream`: the weights loaded past L1): plain, with a bias, with the
+    RMSNorm prologue and the residual add, and with the SiLU-and-mul."""
+    variant = dict(convert=convert, sum_once=sum_once, stream=stream)
     from nanoserve_kernels.triton_gemv import gemv, rms_norm_gemv
     from nanoserve_model.norm import rms_normalize
     for seed, (n, k, block) in enumerate(SHAPES):
@@ -105,10 +105,13 @@ def run_interpreted_cases(kernel: str) -> None:
         # x quantized by the reference, which check_quantize finds equal to the kernel bit for bit: the
         # interpreter runs the kernel a program a row (M = 300: ~3 s a shape)
         check_gemm("cpu", torch.float16, dict(SMALL_LAUNCH, BLOCK_M=64, BLOCK_N=64), fp8_reference.quantize_activation)
+        # K split over 3 programs: a 128-column step each, or none (past K) for the narrower shapes
+        check_gemm("cpu", torch.float16, dict(SMALL_LAUNCH, BLOCK_M=64, BLOCK_N=64, SPLIT_K=3),
+                   fp8_reference.quantize_activation, rows_tried=(2, 70))
         return
-    if kernel == "gemv":  # Triton's conversion, then the integer one summing once a row with the tiles loaded in
-        check_gemv("cpu", torch.float32)  # the loop, a dtype each (the PTX conversion runs on CUDA only: tests/gpu)
-        check_gemv("cpu", torch.float16, convert="bits", sum_once=True, stages=2)
+    if kernel == "gemv":  # Triton's conversion, then the integer one summing once a row, a dtype each (the PTX
+        check_gemv("cpu", torch.float32)  # conversion runs on CUDA only: tests/gpu)
+        check_gemv("cpu", torch.float16, convert="bits", sum_once=True, stream=True)
         return
     for dtype in (torch.float32, torch.float16):
         check_quantize("cpu", dtype)
@@ -131,38 +134,43 @@ def _compile_for_hopper(kernel, types: dict[str, str], constexprs: dict, **optio
 
 @pytest.mark.parametrize("w8a8, silu_mul, launch", [
     (True, False, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)),
+    (True, True, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4, SPLIT_K=4)),
     (True, True, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)),
     (False, False, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)),
     (False, True, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)),
 ])
 def test_fp8_gemm_compiles_for_hopper(w8a8: bool, silu_mul: bool, launch: dict) -> None:
     """sm_90 in bfloat16: W8A8 runs e4m3 tensor-core dots (the interpreter multiplies in numpy); the SiLU-and-mul
-    variants with a bias."""
+    variants with a bias; with K split, one thread a program counts it in its tile's counter (acquire-release)."""
     from nanoserve_kernels import triton_fp8_gemm
     types = {"a_ptr": "*fp8e4nv" if w8a8 else "*bf16", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv",
-             "w_scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+             "w_scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32",
+             "counter_ptr": "*i32"}
     constexprs = dict(SCALE_BN=128, SCALE_BK=128, ACT_GROUP=128, W8A8=w8a8, SILU_MUL=silu_mul, HAS_BIAS=silu_mul,
-                      **{name: launch[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")})
+                      **{name: launch[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")},
+                      SPLIT_K=launch.get("SPLIT_K", 1))
     ptx = _compile_for_hopper(triton_fp8_gemm._fp8_gemm_kernel, types, constexprs, num_warps=launch["num_warps"],
                               num_stages=launch["num_stages"])
     assert "e4m3" in ptx
+    assert ptx.count("atom.global.gpu.acq_rel.add") == (launch.get("SPLIT_K", 1) > 1)
 
 
-@pytest.mark.parametrize("mode, silu_mul, convert, sum_once, stages", [
-    ("block", False, "triton", False, 0), ("block", True, "triton", False, 0), ("row", False, "triton", False, 0),
-    ("row", True, "triton", False, 0), ("block", True, "ptx", True, 3), ("row", False, "bits", False, 0)])
-def test_fp8_gemv_compiles_for_hopper(mode: str, silu_mul: bool, convert: str, sum_once: bool, stages: int) -> None:
+@pytest.mark.parametrize("mode, silu_mul, convert, sum_once, stream", [
+    ("block", False, "triton", False, False), ("block", True, "triton", False, False),
+    ("row", False, "triton", False, False), ("row", True, "triton", False, False), ("block", True, "ptx", True, True),
+    ("row", False, "bits", False, False)])
+def test_fp8_gemv_compiles_for_hopper(mode: str, silu_mul: bool, convert: str, sum_once: bool, stream: bool) -> None:
     """Each way of reading e4m3: Triton's conversion and Hopper's paired convert (inline PTX, which the
-    interpreter cannot run) take the e4m3 converts, the integer one none."""
+    interpreter cannot run) take the e4m3 converts, the integer one none; STREAM loads the weights past L1."""
     from nanoserve_kernels import triton_gemv
     types = {name: "*bf16" for name in ("x_ptr", "residual_ptr", "residual_out_ptr", "norm_ptr", "bias_ptr", "y_ptr")}
     types |= {"w_ptr": "*fp8e4nv" if convert == "triton" else "*i32", "scale_ptr": "*fp32", "eps": "fp32"}
     constexprs = dict(BLOCK_N=4, BLOCK_K=2048, HAS_BIAS=False, PROLOGUE="rms_norm", HAS_RESIDUAL=True,
                       SILU_MUL=silu_mul, PDL=False, WEIGHT_SCALE=mode, SCALE_BN=128 if mode == "block" else 1,
-                      SCALE_BK=128, CONVERT=convert, SUM_ONCE=sum_once, STAGES=stages)
+                      SCALE_BK=128, CONVERT=convert, SUM_ONCE=sum_once, STREAM=stream)
     ptx = _compile_for_hopper(triton_gemv._gemv_kernel, types, constexprs, num_warps=4)
     assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (convert != "bits")
-    assert ("cp.async" in ptx) == (stages > 0)  # the pipeliner's copies to shared memory
+    assert ("ld.global.cg" in ptx) == stream
 
 
 def test_activation_quantization_compiles_for_hopper() -> None:
