@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "proto"), str(REPO / "bench")]
 
 from latency import percentiles  # noqa: E402
-from router_overhead import model_of  # noqa: E402
+from router_overhead import echo_backends, model_of  # noqa: E402
 from serve import make_requests, started_gateway  # noqa: E402
 from service_overhead import null_service  # noqa: E402
 from nanoserve.flags import defaults  # noqa: E402
@@ -117,6 +117,8 @@ async def stream_one(sock: socket.socket, stream: Stream, body: bytes) -> None:
         if line.startswith(b"data: {") and not stream.first_token:
             stream.first_token = time.time()
             stream.request_id = json.loads(line[6:])["id"]
+            if stream.request_id.startswith("echo-"):  # an echo backend's: the time the request arrived
+                stream.arrived = float(stream.request_id[5:])
     writer.close()
 
 
@@ -172,10 +174,15 @@ def router(gateways: list[str], policy: str, own_launcher: bool, log: Path, port
 
 @contextlib.contextmanager
 def backends(args: argparse.Namespace) -> Iterator[tuple[list[str], list[Path]]]:
-    """The replicas' gateway URLs and their schedulers' logs: --gateways and --scheduler-logs, else null
-    replicas started here, each scheduler logging to a file beside --out."""
+    """The replicas' gateway URLs and their schedulers' logs: --gateways and --scheduler-logs, else
+    replicas started here: echo backends (their events carry the arrival: no log), or null replicas,
+    each scheduler logging to a file beside --out."""
     if args.gateways:
         yield args.gateways, args.scheduler_logs
+        return
+    if args.backend == "echo":
+        with echo_backends(args.replicas) as urls:
+            yield urls, []
         return
     logs = [args.out.with_suffix(f".scheduler{d}.log") for d in range(args.replicas)]
     with contextlib.ExitStack() as running:
@@ -232,7 +239,10 @@ def print_row(r: dict) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--replicas", type=int, default=1, help="null replicas started here (direct goes to the first)")
+    p.add_argument("--backend", choices=("nanoserve", "echo"), default="nanoserve",
+                   help="replicas started here: schedulers over a null worker with their gateways, or minimal HTTP "
+                        "servers that answer at once (bench/router_overhead.py's: what SMG alone does to a burst)")
+    p.add_argument("--replicas", type=int, default=1, help="replicas started here (direct goes to the first)")
     p.add_argument("--gateways", nargs="+", default=[], metavar="URL", help="running replicas' gateways instead")
     p.add_argument("--scheduler-logs", nargs="+", default=[], type=Path, metavar="FILE",
                    help="with --gateways: where their schedulers log (their \"request finished\" lines)")
