@@ -92,6 +92,9 @@ if { part 1 || part 2; } && up "dp${gpus}_small" --model "$small" --data-paralle
   part 1 && bench "dp${gpus}_small" "$small" "${design[@]}" --num-prompts $((256 * gpus)) \
     --replicas $(replicas "$gpus") --client-processes $((clients * gpus))
   if part 1; then
+    # what up's router queues (its launcher's line) and the most this host lets any port queue
+    { grep -h "accept queue" "$out/dp${gpus}_small.server.log"
+      echo "net.core.somaxconn $(cat /proc/sys/net/core/somaxconn)"; } | tee "$out/accept_queue.txt"
     # The baseline: the same replicas through SMG's own launcher (its port's accept queue at 128, where up's
     # holds 4096: nanoserve_cli/smg_router.py), fresh prompts (--seed 1); then bench/burst_arrival.py's bursts
     # of connections opened at once, straight to replica 0 and through both launchers, with the arrivals

@@ -81,6 +81,8 @@ def summarize(folder: Path, gpus: int) -> dict:
                       "tcp_drops": {name: drops for name in ("dp1_small", f"dp{gpus}_small", f"dp{gpus}_small_smg_own")
                                     if (drops := tcp_drops(folder, name)) is not None}},
         "connection_bursts": bursts(report(folder, "burst_arrival")),
+        "accept_queue": (folder / "accept_queue.txt").read_text().strip().replace("\n", "; ")
+        if (folder / "accept_queue.txt").exists() else None,
         "router_added_ttft_ms": router_added_ttft(report(folder, "router_overhead")),
         "smg_own_added_ttft_ms": smg_own(report(folder, "router_overhead_echo"))
         + smg_own(report(folder, "router_overhead_echo_wait")),
@@ -154,6 +156,8 @@ def markdown(s: dict) -> str:
              f"| ... over {s['gpus']} x one replica (target >= 0.95) | {num(so['ratio_to_n_x_one'])} |",
              f"| the same through SMG's own launcher (accept queue 128), output tok/s, over {s['gpus']} x one | "
              f"{num(own, 0)}, {num(so['own_launcher_ratio_to_n_x_one'])} |"]
+    if s["accept_queue"]:
+        lines.append(f"| the router's accept queue (its line), the host's cap | {s['accept_queue']} |")
     for name, drops in so["tcp_drops"].items():
         lines.append(f"| {name}: connections dropped from a full accept queue, SYNs sent again | "
                      f"{drops.get('ListenOverflows')}, {drops.get('TCPSynRetrans')} |")
