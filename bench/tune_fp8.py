@@ -109,7 +109,7 @@ def candidates(x, weight, silu_mul: bool, stored: Fp8Choice | None):
     if stored is not None:  # and torch's scaled_mm beside it: no compile, and the stored choice may predate it
         yield stored, (torch_scaled_mm if stored.backend == SCALED_MM
                        else (weight_only if stored.mode == WEIGHT_ONLY else w8a8)(stored.launch))
-        if stored.backend != SCALED_MM and takes_scaled_mm(x, weight, BLOCK):
+        if stored.backend != SCALED_MM and takes_scaled_mm(x.shape[1], weight, BLOCK):
             yield scaled_mm_choice, torch_scaled_mm
         return
     if rows <= WEIGHT_ONLY_MAX:
@@ -117,7 +117,7 @@ def candidates(x, weight, silu_mul: bool, stored: Fp8Choice | None):
             yield Fp8Choice(WEIGHT_ONLY, TRITON, launch), weight_only(launch)
     for launch in launches(W8A8, rows, silu_mul):
         yield Fp8Choice(W8A8, TRITON, launch), w8a8(launch)
-    if takes_scaled_mm(x, weight, BLOCK):
+    if takes_scaled_mm(x.shape[1], weight, BLOCK):
         yield scaled_mm_choice, torch_scaled_mm
 
 
