@@ -5,7 +5,9 @@
 #                                     JSON per run, summary.json and summary.md from bench/scaleout_summary.py)
 # Every run goes through the OpenAI port (bench/serve.py --openai, prompts as text for SMG):
 #   1. the throughput workload (docs/benchmarks.md) on one replica direct (its gateway), then on N replicas (N = the
-#      GPUs) through SMG with N x the requests: the ratio to N x one replica (target >= 0.95);
+#      GPUs) through SMG with N x the requests: the ratio to N x one replica (target >= 0.95); then the same
+#      through SMG's own launcher (its accept queue at 128 where up's holds 4096), and bench/burst_arrival.py's
+#      connection bursts down each path; each run keeps the kernel's accept-queue drops and SYN retries around it;
 #   2. the router's added TTFT at low load (bench/router_overhead.py): 150 rounds of one request at a time
 #      straight to replica 0, straight to the replicas in turn, and through SMG, every request a prompt of
 #      its own, on the N-replica server of part 1; then SMG's own cost on this host's CPU, in front of
@@ -62,10 +64,19 @@ down() {
   for _ in $(seq 120); do kill -0 $server 2>/dev/null || return 0; sleep 0.5; done
   kill -KILL $server 2>/dev/null
 }
-bench() {  # name, model, then bench/serve.py flags
+bench() {  # name, model, then bench/serve.py flags; through ${via:-$url}, the kernel's TCP counters around it
   local name=$1 model=$2; shift 2
-  timeout 150 python3 bench/serve.py --openai "$url" --text-prompts "$model" --warmup 8 "$@" \
+  tcp_counters > "$out/$name.tcp_before.txt"
+  timeout 150 python3 bench/serve.py --openai "${via:-$url}" --text-prompts "$model" --warmup 8 "$@" \
     --out "$out/$name.json" 2>&1 | grep -v " INFO " | tail -4
+  tcp_counters > "$out/$name.tcp_after.txt"
+}
+tcp_counters() {  # connections the kernel dropped from a full accept queue, and SYNs sent again (a drop's retry)
+  awk '/^TcpExt:/ { if (!seen++) { for (i = 2; i <= NF; i++) name[i] = $i } else for (i = 2; i <= NF; i++)
+       if (name[i] ~ /^(ListenOverflows|ListenDrops|TCPSynRetrans)$/) print name[i], $i }' /proc/net/netstat
+}
+gateways() {  # the gateways of `up --data-parallel-size $1`: replica d's is on 8001 + d
+  for d in $(seq 0 $(($1 - 1))); do echo "http://127.0.0.1:$((8001 + d))"; done
 }
 replicas() {  # the schedulers of `up --data-parallel-size $1`: replica d's gRPC port is --port + d
   for d in $(seq 0 $(($1 - 1))); do echo "127.0.0.1:$((50051 + d))"; done
@@ -80,10 +91,26 @@ fi
 if { part 1 || part 2; } && up "dp${gpus}_small" --model "$small" --data-parallel-size "$gpus"; then
   part 1 && bench "dp${gpus}_small" "$small" "${design[@]}" --num-prompts $((256 * gpus)) \
     --replicas $(replicas "$gpus") --client-processes $((clients * gpus))
-  if part 2; then  # replica d's gateway is on 8001 + d
-    timeout 120 python3 bench/router_overhead.py --gateways $(for d in $(seq 0 $((gpus - 1))); do
-      echo "http://127.0.0.1:$((8001 + d))"; done) --router "$url" --tokenizer "$small" --requests 150 \
-      --prompt-tokens 512 --output-tokens 16 --out "$out/router_overhead.json" 2>&1 | grep -v " INFO " | tail -3
+  if part 1; then
+    # The baseline: the same replicas through SMG's own launcher (its port's accept queue at 128, where up's
+    # holds 4096: nanoserve_cli/smg_router.py), fresh prompts (--seed 1); then bench/burst_arrival.py's bursts
+    # of connections opened at once, straight to replica 0 and through both launchers, with the arrivals
+    # read from the schedulers' lines in the server log.
+    python3 bench/burst_arrival.py --gateways $(gateways "$gpus") --serve-smg-own 8100 \
+      --out "$out/smg_own.json" > "$out/smg_own.log" 2>&1 &
+    own=$!
+    for _ in $(seq 120); do grep -q "routes on port" "$out/smg_own.log" && break; sleep 0.5; done
+    via=http://127.0.0.1:8100 bench "dp${gpus}_small_smg_own" "$small" "${design[@]}" --num-prompts $((256 * gpus)) \
+      --replicas $(replicas "$gpus") --client-processes $((clients * gpus)) --seed 1
+    kill -TERM $own; wait $own
+    in_time 400 "the connection bursts" && timeout 150 python3 bench/burst_arrival.py --gateways $(gateways "$gpus") \
+      --scheduler-logs "$out/dp${gpus}_small.server.log" --tokenizer "$small" --connections 256 \
+      --out "$out/burst_arrival.json" 2>&1 | grep -v " INFO " | tail -8
+  fi
+  if part 2; then
+    timeout 120 python3 bench/router_overhead.py --gateways $(gateways "$gpus") --router "$url" --tokenizer "$small" \
+      --requests 150 --prompt-tokens 512 --output-tokens 16 --out "$out/router_overhead.json" 2>&1 \
+      | grep -v " INFO " | tail -3
   fi
   down
 fi

@@ -39,10 +39,32 @@ def field(run: dict | None, *keys: str) -> float | None:
     return run
 
 
+def tcp_drops(folder: Path, name: str) -> dict[str, int] | None:
+    """The kernel's TCP counters over run `name` (gpu_scaleout.sh's tcp_before/tcp_after files): connections
+    dropped from a full accept queue (ListenOverflows), and SYNs sent again."""
+    before, after = (folder / f"{name}.tcp_before.txt", folder / f"{name}.tcp_after.txt")
+    if not (before.exists() and after.exists()):
+        return None
+    counts = [dict((key, int(value)) for key, value in (line.split() for line in path.read_text().splitlines()))
+              for path in (before, after)]
+    return {key: counts[1][key] - counts[0][key] for key in counts[1]}
+
+
+def bursts(burst: dict | None) -> list[dict]:
+    """bench/burst_arrival.py's bursts: per path and round, the slow connections and the arrivals."""
+    if not burst:
+        return []
+    return [{"path": r["path"], "round": r["round"], "connections": r["connections"],
+             "slow_connects": r["slow_connects"], "listen_overflows": r["listen_overflows"],
+             "arrival_p50_ms": r["arrival_ms"]["p50"], "arrival_p90_ms": r["arrival_ms"]["p90"],
+             "arrival_spread_ms": r["arrival_spread_ms"], "first_token_p50_ms": r["first_token_ms"]["p50"]}
+            for r in burst["runs"]]
+
+
 def summarize(folder: Path, gpus: int) -> dict:
     run = {name.stem: first_rate(folder, name.stem) for name in folder.glob("*.json")
-           if name.stem != "summary" and not name.stem.startswith("router_overhead")}
-    one, many = run.get("dp1_small"), run.get(f"dp{gpus}_small")
+           if name.stem not in ("summary", "burst_arrival") and not name.stem.startswith("router_overhead")}
+    one, many, own = run.get("dp1_small"), run.get(f"dp{gpus}_small"), run.get(f"dp{gpus}_small_smg_own")
     summary = {
         "date": datetime.date.today().isoformat(),
         "device": (folder / "gpus.txt").read_text().strip().replace("\n", "; ") if (folder / "gpus.txt").exists()
@@ -51,7 +73,14 @@ def summarize(folder: Path, gpus: int) -> dict:
                       f"{gpus}_replicas_smg_tok_s": field(many, "output_tok_per_s"),
                       "ratio_to_n_x_one": ratio(field(many, "output_tok_per_s"),
                                                 gpus * (field(one, "output_tok_per_s") or 0)),
-                      "target": 0.95},
+                      "target": 0.95,
+                      # the same replicas through SMG's own launcher, its port's accept queue at 128
+                      f"{gpus}_replicas_smg_own_launcher_tok_s": field(own, "output_tok_per_s"),
+                      "own_launcher_ratio_to_n_x_one": ratio(field(own, "output_tok_per_s"),
+                                                             gpus * (field(one, "output_tok_per_s") or 0)),
+                      "tcp_drops": {name: drops for name in ("dp1_small", f"dp{gpus}_small", f"dp{gpus}_small_smg_own")
+                                    if (drops := tcp_drops(folder, name)) is not None}},
+        "connection_bursts": bursts(report(folder, "burst_arrival")),
         "router_added_ttft_ms": router_added_ttft(report(folder, "router_overhead")),
         "smg_own_added_ttft_ms": smg_own(report(folder, "router_overhead_echo"))
         + smg_own(report(folder, "router_overhead_echo_wait")),
@@ -117,12 +146,22 @@ def markdown(s: dict) -> str:
         return "-" if value is None else f"{value:,.{digits}f}"
 
     so, t = s["scale_out"], s["tenants"]
-    replicas = so[f"{s['gpus']}_replicas_smg_tok_s"]
+    replicas, own = so[f"{s['gpus']}_replicas_smg_tok_s"], so[f"{s['gpus']}_replicas_smg_own_launcher_tok_s"]
     lines = [f"# Scale-out, {s['date']}, {s['device']} ({s['gpus']} GPUs), `{s['command']}`", "",
              "| measure | value |", "| --- | --- |",
              f"| one replica direct, output tok/s | {num(so['one_replica_direct_tok_s'], 0)} |",
              f"| {s['gpus']} replicas through SMG, output tok/s | {num(replicas, 0)} |",
-             f"| ... over {s['gpus']} x one replica (target >= 0.95) | {num(so['ratio_to_n_x_one'])} |"]
+             f"| ... over {s['gpus']} x one replica (target >= 0.95) | {num(so['ratio_to_n_x_one'])} |",
+             f"| the same through SMG's own launcher (accept queue 128), output tok/s, over {s['gpus']} x one | "
+             f"{num(own, 0)}, {num(so['own_launcher_ratio_to_n_x_one'])} |"]
+    for name, drops in so["tcp_drops"].items():
+        lines.append(f"| {name}: connections dropped from a full accept queue, SYNs sent again | "
+                     f"{drops.get('ListenOverflows')}, {drops.get('TCPSynRetrans')} |")
+    for b in s["connection_bursts"]:
+        lines.append(f"| burst of {b['connections']} connections, {b['path']} (round {b['round']}): slow connects, "
+                     f"accept-queue drops, arrival p50 / p90 / spread ms, first token p50 ms | {b['slow_connects']}, "
+                     f"{b['listen_overflows']}, {num(b['arrival_p50_ms'], 0)} / {num(b['arrival_p90_ms'], 0)} / "
+                     f"{num(b['arrival_spread_ms'], 0)}, {num(b['first_token_p50_ms'], 0)} |")
     if s["router_added_ttft_ms"]:
         a = s["router_added_ttft_ms"]
         lines.append(f"| router's added TTFT p50, one request at a time ({a['prompt_tokens']} tokens), over replica 0 "

@@ -127,17 +127,21 @@ def serve_null_worker(port: int, tokenizer: str, step_ms: float, launch_ms: floa
 
 
 @contextlib.contextmanager
-def null_service(tokenizer: str, extra: str = "", step_ms: float = 0.0, launch_ms: float = 0.0) -> Iterator[str]:
+def null_service(tokenizer: str, extra: str = "", step_ms: float = 0.0, launch_ms: float = 0.0,
+                 log: Path | None = None) -> Iterator[str]:
     """A scheduler process over a null worker process (the tokenizer's directory lends the model's
-    name and tokenizer): the scheduler's address while they run."""
+    name and tokenizer): the scheduler's address while they run. The scheduler's log goes to `log`
+    (appended) when given, else to this process's stderr."""
     if not (Path(tokenizer) / "tokenizer.json").exists():
         subprocess.run([sys.executable, "-m", "nanoserve_cli.demo_model"], check=True, cwd=REPO)  # fetches it
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "proto")])}
     worker_port, port = free_port(), free_port()
     worker = subprocess.Popen([sys.executable, __file__, "--null-worker-port", str(worker_port), "--tokenizer",
                                tokenizer, "--step-ms", str(step_ms), "--launch-ms", str(launch_ms)], env=env)
-    scheduler = subprocess.Popen([sys.executable, "-m", "scheduler_svc", "--port", str(port),
-                                  "--workers", f"127.0.0.1:{worker_port}", *extra.split()], env=env)
+    with log.open("ab") if log else contextlib.nullcontext() as output:
+        scheduler = subprocess.Popen([sys.executable, "-m", "scheduler_svc", "--port", str(port), "--workers",
+                                      f"127.0.0.1:{worker_port}", *extra.split()], env=env, stdout=output,
+                                     stderr=subprocess.STDOUT if log else None)
     try:
         wait_serving(f"127.0.0.1:{port}", [scheduler, worker], timeout=120)
         yield f"127.0.0.1:{port}"

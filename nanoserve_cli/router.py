@@ -8,7 +8,7 @@ unless that replica is far busier). It is set up for replicas that come and go: 
 it polls their load every second (LOAD_POLL_SECONDS says why), it counts a replica as overloaded only
 when a full batch waits or its KV pool is full (overload_flags says why), and it retries a request that a
 replica refused (503 while draining) or could not take (connection refused) on another one, so a
-rolling restart loses no request.
+rolling restart loses no request. Its port takes a burst of new connections at once (smg_router.py).
 """
 import importlib.util
 import json
@@ -48,7 +48,8 @@ def router_command(args: Namespace, gateway_urls: list[str], metrics_port: int) 
     if importlib.util.find_spec("smg") is None:
         raise RouterMissing("--data-parallel-size > 1 puts the SMG router in front of the replicas, and it is not "
                             "installed: pip install 'nanoserve[router]'")
-    return [sys.executable, "-m", "smg.launch_router", "--host", args.host, "--port", str(args.openai_port),
+    # SMG's own launcher, its accept queue deepened (smg_router.py says why); the flags are SMG's alone
+    return [sys.executable, "-m", "nanoserve_cli.smg_router", "--host", args.host, "--port", str(args.openai_port),
             "--worker-urls", *gateway_urls, "--policy", args.router_policy,
             "--prometheus-host", args.host, "--prometheus-port", str(metrics_port),
             "--health-check-interval-secs", str(HEALTH_CHECK_SECONDS), "--health-failure-threshold", "2",
