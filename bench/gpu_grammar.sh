@@ -3,13 +3,20 @@
 # its needs) come from .whl/. Results under $OUT (default bench/out).
 #
 #   bench/gpu_grammar.sh        (one call of under 8 minutes) the grammar-mask kernel and the race sampler
-#                               (masked or not) against their references on CUDA, the structured-output service tests on CUDA, bench/grammar.py on the
-#                               0.6B and 8B shapes (dummy weights), then bench/grammar_host.py on the 0.6B shape;
-#   bench/gpu_grammar.sh bench  (under 5 minutes) the kernel tests and bench/grammar.py on both shapes only.
+#                               (masked or not) against their references on CUDA, the structured-output
+#                               service tests on CUDA, bench/grammar.py on the 0.6B and 8B shapes (dummy
+#                               weights), bench/grammar_gil.py on the host's CPU, then bench/grammar_host.py
+#                               on the 0.6B shape;
+#   bench/gpu_grammar.sh bench  (under 5 minutes) the kernel tests, bench/grammar.py on both shapes and
+#                               bench/grammar_gil.py only.
 # Both end with a summary, two lines a shape: the throughput ratio; rank 0's decode steps (device busy, idle
 # before each, host time) and prefill/mixed steps (busy, host); the device's seconds in steps against the
-# run's; the mask split (mask thread: tokens wait, consume, fill, first masks; launcher: wait, then queuing the
-# copy of the step's rows (and, where processors or logprobs follow, the mask kernel); ms a masked step); batch-1 ITL with its split, first use and invalid outputs.
+# run's; the mask split (ms a masked step: the matchers' advance after a step, on the step's reply thread:
+# tokens wait, consume, fill; first masks, on the mask thread; the launcher: wait, then queuing the copy of
+# the step's rows, and the mask kernel where processors or logprobs follow); batch-1 ITL with its split,
+# first use and invalid outputs. Then one line from bench/grammar_gil.py on this host's CPU: a launcher-bound
+# batch-1 stand-in's step, plain, and constrained with the matchers advanced by the reply thread (the
+# worker's way), by the launcher, or by a mask thread of their own.
 #
 # bench/grammar.py: DESIGN throughput with every request JSON-schema constrained against none, batch-1 ITL
 # with and without, first-use compile of a typical schema, invalid outputs among constrained ones that
@@ -31,6 +38,9 @@ for shape in qwen3-0.6b qwen3-8b; do
     --extra "--load-format dummy --attention-backend triton" --out "$out/grammar_$shape.json" 2>&1 \
     | tee "$out/grammar_$shape.log" | tail -$([ "$mode" = all ] && echo 40 || echo 3)
 done
+# this host's CPU: what a constraint adds to a launcher-bound batch-1 step, by which thread advances the matchers
+timeout 60 python3 bench/grammar_gil.py --tokenizer .cache/qwen3-0.6b-dummy/tokenizer.json \
+  --out "$out/grammar_gil.json" > "$out/grammar_gil.log" 2>&1
 if [ "$mode" = all ]; then
   timeout 120 python3 bench/grammar_host.py --model .cache/qwen3-0.6b-dummy --device cuda --load-format dummy \
     --attention-backend triton --decode-steps 32 --out "$out/grammar_host.json" 2>&1 | grep -v " INFO " \
@@ -66,4 +76,10 @@ for shape in ("qwen3-0.6b", "qwen3-8b"):
           f"(target +5%); mask split ms a step: {split(r.get('itl_mask_split', {}))}; first use p50 "
           f"{r['first_use_compile']['total_p50_ms']:.1f} ms; invalid {constrained['invalid_among_stopped']} of "
           f"{constrained['stopped']} stopped")
+path = Path(sys.argv[1]) / "grammar_gil.json"
+if path.exists():
+    gil = json.loads(path.read_text())
+    print("host CPU, launcher-bound batch-1 stand-in (bench/grammar_gil.py), step ms: " + ", ".join(
+        f"{mode} {ms:.3f}" + (f" ({gil['added_percent'][mode]:+.1f}%)" if mode != "plain" else "")
+        for mode, ms in gil["step_ms"].items()))
 EOF

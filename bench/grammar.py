@@ -14,8 +14,9 @@
 - every constrained output that ended with stop parsed and validated against its schema (jsonschema),
   among them 64 requests held to a small bounded schema, which most complete;
 - where the sampling rank's mask time goes in each constrained run (`mask_split`, ms a masked step:
-  the mask thread waiting for the tokens, consuming them, filling the next masks and first masks; the
-  launcher thread waiting for that, then queuing the copy and kernel), read from the worker's log
+  the advance after a step waiting for its tokens, consuming them and filling the next masks, mostly on
+  the step's reply thread; first masks; the launcher thread waiting for that, then queuing the copy of
+  the rows and, where processors or logprobs follow, the mask kernel), read from the worker's log
   (worker_svc/mask_timings.py), which goes to `<out>.server.log`.
 
     python3 bench/grammar.py --model DIR [--extra "--load-format dummy"] [--out FILE]

@@ -2,20 +2,22 @@
 matcher of a constrained sequence, beside the penalty state SamplingExtras keeps, so no mask ever
 crosses the wire.
 
-Each constrained slot's next mask is filled ahead, into a per-slot table in pinned host memory, by
-one mask thread that takes its jobs in order: the first masks of a step's new sequences, once their
-matchers exist, and after each step the rows that step drew: the thread waits for the step's
-tokens to come home, the matchers consume them and fill their next masks (llguidance's native fill
-drops the GIL; many rows go to llguidance's own threads). The launcher thread does none of that work,
-at any batch size: while the mask thread advances step N's matchers, the launcher builds and queues
-step N+1's forward pass, and only right before step N+1's draw does it wait for the jobs (normally
-done by then). It then copies the table's rows the step needs to the device's copy of the table and
-hands the draw its masks: either to the sampler (draw_masks), whose race kernel reads each row's mask
-beside its logits, so a masked draw costs the launcher one copy and no launch of its own; or, when
-other logits processors or logprobs follow, by masking the logits in place in one launch (mask),
-before them. Only steps that sample constrained rows wait for the previous step's tokens; the others
-(prefills and resets included) keep the pipeline as deep as it is. mask_timings.py splits the time
-per step.
+Each constrained slot's next mask is filled ahead, into a per-slot table in pinned host memory. After
+each step that drew constrained rows, the matchers consume the drawn tokens and fill their next masks
+(llguidance's native fill drops the GIL; many rows go to llguidance's own threads). That advance is
+done by the step's reply thread, which is awake the moment the step's tokens are home (it waits for
+them to answer the scheduler), so it costs no thread of its own a wake-up and no extra hand-over of
+the GIL: at batch 1 the worker is bound by the launcher thread's Python, and every hand-over is
+launcher time (bench/grammar_gil.py). The launcher thread meanwhile builds and queues step N+1's
+forward pass; only right before step N+1's draw does it need step N's advance, normally done by then
+(if not, it waits for it, or does it itself: RunOnce). New sequences' first masks wait for their
+grammar's compile, so one mask thread fills them, after the slot's last advance. The launcher then
+copies the table's rows the step needs to the device's copy of the table and hands the draw its
+masks: either to the sampler (draw_masks), whose race kernel reads each row's mask beside its logits,
+so a masked draw costs the launcher one copy and no launch of its own; or, when other logits
+processors or logprobs follow, by masking the logits in place in one launch (mask), before them. Only
+steps that sample constrained rows wait for the previous step's tokens; the others (prefills and
+resets included) keep the pipeline as deep as it is. mask_timings.py splits the time per step.
 
 A grammar is compiled once per text (a template matcher, cached; each sequence takes a copy) on a
 thread of its own, off the step loop. A reset also replays the generated tokens the scheduler sends,
@@ -26,6 +28,7 @@ import logging
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 import numpy as np
 import torch
@@ -36,6 +39,7 @@ from nanoserve.grammar_tokenizer import GrammarTokenizer
 from nanoserve_kernels.token_bitmask import TokenMasks, apply_token_bitmask, bitmask_words
 from nanoserve_model.logits_processors import upload
 from worker_svc.mask_timings import MaskTimings
+from worker_svc.run_once import RunOnce
 
 log = logging.getLogger("nanoserve.worker")
 
@@ -59,7 +63,7 @@ class GrammarMasks:
         self.constrained = np.zeros(capacity, bool)  # per slot: holds a matcher
         self.num_constrained = 0  # slots holding a matcher: while 0, no batch is looked at
         pinned = device.type == "cuda"
-        # Per slot: the mask of its matcher's next token, kept current by the mask thread's jobs; pinned,
+        # Per slot: the mask of its matcher's next token, kept current by the advances and first masks; pinned,
         # so a step's rows go to the device straight from here, with no per-step buffer.
         self.host_table = torch.zeros((capacity, self.words), dtype=torch.int32, pin_memory=pinned)
         self.next_masks = self.host_table.numpy()
@@ -70,10 +74,11 @@ class GrammarMasks:
         # still running, rather than after it on the step's stream.
         self.copy_stream = torch.cuda.Stream(device) if pinned else None
         self.new_sequences: list[tuple[int, Future]] = []  # this step's resets, their first masks not yet asked for
-        self.jobs: list[Future] = []  # the mask thread's jobs since the last masked step
+        self.jobs: list[Future] = []  # the mask thread's jobs (first masks) since the last masked step
+        self.advance: RunOnce | None = None  # the last masked step's advance, until the next one needs it
         self.every_row = True  # whether every row the current step samples is masked
         self.compiler = ThreadPoolExecutor(2, thread_name_prefix="grammar")
-        self.mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")  # one: jobs keep their order
+        self.mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")  # first masks, in order
         self.executor: LLExecutor | None = None
         self.template = functools.lru_cache(TEMPLATE_CACHE_SIZE)(self._template)
         self.timings = MaskTimings()
@@ -93,9 +98,10 @@ class GrammarMasks:
 
     def fill_first_masks(self) -> None:
         """After a step's resets: the mask thread fills their first masks together, once their
-        matchers exist."""
+        matchers exist and the last masked step's advance is done (it may still fill a reset slot's
+        row with the mask of the sequence that left it)."""
         if self.new_sequences:
-            self.jobs.append(self.mask_thread.submit(self._fill_first, self.new_sequences))
+            self.jobs.append(self.mask_thread.submit(self._fill_first, self.new_sequences, self.advance))
             self.new_sequences = []
 
     def _template(self, grammar: str) -> LLMatcher:
@@ -111,9 +117,11 @@ class GrammarMasks:
             log.warning("a resumed sequence's tokens do not follow its grammar: %s", matcher.get_error())
         return matcher
 
-    def _fill_first(self, new_sequences: list[tuple[int, Future]]) -> None:
+    def _fill_first(self, new_sequences: list[tuple[int, Future]], advance: RunOnce | None) -> None:
         """On the mask thread: new sequences' first masks (a grammar that failed to compile allows only
-        eos: the sequence can only end)."""
+        eos: the sequence can only end), after `advance`."""
+        if advance is not None:
+            advance.run()
         started = time.perf_counter()
         live = []
         for slot, matcher in new_sequences:
@@ -161,9 +169,11 @@ class GrammarMasks:
         return TokenMasks(self.device_table, table_rows)
 
     def _rows_ready(self, slots: np.ndarray, rows: np.ndarray) -> tuple[float, float]:
-        """Waits for the mask thread's jobs, then queues the copy of the step's masked rows to the device;
-        when the wait began and ended."""
+        """Waits for the last masked step's advance and the first masks since, then queues the copy of
+        the step's masked rows to the device; when the wait began and ended."""
         started = time.perf_counter()
+        if self.advance is not None:
+            self.advance.run()  # normally done already, by the step's reply
         for job in self.jobs:  # each, so that any job's error surfaces here
             job.result()
         self.jobs.clear()
@@ -198,22 +208,26 @@ class GrammarMasks:
         self._apply(logits, allow_all, every, None)
         return TokenMasks(allow_all, every)
 
-    def observe(self, drawn: torch.Tensor, event: torch.cuda.Event | None, slots: np.ndarray, rows: np.ndarray) -> None:
+    def observe(self, drawn: torch.Tensor, event: torch.cuda.Event | None, slots: np.ndarray,
+                rows: np.ndarray) -> Callable[[], None]:
         """The step's drawn tokens on their way home (`drawn`, one per sampled slot, in host memory
-        once `event` has passed; None: already there): the mask thread advances the masked rows'
-        matchers by them and fills their next masks."""
+        once `event` has passed; None: already there): returns the advance of the masked rows'
+        matchers by them, for the step's reply to run once they are home (without waiting, if another
+        thread is running it); the next masked step runs it if that has not."""
         masked = slots[rows].tolist()
         positions = None if self.every_row else rows.tolist()
-        self.jobs.append(self.mask_thread.submit(self._advance, [self.matchers[slot] for slot in masked], masked,
+        self.advance = RunOnce(functools.partial(self._advance, [self.matchers[slot] for slot in masked], masked,
                                                  drawn, positions, event))
+        return self.advance.run_unless_busy
 
     def _advance(self, matchers: list[Future], slots: list[int], drawn: torch.Tensor, positions: list[int] | None,
                  event: torch.cuda.Event | None) -> None:
         """Once a step's tokens are home, its matchers consume them and fill their next masks, both on
         llguidance's threads (one row: here, as handing it over costs more). A slot handed to another
-        sequence since is left alone: the old one is gone, and the new one's first mask is its own job's."""
+        sequence since is left alone: the old one is gone, and the new one's first mask is its own job's,
+        which runs after this."""
         started = time.perf_counter()
-        if event is not None:
+        if event is not None and not event.query():  # query() keeps the GIL: the reply has waited already
             event.synchronize()
         home = time.perf_counter()
         tokens = drawn.tolist()

@@ -7,6 +7,7 @@ a host falls behind on); on CPU, where work runs as it is issued, the host's clo
 time the host spent turning the request into queued work.
 """
 import time
+from typing import Callable
 
 import torch
 
@@ -53,6 +54,9 @@ class LaunchedStep:
             logprobs.copy_home()
         self.end = clock.last_end = clock.mark()
         self.host_seconds = time.perf_counter() - host_started
+        # Host work that needs the step's tokens (the grammars' advance): reply() runs it the moment
+        # they are home, on the reply's thread, which is awake for them anyway.
+        self.on_home: Callable[[], None] | None = None
 
     def tokens_home(self) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """The sampled tokens in host memory and, on CUDA, the event after which they are there."""
@@ -62,6 +66,8 @@ class LaunchedStep:
         """Waits for the step's work, then its sampled tokens (rank 0) and timings."""
         if self.clock.cuda:
             self.end.synchronize()
+        if self.on_home is not None:
+            self.on_home()
         reply = worker_pb2.StepResponse(
             step_id=step_id, token_ids=[] if self.tokens is None else self.tokens.tolist(),
             busy_seconds=self.clock.seconds(self.start, self.end),

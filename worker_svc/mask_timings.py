@@ -1,9 +1,10 @@
-"""Where the grammar masks' time goes on the sampling rank, per masked step: what the mask thread
-spent waiting for a step's tokens to come home, letting the matchers consume them and filling
-their next masks (and new sequences' first masks, their compile included), and what the launcher
-thread spent waiting for that work, then queuing the copy of the step's rows (and the mask kernel,
-where processors or logprobs follow; otherwise the sampler's race reads the masks). A step whose
-forward outlasts the mask thread's work shows no launcher wait.
+"""Where the grammar masks' time goes on the sampling rank, per masked step: the matchers' advance
+after a step (on the step's reply thread, or the launcher's where the reply was late): its wait for the
+step's tokens to come home, the matchers consuming them and filling their next masks; new sequences'
+first masks, their compile included (the mask thread); and what the launcher thread spent waiting for
+that work, then queuing the copy of the step's rows (and the mask kernel, where processors or logprobs
+follow; otherwise the sampler's race reads the masks). A step whose forward outlasts that work shows no
+launcher wait.
 
 The figures add up over a run of consecutive masked steps and are logged as one line when the
 run ends (the first sampled step with no constrained row), so a benchmark can read each phase's
@@ -11,13 +12,13 @@ split from the worker's log (bench/grammar.py does)."""
 import logging
 import threading
 
-# In the order of the log line: the mask thread's parts, then the launcher thread's.
+# In the order of the log line: the advance's parts, the first masks', then the launcher thread's.
 PARTS = ("tokens_wait", "consume", "fill", "first", "launcher_wait", "queue")
 
 
 class MaskTimings:
     def __init__(self):
-        self._lock = threading.Lock()  # the mask thread and the launcher thread both add
+        self._lock = threading.Lock()  # the reply, mask and launcher threads all add
         self.steps = self.rows = 0
         self.seconds = dict.fromkeys(PARTS, 0.0)
 

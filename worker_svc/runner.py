@@ -382,7 +382,7 @@ class ModelRunner:
         logprobs = self.extras.finish(logits, tokens, inputs and inputs.sampled_slots) if work else None
         step = LaunchedStep(self.clock, start, tokens if logits is not None else None, host_started, logprobs)
         if step.tokens is not None:
-            self.extras.tokens_home(*step.tokens_home())
+            step.on_home = self.extras.tokens_home(*step.tokens_home())
         return step
 
     def step(self, request: worker_pb2.StepRequest) -> list[int]:

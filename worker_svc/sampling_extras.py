@@ -8,6 +8,8 @@ prompt positions a step scores (score_prompts), the sampler draws from process()
 grammar masks, and finish() scores the sampled tokens against the raw logits and hands the rows to the reply.
 A step whose sequences ask for none of it costs a couple of attribute reads.
 """
+from typing import Callable
+
 import numpy as np
 import torch
 
@@ -207,11 +209,10 @@ class SamplingExtras:
         prompt, self.prompt_rows = self.prompt_rows, []
         return StepLogprobs(sampled, prompt)
 
-    def tokens_home(self, tokens: torch.Tensor, event: torch.cuda.Event | None) -> None:
+    def tokens_home(self, tokens: torch.Tensor, event: torch.cuda.Event | None) -> Callable[[], None] | None:
         """The step's sampled tokens, copied home (in host memory once `event` has passed): the
-        grammars of its masked rows move on by them."""
-        if self._masked.size:
-            self.grammar.observe(tokens, event, self._slots, self._masked)
+        advance of the grammars of its masked rows by them, for the step's reply to run (None: none)."""
+        return self.grammar.observe(tokens, event, self._slots, self._masked) if self._masked.size else None
 
     def _score_sampled(self, raw_logits: torch.Tensor, tokens: torch.Tensor):
         if not self.any_logprobs:

@@ -35,8 +35,10 @@ def allowed_by_oracle(tokenizer: GrammarTokenizer, grammar: str, tokens: list[in
     return np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:VOCAB].astype(bool)
 
 
-def masked_step(masks: GrammarMasks, slots: list[int], draw: list[int], in_place: bool = True) -> np.ndarray:
-    """One step sampling `slots`: the rows each mask keeps; then `draw` is observed."""
+def masked_step(masks: GrammarMasks, slots: list[int], draw: list[int], in_place: bool = True,
+                reply_advances: bool = False) -> np.ndarray:
+    """One step sampling `slots`: the rows each mask keeps; then `draw` is observed, and the matchers'
+    advance run at once, as the step's reply runs it, or left to the next masked step (or first mask)."""
     logits = torch.zeros(len(slots), VOCAB)
     slots_array = np.array(slots)
     rows = masks.constrained_rows(slots_array)
@@ -44,15 +46,20 @@ def masked_step(masks: GrammarMasks, slots: list[int], draw: list[int], in_place
         masks.mask(logits, slots_array, rows, torch.from_numpy(slots_array))
     else:
         logits = masked_copy(logits, masks.draw_masks(slots_array, rows, torch.from_numpy(slots_array)))
-    masks.observe(torch.tensor(draw), None, slots_array, rows)
+    advance = masks.observe(torch.tensor(draw), None, slots_array, rows)
+    if reply_advances:
+        advance()
     return torch.isfinite(logits).numpy()
 
 
+# Where the masks go (masked in place, or to the draw), and who advances the matchers after a step.
 IN_PLACE = pytest.mark.parametrize("in_place", [True, False], ids=["in place", "in the draw"])
+REPLY = pytest.mark.parametrize("reply_advances", [True, False], ids=["by the reply", "by the next step"])
 
 
 @IN_PLACE
-def test_masks_follow_each_sequence_and_a_reused_slot(tokenizer, in_place):
+@REPLY
+def test_masks_follow_each_sequence_and_a_reused_slot(tokenizer, in_place, reply_advances):
     """Each slot's mask is its own sequence's, resumed or fresh, and a reused slot's is the new one's."""
     compiler = GrammarCompiler(tokenizer)
     digits, words = compiler.compile("json", json.dumps(DIGITS)), compiler.compile("json", json.dumps(WORDS))
@@ -62,20 +69,21 @@ def test_masks_follow_each_sequence_and_a_reused_slot(tokenizer, in_place):
     masks.reset(0, digits, opening)  # resumed: it has already drawn the object's opening
     masks.reset(2, words, [])
     masks.fill_first_masks()
-    kept = masked_step(masks, [0, 2], [one[0], text.tokenize_str('"alpha"')[0]], in_place)
+    kept = masked_step(masks, [0, 2], [one[0], text.tokenize_str('"alpha"')[0]], in_place, reply_advances)
     assert (kept[0] == allowed_by_oracle(tokenizer, digits, opening)).all()
     assert (kept[1] == allowed_by_oracle(tokenizer, words, [])).all()
     # slot 0 goes to a sequence of the other grammar before its last draw has reached the old matcher
     masks.reset(0, words, [])
     masks.fill_first_masks()
-    kept = masked_step(masks, [2, 0], [0, 0], in_place)
+    kept = masked_step(masks, [2, 0], [0, 0], in_place, reply_advances)
     assert (kept[0] == allowed_by_oracle(tokenizer, words, text.tokenize_str('"alpha"')[:1])).all()
     assert (kept[1] == allowed_by_oracle(tokenizer, words, [])).all()
     assert kept[1].sum() < VOCAB and (kept[1] != allowed_by_oracle(tokenizer, digits, opening + one[:1])).any()
 
 
 @IN_PLACE
-def test_unconstrained_rows_between_constrained_ones(tokenizer, in_place):
+@REPLY
+def test_unconstrained_rows_between_constrained_ones(tokenizer, in_place, reply_advances):
     """A step that samples an unconstrained row between two constrained ones: that row keeps every
     token, and each matcher moves on by its own row's draw."""
     digits = GrammarCompiler(tokenizer).compile("json", json.dumps(DIGITS))
@@ -86,8 +94,8 @@ def test_unconstrained_rows_between_constrained_ones(tokenizer, in_place):
     masks.reset(2, digits, opening)
     masks.fill_first_masks()
     # the unconstrained row's draw would break either grammar
-    masked_step(masks, [0, 1, 2], [close[0], text.tokenize_str(" hello")[0], two[0]], in_place)
-    kept = masked_step(masks, [0, 1, 2], [0, 0, 0], in_place)
+    masked_step(masks, [0, 1, 2], [close[0], text.tokenize_str(" hello")[0], two[0]], in_place, reply_advances)
+    kept = masked_step(masks, [0, 1, 2], [0, 0, 0], in_place, reply_advances)
     assert (kept[0] == allowed_by_oracle(tokenizer, digits, opening + one + close)).all()
     assert kept[1].all()
     assert (kept[2] == allowed_by_oracle(tokenizer, digits, opening + two)).all()
