@@ -222,11 +222,13 @@ def run_paths(args: argparse.Namespace, gateways: list[str], logs: list[Path]) -
     return runs
 
 
-def serve_smg_own(args: argparse.Namespace) -> None:
-    """SMG's own launcher with up's flags on --serve-smg-own's port in front of --gateways, until stopped."""
+def serve_router(args: argparse.Namespace) -> None:
+    """SMG with up's flags and --policy, through --launcher, on --serve-router's port in front of
+    --gateways, until stopped: another router for the same replicas, beside up's (gpu_scaleout.sh)."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    with router(args.gateways, args.policy, True, args.out.with_suffix(".smg.log"), args.serve_smg_own):
-        print(f"SMG's own launcher routes on port {args.serve_smg_own}", flush=True)
+    with router(args.gateways, args.policy, args.launcher == "own", args.out.with_suffix(".smg.log"),
+                args.serve_router):
+        print(f"SMG ({args.launcher} launcher, {args.policy}) routes on port {args.serve_router}", flush=True)
         signal.pause()
 
 
@@ -246,8 +248,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gateways", nargs="+", default=[], metavar="URL", help="running replicas' gateways instead")
     p.add_argument("--scheduler-logs", nargs="+", default=[], type=Path, metavar="FILE",
                    help="with --gateways: where their schedulers log (their \"request finished\" lines)")
-    p.add_argument("--serve-smg-own", type=int, default=0, metavar="PORT",
-                   help="with --gateways: only run SMG's own launcher with up's flags on PORT until stopped")
+    p.add_argument("--serve-router", type=int, default=0, metavar="PORT",
+                   help="with --gateways: only run SMG (--launcher, --policy) on PORT in front of them until stopped")
+    p.add_argument("--launcher", choices=("up", "own"), default="up",
+                   help="for --serve-router: up's (its port's accept queue deepened) or SMG's own (128)")
     p.add_argument("--connections", type=int, default=512, help="connections a replica takes in each burst")
     p.add_argument("--paths", nargs="+", default=["direct", "smg", "smg-own"], choices=["direct", "smg", "smg-own"])
     p.add_argument("--policy", default="cache_aware", help="SMG's --policy")
@@ -259,9 +263,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "burst_arrival.json")
     args = p.parse_args(argv)
-    if (args.scheduler_logs or args.serve_smg_own) and not args.gateways:
-        p.error("--scheduler-logs and --serve-smg-own go with --gateways")
-    if args.gateways and not args.serve_smg_own and not args.scheduler_logs:
+    if (args.scheduler_logs or args.serve_router) and not args.gateways:
+        p.error("--scheduler-logs and --serve-router go with --gateways")
+    if args.gateways and not args.serve_router and not args.scheduler_logs:
         p.error("--gateways needs --scheduler-logs (the schedulers' arrival times)")
     return args
 
@@ -269,8 +273,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    if args.serve_smg_own:
-        serve_smg_own(args)
+    if args.serve_router:
+        serve_router(args)
         return
     print(f"{'path':<9}{'round':>6}{'conns':>7}{'slow':>6}{'overflows':>10}  arrival ms p50 / p90 / p99, "
           "spread; first token p50 / p90")

@@ -5,7 +5,7 @@ SMG listens with the accept queue Rust's standard library gives every listener, 
 no flag changes it. A burst of new connections larger than what SMG accepts meanwhile overflows it: the
 kernel drops those SYNs and each client sends its SYN again only after its initial retransmission
 timeout, one second (three for a second drop). On the 2-core development machine 512 connections
-opened at once to a freshly started SMG lost 140-153 SYNs so (bench/burst_arrival.py); a benchmark
+opened at once to a freshly started SMG lost 125-156 SYNs so (bench/burst_arrival.py); a benchmark
 that opens its 512 streams at once from four client processes can do the same; on two H200s its
 requests reached the replicas spread over about a second (docs/scale-out.md). uvicorn, each replica's
 gateway, listens with 2,048. Linux sets a listening socket's queue again on another listen() on it, so
