@@ -22,11 +22,16 @@ ListenOverflows over the round (this network namespace's total: run it in `unsha
 its own), and per request, from the moment its connect() was called, its arrival at the scheduler (the
 scheduler's "request finished" line: its time less the request's duration) and its first token.
 
-The replicas are schedulers over a worker that computes nothing (bench/service_overhead.py), each with
-its gateway, so what is measured is the services' and the router's handling of the burst (CPU is enough):
+Backends: schedulers over a worker that computes nothing (bench/service_overhead.py), each with its
+gateway (--backend nanoserve, CPU is enough: the services' and the router's handling of the burst); or
+minimal HTTP servers that answer at once and put each request's arrival in their event's id (--backend
+echo: SMG's part alone); or running replicas (--gateways, with --scheduler-logs where their schedulers'
+lines are, e.g. `nanoserve up`'s log). `--serve-router PORT` only runs another SMG in front of --gateways
+until stopped (--launcher up or own, --policy), for bench/gpu_scaleout.sh to benchmark through.
 
     python3 bench/burst_arrival.py                             # 1 replica, 512 connections a path
-    unshare -rn python3 bench/burst_arrival.py --replicas 2 --connections 256
+    unshare -rn python3 bench/burst_arrival.py --backend echo --replicas 2 --connections 256 --policy round_robin
+    python3 bench/burst_arrival.py --gateways http://127.0.0.1:8001 http://127.0.0.1:8002 --scheduler-logs up.log
 """
 import argparse
 import asyncio
@@ -34,6 +39,7 @@ import contextlib
 import datetime
 import itertools
 import json
+import os
 import re
 import signal
 import socket
@@ -69,7 +75,7 @@ class Stream:
     established: float = 0.0
     first_token: float = 0.0
     request_id: str = ""
-    arrived: float = 0.0      # at the scheduler, from its log
+    arrived: float = 0.0      # at the scheduler (from its log) or at the echo backend
 
 
 def listen_overflows() -> int:
@@ -100,7 +106,7 @@ async def established(sock: socket.socket) -> None:
     finally:
         loop.remove_writer(sock)
     if error := sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
-        raise OSError(error, f"connect: {error}")
+        raise OSError(error, os.strerror(error))
 
 
 async def stream_one(sock: socket.socket, stream: Stream, body: bytes) -> None:
