@@ -35,19 +35,22 @@ def accept_queue(sock: socket.socket) -> int:
 
 
 def listener_on(port: int) -> socket.socket | None:
-    """This process's listening socket on `port` (a duplicate descriptor: closing it leaves SMG's open)."""
+    """This process's listening TCP socket on `port` (a duplicate descriptor: closing it leaves SMG's open)."""
     for name in os.listdir("/proc/self/fd"):
         try:
             if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
                 continue
-            sock = socket.socket(fileno=os.dup(int(name)))
+            fd = os.dup(int(name))
         except OSError:  # closed meanwhile
             continue
         try:
-            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and sock.getsockname()[1] == port:
-                return sock
-        except OSError:
-            pass
+            sock = socket.socket(fileno=fd)
+        except OSError:  # closed and reused for something else meanwhile
+            os.close(fd)
+            continue
+        if (sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+                and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and sock.getsockname()[1] == port):
+            return sock
         sock.close()
     return None
 
