@@ -109,10 +109,11 @@ def sweep(call, weights: list, k: int, fp8: str | None) -> dict[tuple[int, int, 
 def fp8_candidates(k: int, silu_mul: bool, stored: dict | None = None) -> list[dict]:
     """Launches of the e4m3 gemv to time: Triton's conversion at the default tiles (the reference of the
     others) and the table's `stored` launch; at the stored tiles (else the default ones) the PTX conversion
-    summing the other way (once a row or a tile at a time), the integer conversion, and the weights loaded
-    past L1 or not (STREAM); then the PTX conversion, summing and loading as stored, over a grid around the
-    stored tiles: half to four times the rows, half to twice the columns, 4 or 8 warps, where a thread's tile
-    loaded ahead stays within WORDS_AHEAD_BYTES; and at twice the rows, loaded the other way."""
+    summing the other way (once a row or a tile at a time) and the weights loaded past L1 or not (STREAM);
+    then the PTX conversion, summing and loading as stored, over a grid around the stored tiles: one, two or
+    four times the rows by half to twice the columns, where a thread's tile loaded ahead stays within
+    WORDS_AHEAD_BYTES; the other warp count at the stored and twice the rows; twice the rows loaded the other
+    way. (The integer conversion lost every sweep to the PTX one and is no longer tried.)"""
     default = tiles(k, silu_mul, fp8=True)
     rows, columns, warps = (stored["BLOCK_N"], stored["BLOCK_K"], stored["num_warps"]) if stored else default
     sum_once, stream = (stored["SUM_ONCE"], stored.get("STREAM", False)) if stored else (True, False)
@@ -123,20 +124,18 @@ def fp8_candidates(k: int, silu_mul: bool, stored: dict | None = None) -> list[d
                     STREAM=streamed)
 
     def fits(block_n: int, block_k: int, num_warps: int) -> bool:
-        return (block_n >= 1 and 512 <= block_k <= 2 * triton_pow2(k)
+        return (512 <= block_k <= 2 * triton_pow2(k)
                 and block_n * block_k * (2 if silu_mul else 1) <= WORDS_AHEAD_BYTES * 32 * num_warps)
 
-    reference = launch("triton", False, False, *default)
-    grid = [launch("ptx", block_n=block_n, block_k=block_k, num_warps=num_warps)
-            for block_n, block_k, num_warps in itertools.product(
-                (rows // 2, rows, 2 * rows, 4 * rows), (columns // 2, columns, 2 * columns), (4, 8))
-            if fits(block_n, block_k, num_warps)]
-    other_loads = [launch("ptx", streamed=not stream, block_n=2 * rows, block_k=block_k, num_warps=num_warps)
-                   for block_k, num_warps in itertools.product((columns // 2, columns), (4, 8))
-                   if fits(2 * rows, block_k, num_warps)]
-    launches = ([reference] + ([{**reference, **stored}] if stored else [])
-                + [launch("ptx", not sum_once), launch("bits"), launch("ptx", streamed=not stream)]
-                + grid + other_loads)
+    other_warps = 12 - warps  # 4 <-> 8
+    grid = [launch("ptx", block_n=block_n, block_k=block_k) for block_n, block_k in itertools.product(
+        (rows, 2 * rows, 4 * rows), (columns // 2, columns, 2 * columns)) if fits(block_n, block_k, warps)]
+    grid += [launch("ptx", block_n=block_n, num_warps=other_warps) for block_n in (rows, 2 * rows)
+             if fits(block_n, columns, other_warps)]
+    grid += [launch("ptx", streamed=not stream, block_n=2 * rows, block_k=block_k)
+             for block_k in (columns // 2, columns) if fits(2 * rows, block_k, warps)]
+    launches = ([launch("triton", False, False, *default)] + ([{**launch("triton"), **stored}] if stored else [])
+                + [launch("ptx", not sum_once), launch("ptx", streamed=not stream)] + grid)
     return [item for i, item in enumerate(launches) if item not in launches[:i]]
 
 

@@ -109,7 +109,7 @@ def candidates(x, weight, silu_mul: bool, stored: Fp8Choice | None):
     if stored is not None:  # and torch's scaled_mm beside it: no compile, and the stored choice may predate it
         yield stored, (torch_scaled_mm if stored.backend == SCALED_MM
                        else (weight_only if stored.mode == WEIGHT_ONLY else w8a8)(stored.launch))
-        if stored.backend != SCALED_MM and takes_scaled_mm(x, weight, BLOCK):
+        if stored.backend != SCALED_MM and takes_scaled_mm(x.shape[1], weight, BLOCK):
             yield scaled_mm_choice, torch_scaled_mm
         return
     if rows <= WEIGHT_ONLY_MAX:
@@ -117,7 +117,7 @@ def candidates(x, weight, silu_mul: bool, stored: Fp8Choice | None):
             yield Fp8Choice(WEIGHT_ONLY, TRITON, launch), weight_only(launch)
     for launch in launches(W8A8, rows, silu_mul):
         yield Fp8Choice(W8A8, TRITON, launch), w8a8(launch)
-    if takes_scaled_mm(x, weight, BLOCK):
+    if takes_scaled_mm(x.shape[1], weight, BLOCK):
         yield scaled_mm_choice, torch_scaled_mm
 
 
@@ -140,21 +140,23 @@ def reference(x, weight, scale, mode: str, silu_mul: bool) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def tune_shape(n: int, k: int, silu_mul: bool, buckets: list[int], deadline: float, stored: dict | None) -> dict:
-    """{bucket: entry} of the fastest FP8 choice at each bucket (only the `stored` table's, re-timed, where
-    it has the bucket) with its time and the bf16 call's."""
-    weight, scale = fp8_reference.quantize_weight(torch.randn(n, k, device="cuda") * 0.02, BLOCK)
-    fp8_copies = copies_past_l2(weight, scale)
-    bf16_copies = copies_past_l2(fp8_reference.dequantize_weight(weight, scale, BLOCK, torch.bfloat16))
-    table = {}
-    for rows in buckets:
-        if time.monotonic() > deadline:
-            print(f"  budget spent: {n}x{k} stops before {rows} rows")
-            break
+class ShapeTuner:
+    """One projection shape on the GPU: its e4m3 weight and the weight copies past L2, e4m3 and bf16."""
+
+    def __init__(self, n: int, k: int, silu_mul: bool):
+        self.n, self.k, self.silu_mul = n, k, silu_mul
+        self.weight, self.scale = fp8_reference.quantize_weight(torch.randn(n, k, device="cuda") * 0.02, BLOCK)
+        self.fp8_copies = copies_past_l2(self.weight, self.scale)
+        self.bf16_copies = copies_past_l2(fp8_reference.dequantize_weight(self.weight, self.scale, BLOCK,
+                                                                          torch.bfloat16))
+
+    def tune(self, rows: int, kept: dict | None) -> dict | None:
+        """The table entry of the fastest FP8 choice at `rows` rows (only `kept`, re-timed, when given; and
+        torch's scaled_mm), with its time and the bf16 call's; None if no candidate ran."""
+        n, k, silu_mul, weight, scale = self.n, self.k, self.silu_mul, self.weight, self.scale
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         expected = {mode: reference(x, weight, scale, mode, silu_mul) for mode in (WEIGHT_ONLY, W8A8)}
         best, best_time = None, float("inf")
-        kept = stored.get(str(rows)) if stored else None
         tried = list(candidates(x, weight, silu_mul, Fp8Choice(**kept) if kept else None))
         with concurrent.futures.ThreadPoolExecutor(8) as pool:  # compiles, several at a time (ptxas outside the GIL)
             outputs = list(pool.map(lambda item: or_error(item[1], weight, scale), tried))
@@ -166,7 +168,7 @@ def tune_shape(n: int, k: int, silu_mul: bool, buckets: list[int], deadline: flo
                 if error > 2e-2:
                     print(f"  {n}x{k} rows {rows} {chosen.mode}/{chosen.backend} {chosen.launch}: wrong ({error:.1e})")
                     continue
-                seconds = graph_time(fn, fp8_copies)
+                seconds = graph_time(fn, self.fp8_copies)
             except Exception as err:  # a launch shape that does not fit, a torch without the backend
                 print(f"  {n}x{k} rows {rows} {chosen.mode}/{chosen.backend}: {type(err).__name__}: {err}"[:200])
                 continue
@@ -174,20 +176,21 @@ def tune_shape(n: int, k: int, silu_mul: bool, buckets: list[int], deadline: flo
             if seconds < best_time:
                 best, best_time = chosen, seconds
         if best is None:
-            continue
-        bf16_time = graph_time(bf16_call(x, silu_mul), bf16_copies)
-        table[str(rows)] = dict(mode=best.mode, backend=best.backend, launch=best.launch, us=round(best_time * 1e6, 3),
-                                bf16_us=round(bf16_time * 1e6, 3))
+            return None
+        bf16_time = graph_time(bf16_call(x, silu_mul), self.bf16_copies)
         tflops = 2 * rows * n * k / best_time / 1e12
         print(f"{n:>6}x{k:<6}{' silu' if silu_mul else '     '} rows {rows:>5}: {best_time * 1e6:8.1f} us "
-              f"(bf16 {bf16_time * 1e6:8.1f}) {best.mode:>11} {best.backend:>9} {tflops:6.1f} TFLOP/s {best.launch}")
-    return table
+              f"(bf16 {bf16_time * 1e6:8.1f}) {best.mode:>11} {best.backend:>9} {tflops:6.1f} TFLOP/s {best.launch}",
+              flush=True)
+        return dict(mode=best.mode, backend=best.backend, launch=best.launch, us=round(best_time * 1e6, 3),
+                    bf16_us=round(bf16_time * 1e6, 3))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
-    p.add_argument("--buckets", type=int, nargs="+", default=BUCKETS)
+    p.add_argument("--buckets", type=int, nargs="+", default=BUCKETS,
+                   help="in the order to tune them, every shape at a bucket before the next bucket")
     p.add_argument("--budget-s", type=float, default=600.0, help="stop tuning after this long (what is tuned is kept)")
     p.add_argument("--out", type=Path, default=fp8_configs.CONFIG_FILE, help="the table to update")
     p.add_argument("--recheck", action="store_true",
@@ -199,17 +202,22 @@ def main() -> None:
     tables = json.loads(args.out.read_text()) if args.out.exists() else {}
     table = tables.setdefault(device, {})
     print(f"tuning FP8 linears on {device}, torch {torch.__version__}")
-    shapes = [shape for name in args.shapes for shape in SHAPES[name]]
-    for i, (n, k, silu_mul) in enumerate(shapes):
-        key = fp8_configs.shape_key(n, k, silu_mul)
-        shape_deadline = time.monotonic() + (deadline - time.monotonic()) / (len(shapes) - i)  # an equal share
-        table[key] = {**table.get(key, {}), **tune_shape(n, k, silu_mul, args.buckets, shape_deadline,
-                                                         table.get(key) if args.recheck else None)}
-        args.out.write_text(json.dumps(tables, indent=1, sort_keys=True) + "\n")  # what is tuned is kept
+    shapes = [ShapeTuner(*shape) for name in args.shapes for shape in SHAPES[name]]
+    for rows, shape in itertools.product(args.buckets, shapes):
+        key = fp8_configs.shape_key(shape.n, shape.k, shape.silu_mul)
+        if time.monotonic() > deadline:
+            print(f"  budget spent: {key} stops before {rows} rows")
+            continue
+        kept = table.get(key, {}).get(str(rows)) if args.recheck else None
+        entry = shape.tune(rows, kept)
+        if entry is not None:
+            table.setdefault(key, {})[str(rows)] = entry
+            args.out.write_text(json.dumps(tables, indent=1, sort_keys=True) + "\n")  # what is tuned is kept
     print(f"wrote {args.out}")
-    for n, k, silu_mul in shapes:
-        if fp8_configs.served_in_bf16(device, n, k, silu_mul, tables):
-            print(f"{fp8_configs.shape_key(n, k, silu_mul)}: served in bf16 (faster at the decode buckets)")
+    for shape in shapes:
+        if fp8_configs.served_in_bf16(device, shape.n, shape.k, shape.silu_mul, tables):
+            print(f"{fp8_configs.shape_key(shape.n, shape.k, shape.silu_mul)}: served in bf16 (faster at the decode "
+                  "buckets)")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ fixed shapes for a given row count, so the step graphs capture it.
 
 The projections' fusions take the same kernels: the RMSNorm before q/k/v and gate/up at one row is
 the matrix-vector kernel's prologue (triton_gemv.rms_norm_gemv with the weight's scales), and the
-SiLU-and-mul after gate/up the GEMM's epilogue (fp8_gate_up_silu). The activations' quantization is a
-pass of its own, not yet fused into the RMSNorm or the SiLU-and-mul that make them.
+SiLU-and-mul after gate/up the GEMM's epilogue (fp8_gate_up_silu). Before a W8A8 GEMM the RMSNorm
+quantizes its own output (input_quantization says in which layout, quantized_linear takes it:
+nanoserve_model/row_fusion.py); the o and down projections' activations take a quantization pass.
 """
 import functools
 
@@ -42,42 +43,86 @@ def choice(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> Fp8
 def _gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
           bias: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
     """The GEMM of more than one row, as chosen for the shape and bucket."""
-    from nanoserve_kernels.triton_activation import silu_and_mul
     from nanoserve_kernels.triton_fp8_gemm import fp8_gemm
     from nanoserve_kernels.triton_fp8_quant import quantize_activation
     chosen = choice(x, weight, silu_mul)
-    per_row = scale.shape[1] == 1  # K within one scale block: any BLOCK_K
-    launch = chosen.launch if per_row else dict(chosen.launch, BLOCK_K=min(chosen.launch["BLOCK_K"], block[1]))
     if chosen.mode != W8A8:
-        return fp8_gemm(x, weight, scale, block, launch, bias=bias, silu_mul=silu_mul)
-    if chosen.backend == SCALED_MM and takes_scaled_mm(x, weight, block):
-        y = scaled_mm(x, weight, scale)
+        return fp8_gemm(x, weight, scale, block, _launch(chosen, scale, block), bias=bias, silu_mul=silu_mul)
+    quantized = quantize_activation(x, **_input_layout(chosen, x.shape, weight, block))
+    return _w8a8(quantized, x.shape[0], x.dtype, weight, scale, block, bias, silu_mul, chosen)
+
+
+def _launch(chosen: Fp8Choice, scale: torch.Tensor, block: tuple[int, int]) -> dict:
+    """The Triton launch, its K step within one scale block (any step where K is one block: per row)."""
+    per_row = scale.shape[1] == 1
+    return chosen.launch if per_row else dict(chosen.launch, BLOCK_K=min(chosen.launch["BLOCK_K"], block[1]))
+
+
+def _input_layout(chosen: Fp8Choice, x_shape: torch.Size, weight: torch.Tensor, block: tuple[int, int]) -> dict:
+    """quantize_activation's layout for the W8A8 GEMM chosen: torch's scaled_mm wants the scales token-minor
+    and the rows a multiple of 4."""
+    if chosen.backend == SCALED_MM and takes_scaled_mm(x_shape[1], weight, block):
+        return dict(token_minor=True, padded_rows=-(-x_shape[0] // 4) * 4)
+    return dict(token_minor=False, padded_rows=None)
+
+
+def _w8a8(quantized: tuple[torch.Tensor, torch.Tensor], rows: int, dtype: torch.dtype, weight: torch.Tensor,
+          scale: torch.Tensor, block: tuple[int, int], bias: torch.Tensor | None, silu_mul: bool,
+          chosen: Fp8Choice) -> torch.Tensor:
+    """The W8A8 GEMM of `rows` rows quantized in _input_layout's layout, output in `dtype`."""
+    from nanoserve_kernels.triton_activation import silu_and_mul
+    from nanoserve_kernels.triton_fp8_gemm import fp8_gemm
+    x_quantized, x_scale = quantized
+    if chosen.backend == SCALED_MM and takes_scaled_mm(x_quantized.shape[1], weight, block):
+        y = _scaled_mm_quantized(x_quantized, x_scale, weight, scale, dtype)[:rows]
         y = y if bias is None else y + bias
         return silu_and_mul(y) if silu_mul else y  # each half rounded first, as the fused epilogue
-    x_quantized, x_scale = quantize_activation(x)
-    return fp8_gemm(x_quantized, weight, scale, block, launch, x_scale=x_scale, bias=bias, silu_mul=silu_mul,
-                    out_dtype=x.dtype)
+    return fp8_gemm(x_quantized, weight, scale, block, _launch(chosen, scale, block), x_scale=x_scale, bias=bias,
+                    silu_mul=silu_mul, out_dtype=dtype)
 
 
-def takes_scaled_mm(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> bool:
-    """torch's blockwise scaled_mm (sm90, CUDA 12.9+): 128 x 128 weight blocks, whole K blocks."""
-    return block == (128, 128) and x.shape[1] % 128 == 0 and weight.shape[0] % 128 == 0
+def input_quantization(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int], silu_mul: bool = False
+                       ) -> dict | None:
+    """For x [rows, K] that the projection (fp8_linear, or fp8_gate_up_silu with `silu_mul`) would quantize for
+    a W8A8 GEMM: quantize_activation's layout (token_minor, padded_rows), so that the kernel making x can
+    quantize it instead (triton_rms_norm.rms_norm_fp8); None where x goes in unquantized."""
+    if not on_kernels(x, block) or x.shape[0] < 2:
+        return None
+    chosen = choice(x, weight, silu_mul)
+    return _input_layout(chosen, x.shape, weight, block) if chosen.mode == W8A8 else None
+
+
+def quantized_linear(quantized: tuple[torch.Tensor, torch.Tensor], rows: int, dtype: torch.dtype,
+                     weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                     bias: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """fp8_linear (fp8_gate_up_silu with `silu_mul`) of x [rows, K] in `dtype`, given x already quantized in
+    the layout input_quantization gave."""
+    chosen = fp8_configs.choose(_device_name(weight.device), weight.shape[0], weight.shape[1], rows, silu_mul)
+    return _w8a8(quantized, rows, dtype, weight, scale, block, bias, silu_mul, chosen)
+
+
+def takes_scaled_mm(k: int, weight: torch.Tensor, block: tuple[int, int]) -> bool:
+    """torch's blockwise scaled_mm (sm90, CUDA 12.9+) of K columns: 128 x 128 weight blocks, whole K blocks."""
+    return block == (128, 128) and k % 128 == 0 and weight.shape[0] % 128 == 0
 
 
 def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x @ W.T through torch's blockwise scaled_mm: x quantized per token and 128 columns, its scales
-    token-minor and its rows padded to a multiple of 4, the weight scales' K blocks padded to one, as
-    cuBLAS wants them."""
+    token-minor and its rows padded to a multiple of 4, as cuBLAS wants them."""
     from nanoserve_kernels.triton_fp8_quant import quantize_activation
-    rows = x.shape[0]
-    x_quantized, x_scale = quantize_activation(x, token_minor=True, padded_rows=-(-rows // 4) * 4)
+    x_quantized, x_scale = quantize_activation(x, token_minor=True, padded_rows=-(-x.shape[0] // 4) * 4)
+    return _scaled_mm_quantized(x_quantized, x_scale, weight, scale, x.dtype)[:x.shape[0]]
+
+
+def _scaled_mm_quantized(x_quantized: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                         scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The padded rows' product, the weight scales' K blocks padded to a multiple of 4 as cuBLAS wants."""
     w_scale = F.pad(scale, (0, -scale.shape[1] % 4)) if scale.shape[1] % 4 else scale
     if hasattr(F, "scaled_mm"):  # newer torch names the scalings
-        y = F.scaled_mm(x_quantized, weight.t(), x_scale, F.ScalingType.BlockWise1x128, w_scale.t(),
-                        F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
-    else:  # older, _scaled_mm tells them from the scales' shapes
-        y = torch._scaled_mm(x_quantized, weight.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=x.dtype)
-    return y[:rows]
+        return F.scaled_mm(x_quantized, weight.t(), x_scale, F.ScalingType.BlockWise1x128, w_scale.t(),
+                           F.ScalingType.BlockWise128x128, output_dtype=dtype)
+    # older, _scaled_mm tells them from the scales' shapes
+    return torch._scaled_mm(x_quantized, weight.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=dtype)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],

@@ -7,7 +7,8 @@ One program quantizes GROUPS groups of one row (a [GROUPS, ACT_GROUP] tile, ~1-2
 per program would hold 12K values of the 8B MLP in registers, a group per program would launch
 hundreds of thousands of programs for a long prefill. The scales are written through strides, so the
 caller picks their layout: torch's blockwise scaled_mm wants them token-minor ([K / 128, M] stored,
-seen as [M, K / 128]).
+seen as [M, K / 128]). `quantize_groups` is the arithmetic, which the RMSNorm kernel also runs on the rows
+it normalizes (triton_rms_norm.py), so that the projections after a norm need no pass of their own.
 """
 import torch
 import triton
@@ -21,6 +22,13 @@ GROUPS = 8
 
 # One compile whatever the batch: the row count, and the scale strides that follow it (token-minor
 # scales of a padded batch), are not specialized on (a batch that is a multiple of 16 would compile anew).
+@triton.jit
+def quantize_groups(x, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr):
+    """(values on the e4m3 grid, in float32; scale [groups]) of x [groups, group size] in float32."""
+    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=1), FP8_MAX), AMAX_FLOOR)
+    return round_to_e4m3_grid(tl.clamp(tl.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)), scale
+
+
 @triton.jit(do_not_specialize=["rows", "stride_sm", "stride_sk"])
 def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, rows, k_size, stride_x, stride_q, stride_sm, stride_sk,
                             GROUP: tl.constexpr, GROUPS: tl.constexpr, FP8_MAX: tl.constexpr,
@@ -30,10 +38,21 @@ def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, rows, k_size, stride_x, str
     cols = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     ok = cols < k_size
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=1), FP8_MAX), AMAX_FLOOR)
-    q = round_to_e4m3_grid(tl.clamp(tl.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX))
+    q, scale = quantize_groups(x, FP8_MAX, AMAX_FLOOR)
     tl.store(q_ptr + row.to(tl.int64) * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(scale_ptr + row * stride_sm + group * stride_sk, scale, mask=group * GROUP < k_size)
+
+
+def empty_quantized(rows: int, k_size: int, device: torch.device, token_minor: bool = False,
+                    padded_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [padded_rows, K], float32 scales [padded_rows, ceil(K / ACT_GROUP)]) to quantize rows into, the
+    scales stored token-minor (stride (1, padded_rows)) if asked."""
+    padded_rows = padded_rows or rows
+    groups = triton.cdiv(k_size, ACT_GROUP)
+    q = torch.empty(padded_rows, k_size, dtype=FP8_DTYPE, device=device)
+    if token_minor:
+        return q, torch.empty(groups, padded_rows, dtype=torch.float32, device=device).t()
+    return q, torch.empty(padded_rows, groups, dtype=torch.float32, device=device)
 
 
 def quantize_activation(x: torch.Tensor, token_minor: bool = False, padded_rows: int | None = None
@@ -43,15 +62,9 @@ def quantize_activation(x: torch.Tensor, token_minor: bool = False, padded_rows:
     rows past M left unwritten (torch's blockwise scaled_mm wants a multiple of 4)."""
     rows, k_size = x.shape
     assert x.stride(1) == 1
-    padded_rows = padded_rows or rows
-    groups = triton.cdiv(k_size, ACT_GROUP)
-    q = torch.empty(padded_rows, k_size, dtype=FP8_DTYPE, device=x.device)
-    if token_minor:
-        scale = torch.empty(groups, padded_rows, dtype=torch.float32, device=x.device).t()
-    else:
-        scale = torch.empty(padded_rows, groups, dtype=torch.float32, device=x.device)
+    q, scale = empty_quantized(rows, k_size, x.device, token_minor, padded_rows)
     if rows:
-        _quantize_groups_kernel[(rows, triton.cdiv(groups, GROUPS))](
+        _quantize_groups_kernel[(rows, triton.cdiv(scale.shape[1], GROUPS))](
             x, q, scale, rows, k_size, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1), GROUP=ACT_GROUP,
             GROUPS=GROUPS, FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR)
     return q, scale

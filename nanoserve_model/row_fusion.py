@@ -3,8 +3,10 @@ made in the matrix-vector kernel's loads of x (nanoserve_kernels/triton_gemv.py)
 after gate/up in its output, instead of in kernels of their own: three fewer launches per layer where a
 step is ~10 small kernels per layer. At 2 to 128 rows the SiLU-and-mul is made in the gate/up GEMM's
 epilogue (nanoserve_kernels/triton_gate_up.py; for e4m3 weights, at any batch size past one row, the
-FP8 GEMM's: nanoserve_kernels/fp8_linear.py). Larger batches and the CPU run the separate modules, as
-does any step where FUSED lacks the fusion."""
+FP8 GEMM's: nanoserve_kernels/fp8_linear.py). Before an e4m3 projection that runs W8A8 at the batch's size,
+the RMSNorm writes the quantized activations itself (nanoserve_kernels/triton_rms_norm.rms_norm_fp8), in
+place of a quantization pass. Larger batches and the CPU run the separate modules, as does any step where
+FUSED lacks the fusion."""
 import torch
 
 from nanoserve_model.activation import silu_and_mul
@@ -12,7 +14,7 @@ from nanoserve_model.linear import ColumnParallelLinear, on_matvec_path
 from nanoserve_model.norm import RMSNorm
 
 # The fusions in use; tests take them out to compare with the separate kernels.
-FUSED = {"rms_norm", "silu_mul", "gate_up_silu"}
+FUSED = {"rms_norm", "silu_mul", "gate_up_silu", "rms_norm_quant"}
 
 
 def takes_weight(proj: ColumnParallelLinear) -> bool:
@@ -28,6 +30,24 @@ def fp8_args(proj: ColumnParallelLinear) -> dict:
     return {} if proj.weight_scale is None else dict(weight_scale=proj.weight_scale, block=proj.weight_block)
 
 
+def _norm_quantized_project(norm: RMSNorm, proj: ColumnParallelLinear, hidden: torch.Tensor,
+                            residual: torch.Tensor | None, silu_mul: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """norm_project (silu(gate) * up of it with `silu_mul`) with the norm quantizing its output for the e4m3
+    projection's W8A8 GEMM; None where the projection takes this batch unquantized (16-bit, weight-only, one
+    row) or the fusion is off."""
+    if "rms_norm_quant" not in FUSED or proj.weight_scale is None or norm.weight.dtype != hidden.dtype:
+        return None
+    from nanoserve_kernels.fp8_linear import input_quantization, quantized_linear
+    layout = input_quantization(hidden, proj.weight, proj.weight_block, silu_mul)
+    if layout is None:
+        return None
+    from nanoserve_kernels.triton_rms_norm import rms_norm_fp8
+    quantized, new_residual = rms_norm_fp8(hidden, norm.weight, norm.eps, residual, **layout)
+    out = quantized_linear(quantized, hidden.shape[0], hidden.dtype, proj.weight, proj.weight_scale,
+                           proj.weight_block, proj.bias, silu_mul)
+    return out, hidden if residual is None else new_residual
+
+
 def norm_project(norm: RMSNorm, proj: ColumnParallelLinear, hidden: torch.Tensor, residual: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(proj(norm(hidden + residual)), hidden + residual): the projection and the residual stream it
@@ -35,6 +55,9 @@ def norm_project(norm: RMSNorm, proj: ColumnParallelLinear, hidden: torch.Tensor
     if "rms_norm" in FUSED and on_matvec_path(hidden) and takes_weight(proj):
         from nanoserve_kernels.triton_gemv import rms_norm_gemv  # Triton is a GPU requirement only
         return rms_norm_gemv(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias, **fp8_args(proj))
+    fused = _norm_quantized_project(norm, proj, hidden, residual, silu_mul=False)
+    if fused is not None:
+        return fused
     if residual is None:
         return proj(norm(hidden)), hidden
     hidden, residual = norm(hidden, residual)
@@ -49,6 +72,9 @@ def norm_project_silu_mul(norm: RMSNorm, proj: ColumnParallelLinear, hidden: tor
         return rms_norm_gemv(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias, silu_mul=True,
                              **fp8_args(proj))
     if "gate_up_silu" in FUSED and proj.weight_scale is not None and hidden.shape[0] > 1:
+        fused = _norm_quantized_project(norm, proj, hidden, residual, silu_mul=True)
+        if fused is not None:
+            return fused
         from nanoserve_kernels.fp8_linear import fp8_gate_up_silu
         normed, new_residual = norm(hidden, residual)
         activation = fp8_gate_up_silu(normed, proj.weight, proj.weight_scale, proj.weight_block, proj.bias)

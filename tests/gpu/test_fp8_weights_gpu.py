@@ -1,7 +1,7 @@
 """FP8 weights on CUDA: the kernels against the plain-torch reference in bfloat16 (the interpreter's
 checks of tests/worker/test_fp8_kernels.py, with the launch shapes serving uses), every batch size
-through the dispatch (fp8_linear, as the tuned or default table routes it), torch's blockwise scaled_mm
-where this torch has it, and the whole model: the next-token KL of the W8A8 path over 1,024 positions
+through the dispatch (fp8_linear, as the tuned or default table routes it), the RMSNorm quantizing for the
+W8A8 GEMM, torch's blockwise scaled_mm where this torch has it, and the whole model: the next-token KL of the W8A8 path over 1,024 positions
 against transformers in float32 on the dequantized weights, beside the bf16-vs-fp32 KL floor (the
 dequantized weights served unquantized in bfloat16); and serving with FP8 weights through the step
 graphs (decode and piecewise prefill, with and without an FP8 KV cache) gives the eager path's greedy
@@ -22,7 +22,8 @@ from nanoserve_kernels import fp8_configs, fp8_reference
 from nanoserve_kernels.fp8_configs import W8A8
 from nanoserve_model.step_context import step_context
 from tests.worker.fp8_models import write_dequantized
-from tests.worker.test_fp8_kernels import ROWS, check_gemm, check_gemv, check_quantize, random_fp8, relative_error
+from tests.worker.test_fp8_kernels import (ROWS, check_gemm, check_gemv, check_norm_quantize, check_quantize,
+                                           random_fp8, relative_error)
 from tests.worker.test_triton_kernels import TOLERANCE
 from tests.worker.worker_steps import StepWriter, generate
 from worker_svc.config import WorkerConfig
@@ -45,6 +46,7 @@ KL_BOUND_NATS = 3e-3
 
 def test_quantize_gemm_and_gemv_match_the_reference_in_bfloat16():
     check_quantize("cuda", torch.bfloat16)
+    check_norm_quantize("cuda", torch.bfloat16)
     # each way the matrix-vector kernel reads e4m3 (the PTX one runs only here) and sums
     for convert, sum_once, stream in (("triton", False, False), ("ptx", True, True), ("ptx", False, False),
                                       ("bits", False, True)):
@@ -75,6 +77,30 @@ def test_every_batch_size_through_the_dispatch(block, silu_mul):
         else:
             got = fp8_linear(x, weight, scale, block)
         assert relative_error(got, expected) < 2 * TOLERANCE[torch.bfloat16], (rows, w8a8)
+
+
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_the_norm_quantizing_for_the_projection_gives_the_unfused_output(silu_mul):
+    """The RMSNorm writing the W8A8 GEMM's e4m3 activations (in the layout of the GEMM the table chose: Triton's
+    or torch's scaled_mm) gives the norm-then-project result bit for bit, on the 8B gate/up at each batch size
+    where the projection quantizes its input."""
+    from nanoserve_kernels.fp8_linear import fp8_gate_up_silu, fp8_linear, input_quantization, quantized_linear
+    from nanoserve_kernels.triton_rms_norm import rms_norm, rms_norm_fp8
+    weight, scale = random_fp8(2 * 12288, 4096, (128, 128), "cuda", 0)
+    norm_weight = (1 + 0.3 * torch.randn(4096, device="cuda")).to(torch.bfloat16)
+    quantized_batches = 0
+    for rows in ROWS + (4096,):
+        x, residual = torch.randn(2, rows, 4096, device="cuda", dtype=torch.bfloat16).unbind(0)
+        layout = input_quantization(x, weight, (128, 128), silu_mul)
+        if layout is None:
+            continue
+        quantized_batches += 1
+        normed, new_residual = rms_norm(x, norm_weight, 1e-6, residual)
+        expected = (fp8_gate_up_silu if silu_mul else fp8_linear)(normed, weight, scale, (128, 128))
+        quantized, fused_residual = rms_norm_fp8(x, norm_weight, 1e-6, residual, **layout)
+        got = quantized_linear(quantized, rows, x.dtype, weight, scale, (128, 128), silu_mul=silu_mul)
+        assert torch.equal(got, expected) and torch.equal(fused_residual, new_residual), (rows, layout)
+    assert quantized_batches  # the table runs W8A8 somewhere among these batch sizes
 
 
 def test_torch_blockwise_scaled_mm_matches_the_reference_where_it_runs():

@@ -1,6 +1,7 @@
 """The FP8 weight kernels against the plain-torch reference (nanoserve_kernels/fp8_reference.py) on
-dequantized values: the activations' quantization (bit for bit), the W8A8 and weight-only GEMMs (with
-the SiLU-and-mul epilogue and a bias, masked tails, M = 1, 2, 7, 64, 300) and the matrix-vector kernel
+dequantized values: the activations' quantization (bit for bit, on its own and by the RMSNorm), the W8A8
+and weight-only GEMMs (with the SiLU-and-mul epilogue and a bias, masked tails, M = 1, 2, 7, 64, 300, K split
+over programs) and the matrix-vector kernel
 reading e4m3 (with the RMSNorm prologue), on CPU through Triton's interpreter in float32 and float16
 (its bfloat16 dots are wrong), and compiled for sm_90 in bfloat16 (the e4m3 tensor-core dots the
 interpreter stands numpy in for). tests/gpu/test_fp8_weights_gpu.py runs the same checks on CUDA in
@@ -41,6 +42,26 @@ def check_quantize(device: str, dtype: torch.dtype) -> None:
             q, s = quantize_activation(x, token_minor=token_minor, padded_rows=padded)
             assert same_bits(q[:rows], expected_q) and torch.equal(s[:rows], expected_s), (rows, k, token_minor)
             assert s.stride(0) == (1 if token_minor else s.shape[1])
+
+
+def check_norm_quantize(device: str, dtype: torch.dtype) -> None:
+    """The RMSNorm writing e4m3 activations: bit for bit the quantization of its 16-bit output, with and
+    without the residual add, in either scale layout, a row's last group cut short where K % 128."""
+    from nanoserve_kernels.triton_fp8_quant import quantize_activation
+    from nanoserve_kernels.triton_rms_norm import rms_norm, rms_norm_fp8
+    for rows, k in ((3, 200), (5, 384)):
+        generator = torch.Generator().manual_seed(k)
+        x, residual = ((torch.randn(rows, k, generator=generator) * 3).to(dtype).to(device) for _ in range(2))
+        weight = (1 + 0.3 * torch.randn(k, generator=generator)).to(dtype).to(device)
+        for with_residual, (token_minor, padded) in ((False, (False, None)), (True, (True, rows + 3))):
+            unfused = rms_norm(x, weight, 1e-6, residual if with_residual else None)
+            normed = unfused[0] if with_residual else unfused
+            expected_q, expected_s = quantize_activation(normed, token_minor=token_minor, padded_rows=padded)
+            (q, s), new_residual = rms_norm_fp8(x, weight, 1e-6, residual if with_residual else None,
+                                                token_minor=token_minor, padded_rows=padded)
+            assert same_bits(q[:rows], expected_q[:rows]) and torch.equal(s[:rows], expected_s[:rows]), (rows, k)
+            assert s.stride() == expected_s.stride()
+            assert (new_residual is None) if not with_residual else torch.equal(new_residual, unfused[1])
 
 
 def check_gemm(device: str, dtype: torch.dtype, launch: dict = SMALL_LAUNCH,
@@ -115,6 +136,7 @@ def run_interpreted_cases(kernel: str) -> None:
         return
     for dtype in (torch.float32, torch.float16):
         check_quantize("cpu", dtype)
+        check_norm_quantize("cpu", dtype)
 
 
 @pytest.mark.parametrize("kernel", each_in_its_own_group("fp8-interpreter", ("quantize", "gemm", "gemv")))
@@ -174,7 +196,11 @@ def test_fp8_gemv_compiles_for_hopper(mode: str, silu_mul: bool, convert: str, s
 
 
 def test_activation_quantization_compiles_for_hopper() -> None:
-    from nanoserve_kernels import triton_fp8_quant
+    from nanoserve_kernels import triton_fp8_quant, triton_rms_norm
     types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
     constexprs = dict(GROUP=128, GROUPS=8, FP8_MAX=448.0, AMAX_FLOOR=1e-12)
     assert "e4m3" in _compile_for_hopper(triton_fp8_quant._quantize_groups_kernel, types, constexprs, num_warps=4)
+    types = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*fp8e4nv",
+             "residual_out_ptr": "*bf16", "scale_ptr": "*fp32", "eps": "fp32"}
+    constexprs = dict(HAS_RESIDUAL=True, BLOCK=4096, GROUP=128, FP8_MAX=448.0, AMAX_FLOOR=1e-12)
+    assert "e4m3" in _compile_for_hopper(triton_rms_norm._rms_norm_kernel, types, constexprs, num_warps=8)
