@@ -22,11 +22,16 @@ ListenOverflows over the round (this network namespace's total: run it in `unsha
 its own), and per request, from the moment its connect() was called, its arrival at the scheduler (the
 scheduler's "request finished" line: its time less the request's duration) and its first token.
 
-The replicas are schedulers over a worker that computes nothing (bench/service_overhead.py), each with
-its gateway, so what is measured is the services' and the router's handling of the burst (CPU is enough):
+Backends: schedulers over a worker that computes nothing (bench/service_overhead.py), each with its
+gateway (--backend nanoserve, CPU is enough: the services' and the router's handling of the burst); or
+minimal HTTP servers that answer at once and put each request's arrival in their event's id (--backend
+echo: SMG's part alone); or running replicas (--gateways, with --scheduler-logs where their schedulers'
+lines are, e.g. `nanoserve up`'s log). `--serve-router PORT` only runs another SMG in front of --gateways
+until stopped (--launcher up or own, --policy), for bench/gpu_scaleout.sh to benchmark through.
 
     python3 bench/burst_arrival.py                             # 1 replica, 512 connections a path
-    unshare -rn python3 bench/burst_arrival.py --replicas 2 --connections 256
+    unshare -rn python3 bench/burst_arrival.py --backend echo --replicas 2 --connections 256 --policy round_robin
+    python3 bench/burst_arrival.py --gateways http://127.0.0.1:8001 http://127.0.0.1:8002 --scheduler-logs up.log
 """
 import argparse
 import asyncio
@@ -34,6 +39,7 @@ import contextlib
 import datetime
 import itertools
 import json
+import os
 import re
 import signal
 import socket
@@ -50,7 +56,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "proto"), str(REPO / "bench")]
 
 from latency import percentiles  # noqa: E402
-from router_overhead import model_of  # noqa: E402
+from router_overhead import echo_backends, model_of  # noqa: E402
 from serve import make_requests, started_gateway  # noqa: E402
 from service_overhead import null_service  # noqa: E402
 from nanoserve.flags import defaults  # noqa: E402
@@ -69,7 +75,7 @@ class Stream:
     established: float = 0.0
     first_token: float = 0.0
     request_id: str = ""
-    arrived: float = 0.0      # at the scheduler, from its log
+    arrived: float = 0.0      # at the scheduler (from its log) or at the echo backend
 
 
 def listen_overflows() -> int:
@@ -100,7 +106,7 @@ async def established(sock: socket.socket) -> None:
     finally:
         loop.remove_writer(sock)
     if error := sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
-        raise OSError(error, f"connect: {error}")
+        raise OSError(error, os.strerror(error))
 
 
 async def stream_one(sock: socket.socket, stream: Stream, body: bytes) -> None:
@@ -117,6 +123,8 @@ async def stream_one(sock: socket.socket, stream: Stream, body: bytes) -> None:
         if line.startswith(b"data: {") and not stream.first_token:
             stream.first_token = time.time()
             stream.request_id = json.loads(line[6:])["id"]
+            if stream.request_id.startswith("echo-"):  # an echo backend's: the time the request arrived
+                stream.arrived = float(stream.request_id[5:])
     writer.close()
 
 
@@ -172,10 +180,15 @@ def router(gateways: list[str], policy: str, own_launcher: bool, log: Path, port
 
 @contextlib.contextmanager
 def backends(args: argparse.Namespace) -> Iterator[tuple[list[str], list[Path]]]:
-    """The replicas' gateway URLs and their schedulers' logs: --gateways and --scheduler-logs, else null
-    replicas started here, each scheduler logging to a file beside --out."""
+    """The replicas' gateway URLs and their schedulers' logs: --gateways and --scheduler-logs, else
+    replicas started here: echo backends (their events carry the arrival: no log), or null replicas,
+    each scheduler logging to a file beside --out."""
     if args.gateways:
         yield args.gateways, args.scheduler_logs
+        return
+    if args.backend == "echo":
+        with echo_backends(args.replicas) as urls:
+            yield urls, []
         return
     logs = [args.out.with_suffix(f".scheduler{d}.log") for d in range(args.replicas)]
     with contextlib.ExitStack() as running:
@@ -215,11 +228,13 @@ def run_paths(args: argparse.Namespace, gateways: list[str], logs: list[Path]) -
     return runs
 
 
-def serve_smg_own(args: argparse.Namespace) -> None:
-    """SMG's own launcher with up's flags on --serve-smg-own's port in front of --gateways, until stopped."""
+def serve_router(args: argparse.Namespace) -> None:
+    """SMG with up's flags and --policy, through --launcher, on --serve-router's port in front of
+    --gateways, until stopped: another router for the same replicas, beside up's (gpu_scaleout.sh)."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    with router(args.gateways, args.policy, True, args.out.with_suffix(".smg.log"), args.serve_smg_own):
-        print(f"SMG's own launcher routes on port {args.serve_smg_own}", flush=True)
+    with router(args.gateways, args.policy, args.launcher == "own", args.out.with_suffix(".smg.log"),
+                args.serve_router):
+        print(f"SMG ({args.launcher} launcher, {args.policy}) routes on port {args.serve_router}", flush=True)
         signal.pause()
 
 
@@ -232,12 +247,17 @@ def print_row(r: dict) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--replicas", type=int, default=1, help="null replicas started here (direct goes to the first)")
+    p.add_argument("--backend", choices=("nanoserve", "echo"), default="nanoserve",
+                   help="replicas started here: schedulers over a null worker with their gateways, or minimal HTTP "
+                        "servers that answer at once (bench/router_overhead.py's: what SMG alone does to a burst)")
+    p.add_argument("--replicas", type=int, default=1, help="replicas started here (direct goes to the first)")
     p.add_argument("--gateways", nargs="+", default=[], metavar="URL", help="running replicas' gateways instead")
     p.add_argument("--scheduler-logs", nargs="+", default=[], type=Path, metavar="FILE",
                    help="with --gateways: where their schedulers log (their \"request finished\" lines)")
-    p.add_argument("--serve-smg-own", type=int, default=0, metavar="PORT",
-                   help="with --gateways: only run SMG's own launcher with up's flags on PORT until stopped")
+    p.add_argument("--serve-router", type=int, default=0, metavar="PORT",
+                   help="with --gateways: only run SMG (--launcher, --policy) on PORT in front of them until stopped")
+    p.add_argument("--launcher", choices=("up", "own"), default="up",
+                   help="for --serve-router: up's (its port's accept queue deepened) or SMG's own (128)")
     p.add_argument("--connections", type=int, default=512, help="connections a replica takes in each burst")
     p.add_argument("--paths", nargs="+", default=["direct", "smg", "smg-own"], choices=["direct", "smg", "smg-own"])
     p.add_argument("--policy", default="cache_aware", help="SMG's --policy")
@@ -249,9 +269,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "burst_arrival.json")
     args = p.parse_args(argv)
-    if (args.scheduler_logs or args.serve_smg_own) and not args.gateways:
-        p.error("--scheduler-logs and --serve-smg-own go with --gateways")
-    if args.gateways and not args.serve_smg_own and not args.scheduler_logs:
+    if (args.scheduler_logs or args.serve_router) and not args.gateways:
+        p.error("--scheduler-logs and --serve-router go with --gateways")
+    if args.gateways and not args.serve_router and not args.scheduler_logs:
         p.error("--gateways needs --scheduler-logs (the schedulers' arrival times)")
     return args
 
@@ -259,8 +279,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    if args.serve_smg_own:
-        serve_smg_own(args)
+    if args.serve_router:
+        serve_router(args)
         return
     print(f"{'path':<9}{'round':>6}{'conns':>7}{'slow':>6}{'overflows':>10}  arrival ms p50 / p90 / p99, "
           "spread; first token p50 / p90")

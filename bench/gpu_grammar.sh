@@ -12,8 +12,8 @@
 # Both end with a summary, two lines a shape: the throughput ratio; rank 0's decode steps (device busy, idle
 # before each, host time) and prefill/mixed steps (busy, host); the device's seconds in steps against the
 # run's; the mask split (ms a masked step: the matchers' advance after a step, on the step's reply thread:
-# tokens wait, consume, fill; first masks, on the mask thread; the launcher: wait, then queuing the copy of
-# the step's rows, and the mask kernel where processors or logprobs follow); batch-1 ITL with its split,
+# tokens wait, consume, fill and the rows' copy; first masks, on the mask thread; the launcher: wait, then
+# the mask kernel where processors or logprobs follow); batch-1 ITL with its split,
 # first use and invalid outputs. Then one line from bench/grammar_gil.py on this host's CPU: a launcher-bound
 # batch-1 stand-in's step, plain, and constrained with the matchers advanced by the reply thread (the
 # worker's way), by the launcher, or by a mask thread of their own.

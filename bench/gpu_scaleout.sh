@@ -6,8 +6,9 @@
 # Every run goes through the OpenAI port (bench/serve.py --openai, prompts as text for SMG):
 #   1. the throughput workload (docs/benchmarks.md) on one replica direct (its gateway), then on N replicas (N = the
 #      GPUs) through SMG with N x the requests: the ratio to N x one replica (target >= 0.95); then the same
-#      through SMG's own launcher (its accept queue at 128 where up's holds 4096), and bench/burst_arrival.py's
-#      connection bursts down each path; each run keeps the kernel's accept-queue drops and SYN retries around it;
+#      through SMG's own launcher (its accept queue at 128 where up's holds 4096) and through up's with round
+#      robin, and bench/burst_arrival.py's connection bursts down each path; each run keeps the kernel's
+#      accept-queue drops and SYN retries around it;
 #   2. the router's added TTFT at low load (bench/router_overhead.py): 150 rounds of one request at a time
 #      straight to replica 0, straight to the replicas in turn, and through SMG, every request a prompt of
 #      its own, on the N-replica server of part 1; then SMG's own cost on this host's CPU, in front of
@@ -92,17 +93,24 @@ if { part 1 || part 2; } && up "dp${gpus}_small" --model "$small" --data-paralle
   part 1 && bench "dp${gpus}_small" "$small" "${design[@]}" --num-prompts $((256 * gpus)) \
     --replicas $(replicas "$gpus") --client-processes $((clients * gpus))
   if part 1; then
-    # The baseline: the same replicas through SMG's own launcher (its port's accept queue at 128, where up's
-    # holds 4096: nanoserve_cli/smg_router.py), fresh prompts (--seed 1); then bench/burst_arrival.py's bursts
-    # of connections opened at once, straight to replica 0 and through both launchers, with the arrivals
-    # read from the schedulers' lines in the server log.
-    python3 bench/burst_arrival.py --gateways $(gateways "$gpus") --serve-smg-own 8100 \
-      --out "$out/smg_own.json" > "$out/smg_own.log" 2>&1 &
-    own=$!
-    for _ in $(seq 120); do grep -q "routes on port" "$out/smg_own.log" && break; sleep 0.5; done
-    via=http://127.0.0.1:8100 bench "dp${gpus}_small_smg_own" "$small" "${design[@]}" --num-prompts $((256 * gpus)) \
-      --replicas $(replicas "$gpus") --client-processes $((clients * gpus)) --seed 1
-    kill -TERM $own; wait $own
+    # what up's router queues (its launcher's line) and the most this host lets any port queue
+    { grep -h "accept queue" "$out/dp${gpus}_small.server.log"
+      echo "net.core.somaxconn $(cat /proc/sys/net/core/somaxconn)"; } | tee "$out/accept_queue.txt"
+    # Two more routers in front of the same replicas, each for a run like up's on fresh prompts (--seed 1, 2):
+    # SMG's own launcher (its port's accept queue at 128, where up's holds 4096: nanoserve_cli/smg_router.py),
+    # the baseline; and up's launcher with round robin, so a loss left over shows whether the policy has a
+    # part in it. Then bench/burst_arrival.py's bursts of connections opened at once, straight to replica 0
+    # and through both launchers, with the arrivals read from the schedulers' lines in the server log.
+    for variant in "smg_own 8100 own cache_aware 1" "rr 8101 up round_robin 2"; do
+      read -r name port launcher policy seed <<< "$variant"
+      python3 bench/burst_arrival.py --gateways $(gateways "$gpus") --serve-router "$port" --launcher "$launcher" \
+        --policy "$policy" --out "$out/router_$name.json" > "$out/router_$name.log" 2>&1 &
+      router=$!
+      for _ in $(seq 120); do grep -q "routes on port" "$out/router_$name.log" && break; sleep 0.5; done
+      via=http://127.0.0.1:$port bench "dp${gpus}_small_$name" "$small" "${design[@]}" \
+        --num-prompts $((256 * gpus)) --replicas $(replicas "$gpus") --client-processes $((clients * gpus)) --seed "$seed"
+      kill -TERM $router; wait $router
+    done
     in_time 400 "the connection bursts" && timeout 150 python3 bench/burst_arrival.py --gateways $(gateways "$gpus") \
       --scheduler-logs "$out/dp${gpus}_small.server.log" --tokenizer "$small" --connections 256 \
       --out "$out/burst_arrival.json" 2>&1 | grep -v " INFO " | tail -8

@@ -15,8 +15,9 @@
   among them 64 requests held to a small bounded schema, which most complete;
 - where the sampling rank's mask time goes in each constrained run (`mask_split`, ms a masked step:
   the advance after a step waiting for its tokens, consuming them and filling the next masks, mostly on
-  the step's reply thread; first masks; the launcher thread waiting for that, then queuing the copy of
-  the rows and, where processors or logprobs follow, the mask kernel), read from the worker's log
+  the step's reply thread, which also queues the rows' copy; first masks; the launcher thread waiting for
+  that, then handing the masks on: the mask kernel, where processors or logprobs follow), read from the
+  worker's log
   (worker_svc/mask_timings.py), which goes to `<out>.server.log`.
 
     python3 bench/grammar.py --model DIR [--extra "--load-format dummy"] [--out FILE]

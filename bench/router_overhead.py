@@ -53,7 +53,9 @@ from nanoserve_cli.cache import cache_dir  # noqa: E402
 from nanoserve_cli.launcher import free_port, stop_all, wait_http_ok  # noqa: E402
 
 ECHO_MODEL = "echo"
-ECHO_EVENT = b'data: {"object":"text_completion","choices":[{"index":0,"text":"x","token_ids":[5]}]}\n\n'
+# its id: the wall time the request arrived (bench/burst_arrival.py reads it)
+ECHO_EVENT = (b'data: {"id":"echo-%.6f","object":"text_completion",'
+              b'"choices":[{"index":0,"text":"x","token_ids":[5]}]}\n\n')
 
 
 @dataclass(frozen=True)
@@ -144,17 +146,26 @@ def backends(args: argparse.Namespace) -> Iterator[tuple[list[str], str]]:
         return
     with contextlib.ExitStack() as running:
         if args.backend == "echo":
-            ports = [free_port() for _ in range(args.replicas)]
-            procs = [subprocess.Popen([sys.executable, __file__, "--serve-echo", str(port), "--echo-delay-ms",
-                                       str(args.echo_delay_ms)]) for port in ports]
-            running.callback(stop_all, procs)
-            urls = [f"http://127.0.0.1:{port}" for port in ports]
-            for url in urls:
-                wait_http_ok(url + "/health", procs, timeout=60)
+            urls = running.enter_context(echo_backends(args.replicas, args.echo_delay_ms))
         else:
             urls = [running.enter_context(started_gateway(running.enter_context(null_service(args.tokenizer))))
                     for _ in range(args.replicas)]
         yield urls, model_of(urls[0])
+
+
+@contextlib.contextmanager
+def echo_backends(count: int, delay_ms: float = 0.0) -> Iterator[list[str]]:
+    """`count` echo backends (serve_echo), each a process of its own: their URLs while they run."""
+    ports = [free_port() for _ in range(count)]
+    procs = [subprocess.Popen([sys.executable, __file__, "--serve-echo", str(port), "--echo-delay-ms", str(delay_ms)])
+             for port in ports]
+    try:
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        for url in urls:
+            wait_http_ok(url + "/health", procs, timeout=60)
+        yield urls
+    finally:
+        stop_all(procs)
 
 
 def model_of(url: str) -> str:
@@ -164,13 +175,14 @@ def model_of(url: str) -> str:
 
 def serve_echo(port: int, delay_ms: float) -> None:
     """A minimal OpenAI-shaped server: what SMG asks of a worker, and completions that stream one
-    token event and [DONE] after delay_ms."""
+    token event and [DONE] after delay_ms. It queues as many new connections as a gateway's uvicorn."""
     async def completions(request: web.Request) -> web.StreamResponse:
+        arrived = time.time()
         await request.read()
         await asyncio.sleep(delay_ms / 1e3)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        await response.write(ECHO_EVENT + b"data: [DONE]\n\n")
+        await response.write(ECHO_EVENT % arrived + b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
@@ -184,7 +196,7 @@ def serve_echo(port: int, delay_ms: float) -> None:
         {"object": "list", "data": [{"id": ECHO_MODEL, "object": "model", "owned_by": "echo"}]}))
     app.router.add_get("/v1/loads", loads)
     app.router.add_post("/v1/completions", completions)
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, backlog=2048)
 
 
 def print_row(policy: str, tokens: int, r: dict) -> None:

@@ -64,7 +64,8 @@ def bursts(burst: dict | None) -> list[dict]:
 def summarize(folder: Path, gpus: int) -> dict:
     run = {name.stem: first_rate(folder, name.stem) for name in folder.glob("*.json")
            if name.stem not in ("summary", "burst_arrival") and not name.stem.startswith("router_overhead")}
-    one, many, own = run.get("dp1_small"), run.get(f"dp{gpus}_small"), run.get(f"dp{gpus}_small_smg_own")
+    one, many = run.get("dp1_small"), run.get(f"dp{gpus}_small")
+    own, rr = run.get(f"dp{gpus}_small_smg_own"), run.get(f"dp{gpus}_small_rr")
     summary = {
         "date": datetime.date.today().isoformat(),
         "device": (folder / "gpus.txt").read_text().strip().replace("\n", "; ") if (folder / "gpus.txt").exists()
@@ -78,9 +79,16 @@ def summarize(folder: Path, gpus: int) -> dict:
                       f"{gpus}_replicas_smg_own_launcher_tok_s": field(own, "output_tok_per_s"),
                       "own_launcher_ratio_to_n_x_one": ratio(field(own, "output_tok_per_s"),
                                                              gpus * (field(one, "output_tok_per_s") or 0)),
-                      "tcp_drops": {name: drops for name in ("dp1_small", f"dp{gpus}_small", f"dp{gpus}_small_smg_own")
+                      # ... and through up's launcher with round robin
+                      f"{gpus}_replicas_smg_round_robin_tok_s": field(rr, "output_tok_per_s"),
+                      "round_robin_ratio_to_n_x_one": ratio(field(rr, "output_tok_per_s"),
+                                                            gpus * (field(one, "output_tok_per_s") or 0)),
+                      "tcp_drops": {name: drops for name in ("dp1_small", f"dp{gpus}_small", f"dp{gpus}_small_smg_own",
+                                                             f"dp{gpus}_small_rr")
                                     if (drops := tcp_drops(folder, name)) is not None}},
         "connection_bursts": bursts(report(folder, "burst_arrival")),
+        "accept_queue": (folder / "accept_queue.txt").read_text().strip().replace("\n", "; ")
+        if (folder / "accept_queue.txt").exists() else None,
         "router_added_ttft_ms": router_added_ttft(report(folder, "router_overhead")),
         "smg_own_added_ttft_ms": smg_own(report(folder, "router_overhead_echo"))
         + smg_own(report(folder, "router_overhead_echo_wait")),
@@ -147,13 +155,18 @@ def markdown(s: dict) -> str:
 
     so, t = s["scale_out"], s["tenants"]
     replicas, own = so[f"{s['gpus']}_replicas_smg_tok_s"], so[f"{s['gpus']}_replicas_smg_own_launcher_tok_s"]
+    rr = so[f"{s['gpus']}_replicas_smg_round_robin_tok_s"]
     lines = [f"# Scale-out, {s['date']}, {s['device']} ({s['gpus']} GPUs), `{s['command']}`", "",
              "| measure | value |", "| --- | --- |",
              f"| one replica direct, output tok/s | {num(so['one_replica_direct_tok_s'], 0)} |",
              f"| {s['gpus']} replicas through SMG, output tok/s | {num(replicas, 0)} |",
              f"| ... over {s['gpus']} x one replica (target >= 0.95) | {num(so['ratio_to_n_x_one'])} |",
              f"| the same through SMG's own launcher (accept queue 128), output tok/s, over {s['gpus']} x one | "
-             f"{num(own, 0)}, {num(so['own_launcher_ratio_to_n_x_one'])} |"]
+             f"{num(own, 0)}, {num(so['own_launcher_ratio_to_n_x_one'])} |",
+             f"| the same through up's launcher with round robin, output tok/s, over {s['gpus']} x one | "
+             f"{num(rr, 0)}, {num(so['round_robin_ratio_to_n_x_one'])} |"]
+    if s["accept_queue"]:
+        lines.append(f"| the router's accept queue (its line), the host's cap | {s['accept_queue']} |")
     for name, drops in so["tcp_drops"].items():
         lines.append(f"| {name}: connections dropped from a full accept queue, SYNs sent again | "
                      f"{drops.get('ListenOverflows')}, {drops.get('TCPSynRetrans')} |")

@@ -5,7 +5,7 @@ SMG listens with the accept queue Rust's standard library gives every listener, 
 no flag changes it. A burst of new connections larger than what SMG accepts meanwhile overflows it: the
 kernel drops those SYNs and each client sends its SYN again only after its initial retransmission
 timeout, one second (three for a second drop). On the 2-core development machine 512 connections
-opened at once to a freshly started SMG lost 140-153 SYNs so (bench/burst_arrival.py); a benchmark
+opened at once to a freshly started SMG lost 125-156 SYNs so (bench/burst_arrival.py); a benchmark
 that opens its 512 streams at once from four client processes can do the same; on two H200s its
 requests reached the replicas spread over about a second (docs/scale-out.md). uvicorn, each replica's
 gateway, listens with 2,048. Linux sets a listening socket's queue again on another listen() on it, so
@@ -35,19 +35,22 @@ def accept_queue(sock: socket.socket) -> int:
 
 
 def listener_on(port: int) -> socket.socket | None:
-    """This process's listening socket on `port` (a duplicate descriptor: closing it leaves SMG's open)."""
+    """This process's listening TCP socket on `port` (a duplicate descriptor: closing it leaves SMG's open)."""
     for name in os.listdir("/proc/self/fd"):
         try:
             if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
                 continue
-            sock = socket.socket(fileno=os.dup(int(name)))
+            fd = os.dup(int(name))
         except OSError:  # closed meanwhile
             continue
         try:
-            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and sock.getsockname()[1] == port:
-                return sock
-        except OSError:
-            pass
+            sock = socket.socket(fileno=fd)
+        except OSError:  # closed and reused for something else meanwhile
+            os.close(fd)
+            continue
+        if (sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+                and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and sock.getsockname()[1] == port):
+            return sock
         sock.close()
     return None
 

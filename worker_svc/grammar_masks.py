@@ -2,27 +2,26 @@
 matcher of a constrained sequence, beside the penalty state SamplingExtras keeps, so no mask ever
 crosses the wire.
 
-Each constrained slot's next mask is filled ahead, into a per-slot table in pinned host memory. After
-each step that drew constrained rows, the matchers consume the drawn tokens and fill their next masks
-(llguidance's native fill drops the GIL; many rows go to llguidance's own threads). That advance is
-done by the step's reply thread, which is awake the moment the step's tokens are home (it waits for
-them to answer the scheduler), so it costs no thread of its own a wake-up and no extra hand-over of
-the GIL: at batch 1 the worker is bound by the launcher thread's Python, and every hand-over is
-launcher time (bench/grammar_gil.py). The launcher thread meanwhile builds and queues step N+1's
-forward pass; only right before step N+1's draw does it need step N's advance, normally done by then
-(if not, it waits for it, or does it itself: RunOnce). New sequences' first masks wait for their
-grammar's compile, so one mask thread fills them, after the slot's last advance. The launcher then
-copies the table's rows the step needs to the device's copy of the table and hands the draw its
-masks: either to the sampler (draw_masks), whose race kernel reads each row's mask beside its logits,
-so a masked draw costs the launcher one copy and no launch of its own; or, when other logits
+Each constrained slot's next mask is filled ahead, into a per-slot table in pinned host memory, and
+copied to the device's copy of the table by whoever fills it. After each step that drew constrained
+rows, the matchers consume the drawn tokens and fill their next masks (llguidance's native fill drops
+the GIL; many rows go to llguidance's own threads). That advance is done by the step's reply thread,
+which is awake the moment the step's tokens are home (it waits for them to answer the scheduler), so
+it costs no thread of its own a wake-up and no extra hand-over of the GIL: at batch 1 the worker is
+bound by the launcher thread's Python, and every hand-over is launcher time (bench/grammar_gil.py).
+The launcher thread meanwhile builds and queues step N+1's forward pass; only right before step N+1's
+draw does it need step N's advance, normally done by then (if not, it waits for it, or does it
+itself: RunOnce). New sequences' first masks wait for their grammar's compile, so one mask thread
+fills them, after the slot's last advance. The launcher then hands the draw its masks: either to the
+sampler (draw_masks), whose race kernel reads each row's mask from the device's table beside its
+logits, so a masked draw costs the launcher no copy and no launch of its own; or, when other logits
 processors or logprobs follow, by masking the logits in place in one launch (mask), before them. Only
 steps that sample constrained rows wait for the previous step's tokens; the others (prefills and
 resets included) keep the pipeline as deep as it is. mask_timings.py splits the time per step.
 
 A grammar is compiled once per text (a template matcher, cached; each sequence takes a copy) on a
 thread of its own, off the step loop. A reset also replays the generated tokens the scheduler sends,
-so a recomputed sequence (preemption, a worker restart) resumes its
-grammar where it was."""
+so a recomputed sequence (preemption, a worker restart) resumes its grammar where it was."""
 import functools
 import logging
 import os
@@ -50,8 +49,8 @@ TEMPLATE_CACHE_SIZE = 256
 # one core of the busy 2-core development machine, so a few threads do; every further thread is one more
 # that a busy host may deschedule in the middle of a step's rows, holding up the whole step.
 MASK_THREADS = max(1, min(4, (os.cpu_count() or 2) // 4))
-# A step with at most this many masked rows copies them on the step's own stream: a side stream's
-# hand-over costs the launcher more than the copy of a few 19 KB rows costs the device.
+# At most this many filled rows are copied to the device on the steps' own stream, behind the forward
+# pass: a side stream's event would cost the launcher a call, more than a few 19 KB rows cost the device.
 SIDE_STREAM_ROWS = 4
 
 
@@ -70,9 +69,12 @@ class GrammarMasks:
         # where llguidance fills a slot's row: address + slot * row_bytes
         self.table_address, self.row_bytes = self.host_table.data_ptr(), 4 * self.words
         self.device_table = self.host_table.to(device) if pinned else self.host_table
-        # A large step's rows (up to 19 KB each) go over on a stream of their own, beside the forward pass
-        # still running, rather than after it on the step's stream.
+        # Whoever fills rows queues their copy to the device's table: a few on the steps' stream, more (up to
+        # 19 KB each) on a stream of their own, beside the forward pass still running, with an event after
+        # them that the steps' stream waits for before its next masked draw or copy.
+        self.step_stream = torch.cuda.default_stream(device) if pinned else None
         self.copy_stream = torch.cuda.Stream(device) if pinned else None
+        self.side_copied: torch.cuda.Event | None = None  # the last side-stream copy, not yet waited for
         self.new_sequences: list[tuple[int, Future]] = []  # this step's resets, their first masks not yet asked for
         self.jobs: list[Future] = []  # the mask thread's jobs (first masks) since the last masked step
         self.advance: RunOnce | None = None  # the last masked step's advance, until the next one needs it
@@ -132,6 +134,7 @@ class GrammarMasks:
             for eos in self.tokenizer.eos_token_ids:
                 self.next_masks.view(np.uint32)[slot, eos // 32] |= np.uint32(1 << (eos % 32))
         self._fill(live)
+        self._copy_rows([slot for slot, _ in new_sequences])
         self.timings.add(first=time.perf_counter() - started)
 
     def _fill(self, live: list[tuple[LLMatcher, int]]) -> None:
@@ -169,8 +172,9 @@ class GrammarMasks:
         return TokenMasks(self.device_table, table_rows)
 
     def _rows_ready(self, slots: np.ndarray, rows: np.ndarray) -> tuple[float, float]:
-        """Waits for the last masked step's advance and the first masks since, then queues the copy of
-        the step's masked rows to the device; when the wait began and ended."""
+        """Waits for the last masked step's advance and the first masks since (each has queued the copy
+        of the rows it filled to the device), and has the steps' stream wait for those copies made on
+        the side stream; when the wait began and ended."""
         started = time.perf_counter()
         if self.advance is not None:
             self.advance.run()  # normally done already, by the step's reply
@@ -179,20 +183,33 @@ class GrammarMasks:
         self.jobs.clear()
         waited = time.perf_counter()
         self.every_row = len(rows) == len(slots)
-        if self.copy_stream is not None:
-            self._copy_rows(slots[rows])
+        self._wait_side_copy()
         return started, waited
 
-    def _copy_rows(self, masked_slots: np.ndarray) -> None:
-        """The table's rows from the step's first to its last masked slot, to the device's table. The
-        last masked step's draw has read the device's table by now: its tokens, drawn there, are home."""
-        first, end = int(masked_slots.min()), int(masked_slots.max()) + 1
-        if len(masked_slots) <= SIDE_STREAM_ROWS:
-            self.device_table[first:end].copy_(self.host_table[first:end], non_blocking=True)
+    def _copy_rows(self, slots: list[int]) -> None:
+        """Queues the copy of the table's rows from the first to the last of `slots`, just filled, to the
+        device's table, for the next masked draw; fills never overlap (a first mask waits for the last
+        advance, the next advance for the next masked draw, which waits for both), and no masked draw is
+        in flight while one runs: its tokens, drawn there, are home. A copy on the steps' stream comes
+        after the last side-stream copy, which may cover its rows with their old contents."""
+        if self.device_table is self.host_table or not slots:  # on a CPU they are one
+            return
+        first, end = min(slots), max(slots) + 1
+        if len(slots) <= SIDE_STREAM_ROWS or self.copy_stream is None:
+            self._wait_side_copy()
+            with torch.cuda.stream(self.step_stream):
+                self.device_table[first:end].copy_(self.host_table[first:end], non_blocking=True)
             return
         with torch.cuda.stream(self.copy_stream):
             self.device_table[first:end].copy_(self.host_table[first:end], non_blocking=True)
-        torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        self.side_copied = torch.cuda.Event()
+        self.side_copied.record(self.copy_stream)
+
+    def _wait_side_copy(self) -> None:
+        """Has the steps' stream wait for the last side-stream copy, if any since it last did."""
+        if self.side_copied is not None:
+            self.step_stream.wait_event(self.side_copied)
+            self.side_copied = None
 
     def unmasked_step(self) -> None:
         """A sampled step with no constrained row: a run of masked steps, if any, has ended."""
@@ -242,6 +259,7 @@ class GrammarMasks:
             consume_token_par(self._executor(), [(matcher, token) for matcher, token, _ in live])
         consumed = time.perf_counter()
         self._fill([(matcher, slot) for matcher, _, slot in live])
+        self._copy_rows([slot for _, _, slot in live])
         self.timings.add(tokens_wait=home - started, consume=consumed - home, fill=time.perf_counter() - consumed)
 
     def _executor(self) -> LLExecutor:

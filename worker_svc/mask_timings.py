@@ -2,8 +2,9 @@
 after a step (on the step's reply thread, or the launcher's where the reply was late): its wait for the
 step's tokens to come home, the matchers consuming them and filling their next masks; new sequences'
 first masks, their compile included (the mask thread); and what the launcher thread spent waiting for
-that work, then queuing the copy of the step's rows (and the mask kernel, where processors or logprobs
-follow; otherwise the sampler's race reads the masks). A step whose forward outlasts that work shows no
+that work, then handing the masks to the draw (the mask kernel's launch, where processors or logprobs
+follow; otherwise the sampler's race reads the masks). The fill's part includes queuing the filled rows'
+copy to the device. A step whose forward outlasts that work shows no
 launcher wait.
 
 The figures add up over a run of consecutive masked steps and are logged as one line when the

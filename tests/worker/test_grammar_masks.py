@@ -35,6 +35,14 @@ def allowed_by_oracle(tokenizer: GrammarTokenizer, grammar: str, tokens: list[in
     return np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:VOCAB].astype(bool)
 
 
+def grammar_masks(capacity: int, tokenizer: GrammarTokenizer) -> GrammarMasks:
+    """GrammarMasks on the CPU, with a table of its own standing for the device's copy: each fill must
+    copy its rows there for the masks to reach a draw."""
+    masks = GrammarMasks(capacity, tokenizer, torch.device("cpu"))
+    masks.device_table = torch.zeros_like(masks.host_table)
+    return masks
+
+
 def masked_step(masks: GrammarMasks, slots: list[int], draw: list[int], in_place: bool = True,
                 reply_advances: bool = False) -> np.ndarray:
     """One step sampling `slots`: the rows each mask keeps; then `draw` is observed, and the matchers'
@@ -64,7 +72,7 @@ def test_masks_follow_each_sequence_and_a_reused_slot(tokenizer, in_place, reply
     compiler = GrammarCompiler(tokenizer)
     digits, words = compiler.compile("json", json.dumps(DIGITS)), compiler.compile("json", json.dumps(WORDS))
     text = tokenizer.get()
-    masks = GrammarMasks(4, tokenizer, torch.device("cpu"))
+    masks = grammar_masks(4, tokenizer)
     opening, one = text.tokenize_str('{"n": '), text.tokenize_str("1")
     masks.reset(0, digits, opening)  # resumed: it has already drawn the object's opening
     masks.reset(2, words, [])
@@ -89,7 +97,7 @@ def test_unconstrained_rows_between_constrained_ones(tokenizer, in_place, reply_
     digits = GrammarCompiler(tokenizer).compile("json", json.dumps(DIGITS))
     text = tokenizer.get()
     opening, one, two, close = (text.tokenize_str(t) for t in ('{"n": ', "1", "2", "}"))
-    masks = GrammarMasks(3, tokenizer, torch.device("cpu"))
+    masks = grammar_masks(3, tokenizer)
     masks.reset(0, digits, opening + one)
     masks.reset(2, digits, opening)
     masks.fill_first_masks()
@@ -105,7 +113,7 @@ def test_unconstrained_rows_between_constrained_ones(tokenizer, in_place, reply_
 def test_a_run_of_masked_steps_is_logged_with_its_split(tokenizer, caplog):
     """Each run of masked steps ends in one log line: its steps, rows and the time split per step."""
     grammar = GrammarCompiler(tokenizer).compile("json", json.dumps(DIGITS))
-    masks = GrammarMasks(3, tokenizer, torch.device("cpu"))
+    masks = grammar_masks(3, tokenizer)
     masks.reset(1, grammar, [])
     masks.reset(2, grammar, [])
     masks.fill_first_masks()
