@@ -5,9 +5,10 @@ For each projection of the benchmark shapes (q/k/v, o, gate/up with its SiLU-and
 and 8B, 128 x 128 weight blocks) and each batch-size bucket, every candidate is timed, its output
 checked against the plain-torch reference first:
   - the weight-only Triton GEMM (up to 32 rows), in a few launch shapes, K split or not;
-  - the W8A8 Triton GEMM, in a few launch shapes, K split or not, with the activations' quantization pass;
-  - torch's blockwise scaled_mm (sm90), with the same quantization pass; for gate/up followed by the
-    SiLU-and-mul pass (it cannot fuse it), against the Triton GEMM's fused epilogue.
+  - the W8A8 Triton GEMM, in a few launch shapes, K split or not, with the activations' quantization pass
+    (not timed after a norm, which quantizes them itself when serving);
+  - torch's blockwise scaled_mm (sm90), likewise; for gate/up followed by the SiLU-and-mul pass (it cannot
+    fuse it), against the Triton GEMM's fused epilogue.
 The fastest per (N, K, bucket) is kept, with its time ("us") and that of the same layer in bf16 ("bf16_us":
 the weight dequantized, run as the unquantized model runs it), from which fp8_configs.served_in_bf16 decides
 where FP8 does not pay. Times are CUDA-graph replays of 20 calls or more (what serving runs), cycling
@@ -36,9 +37,11 @@ from nanoserve_kernels.fp8_configs import SCALED_MM, TRITON, W8A8, WEIGHT_ONLY, 
 from gemv import or_error, copies_past_l2  # noqa: E402  (bench/, this script's folder)
 
 BLOCK = (128, 128)
-SHAPES = {  # name -> [(N, K, silu_mul)]: q/k/v, o, gate/up, down at one rank
-    "0.6b": [(4096, 1024, False), (1024, 2048, False), (6144, 1024, True), (1024, 3072, False)],
-    "8b": [(6144, 4096, False), (4096, 4096, False), (24576, 4096, True), (4096, 12288, False)],
+SHAPES = {  # name -> [(N, K, silu_mul, after a norm)]: q/k/v, o, gate/up, down at one rank
+    "0.6b": [(4096, 1024, False, True), (1024, 2048, False, False), (6144, 1024, True, True),
+             (1024, 3072, False, False)],
+    "8b": [(6144, 4096, False, True), (4096, 4096, False, False), (24576, 4096, True, True),
+           (4096, 12288, False, False)],
 }
 BUCKETS = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 WEIGHT_ONLY_MAX = 32  # measured: from 64 rows on, W8A8 won every shape
@@ -84,11 +87,12 @@ def graph_time(fn, copies: list[tuple], calls: int = 20) -> float:
     return start.elapsed_time(end) / 1000 / (5 * calls)
 
 
-def candidates(x, weight, silu_mul: bool, stored: Fp8Choice | None):
+def candidates(x, weight, silu_mul: bool, after_norm: bool, stored: Fp8Choice | None):
     """(choice, fn(weight, scale)) pairs for x and this weight's shape; only the stored choice (and scaled_mm)
-    when given."""
-    from nanoserve_kernels.fp8_linear import scaled_mm, takes_scaled_mm
-    from nanoserve_kernels.triton_activation import silu_and_mul
+    when given. A W8A8 call quantizes x first, in the layout its GEMM takes, except after a norm (q/k/v,
+    gate/up), where serving has the norm quantize it (nanoserve_model/row_fusion.py): there x is quantized
+    once, outside the timed call."""
+    from nanoserve_kernels.fp8_linear import input_layout, quantized_linear, takes_scaled_mm
     from nanoserve_kernels.triton_fp8_gemm import fp8_gemm
     from nanoserve_kernels.triton_fp8_quant import quantize_activation
     rows = x.shape[0]
@@ -96,29 +100,29 @@ def candidates(x, weight, silu_mul: bool, stored: Fp8Choice | None):
     def weight_only(launch):
         return lambda weight, scale: fp8_gemm(x, weight, scale, BLOCK, launch, silu_mul=silu_mul)
 
-    def w8a8(launch):
+    def w8a8(chosen: Fp8Choice):
+        layout = input_layout(chosen, x.shape, weight, BLOCK)
+        quantized = quantize_activation(x, **layout) if after_norm else None
+
         def run(weight, scale):
-            q, s = quantize_activation(x)
-            return fp8_gemm(q, weight, scale, BLOCK, launch, x_scale=s, silu_mul=silu_mul, out_dtype=x.dtype)
+            return quantized_linear(quantized or quantize_activation(x, **layout), rows, x.dtype, weight, scale,
+                                    BLOCK, silu_mul=silu_mul, chosen=chosen)
         return run
 
-    def torch_scaled_mm(weight, scale):
-        return silu_and_mul(scaled_mm(x, weight, scale)) if silu_mul else scaled_mm(x, weight, scale)
-
-    scaled_mm_choice = Fp8Choice(W8A8, SCALED_MM, fp8_configs.default_choice(fp8_configs.bucket(rows)).launch)
+    scaled_mm = Fp8Choice(W8A8, SCALED_MM, fp8_configs.default_choice(fp8_configs.bucket(rows)).launch)
     if stored is not None:  # and torch's scaled_mm beside it: no compile, and the stored choice may predate it
-        yield stored, (torch_scaled_mm if stored.backend == SCALED_MM
-                       else (weight_only if stored.mode == WEIGHT_ONLY else w8a8)(stored.launch))
+        yield stored, weight_only(stored.launch) if stored.mode == WEIGHT_ONLY else w8a8(stored)
         if stored.backend != SCALED_MM and takes_scaled_mm(x.shape[1], weight, BLOCK):
-            yield scaled_mm_choice, torch_scaled_mm
+            yield scaled_mm, w8a8(scaled_mm)
         return
     if rows <= WEIGHT_ONLY_MAX:
         for launch in launches(WEIGHT_ONLY, rows, silu_mul):
             yield Fp8Choice(WEIGHT_ONLY, TRITON, launch), weight_only(launch)
     for launch in launches(W8A8, rows, silu_mul):
-        yield Fp8Choice(W8A8, TRITON, launch), w8a8(launch)
+        chosen = Fp8Choice(W8A8, TRITON, launch)
+        yield chosen, w8a8(chosen)
     if takes_scaled_mm(x.shape[1], weight, BLOCK):
-        yield scaled_mm_choice, torch_scaled_mm
+        yield scaled_mm, w8a8(scaled_mm)
 
 
 def bf16_call(x, silu_mul: bool):
@@ -143,8 +147,8 @@ def reference(x, weight, scale, mode: str, silu_mul: bool) -> torch.Tensor:
 class ShapeTuner:
     """One projection shape on the GPU: its e4m3 weight and the weight copies past L2, e4m3 and bf16."""
 
-    def __init__(self, n: int, k: int, silu_mul: bool):
-        self.n, self.k, self.silu_mul = n, k, silu_mul
+    def __init__(self, n: int, k: int, silu_mul: bool, after_norm: bool):
+        self.n, self.k, self.silu_mul, self.after_norm = n, k, silu_mul, after_norm
         self.weight, self.scale = fp8_reference.quantize_weight(torch.randn(n, k, device="cuda") * 0.02, BLOCK)
         self.fp8_copies = copies_past_l2(self.weight, self.scale)
         self.bf16_copies = copies_past_l2(fp8_reference.dequantize_weight(self.weight, self.scale, BLOCK,
@@ -157,7 +161,7 @@ class ShapeTuner:
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         expected = {mode: reference(x, weight, scale, mode, silu_mul) for mode in (WEIGHT_ONLY, W8A8)}
         best, best_time = None, float("inf")
-        tried = list(candidates(x, weight, silu_mul, Fp8Choice(**kept) if kept else None))
+        tried = list(candidates(x, weight, silu_mul, self.after_norm, Fp8Choice(**kept) if kept else None))
         with concurrent.futures.ThreadPoolExecutor(8) as pool:  # compiles, several at a time (ptxas outside the GIL)
             outputs = list(pool.map(lambda item: or_error(item[1], weight, scale), tried))
         for (chosen, fn), got in zip(tried, outputs):

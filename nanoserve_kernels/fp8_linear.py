@@ -48,7 +48,7 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tup
     chosen = choice(x, weight, silu_mul)
     if chosen.mode != W8A8:
         return fp8_gemm(x, weight, scale, block, _launch(chosen, scale, block), bias=bias, silu_mul=silu_mul)
-    quantized = quantize_activation(x, **_input_layout(chosen, x.shape, weight, block))
+    quantized = quantize_activation(x, **input_layout(chosen, x.shape, weight, block))
     return _w8a8(quantized, x.shape[0], x.dtype, weight, scale, block, bias, silu_mul, chosen)
 
 
@@ -58,7 +58,7 @@ def _launch(chosen: Fp8Choice, scale: torch.Tensor, block: tuple[int, int]) -> d
     return chosen.launch if per_row else dict(chosen.launch, BLOCK_K=min(chosen.launch["BLOCK_K"], block[1]))
 
 
-def _input_layout(chosen: Fp8Choice, x_shape: torch.Size, weight: torch.Tensor, block: tuple[int, int]) -> dict:
+def input_layout(chosen: Fp8Choice, x_shape: torch.Size, weight: torch.Tensor, block: tuple[int, int]) -> dict:
     """quantize_activation's layout for the W8A8 GEMM chosen: torch's scaled_mm wants the scales token-minor
     and the rows a multiple of 4."""
     if chosen.backend == SCALED_MM and takes_scaled_mm(x_shape[1], weight, block):
@@ -69,7 +69,7 @@ def _input_layout(chosen: Fp8Choice, x_shape: torch.Size, weight: torch.Tensor, 
 def _w8a8(quantized: tuple[torch.Tensor, torch.Tensor], rows: int, dtype: torch.dtype, weight: torch.Tensor,
           scale: torch.Tensor, block: tuple[int, int], bias: torch.Tensor | None, silu_mul: bool,
           chosen: Fp8Choice) -> torch.Tensor:
-    """The W8A8 GEMM of `rows` rows quantized in _input_layout's layout, output in `dtype`."""
+    """The W8A8 GEMM of `rows` rows quantized in input_layout's layout, output in `dtype`."""
     from nanoserve_kernels.triton_activation import silu_and_mul
     from nanoserve_kernels.triton_fp8_gemm import fp8_gemm
     x_quantized, x_scale = quantized
@@ -89,15 +89,18 @@ def input_quantization(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, 
     if not on_kernels(x, block) or x.shape[0] < 2:
         return None
     chosen = choice(x, weight, silu_mul)
-    return _input_layout(chosen, x.shape, weight, block) if chosen.mode == W8A8 else None
+    return input_layout(chosen, x.shape, weight, block) if chosen.mode == W8A8 else None
 
 
 def quantized_linear(quantized: tuple[torch.Tensor, torch.Tensor], rows: int, dtype: torch.dtype,
                      weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-                     bias: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+                     bias: torch.Tensor | None = None, silu_mul: bool = False, chosen: Fp8Choice | None = None
+                     ) -> torch.Tensor:
     """fp8_linear (fp8_gate_up_silu with `silu_mul`) of x [rows, K] in `dtype`, given x already quantized in
-    the layout input_quantization gave."""
-    chosen = fp8_configs.choose(_device_name(weight.device), weight.shape[0], weight.shape[1], rows, silu_mul)
+    the layout input_quantization gave; through `chosen` (a W8A8 choice: the tuner's candidates), else the
+    table's."""
+    chosen = chosen or fp8_configs.choose(_device_name(weight.device), weight.shape[0], weight.shape[1], rows,
+                                          silu_mul)
     return _w8a8(quantized, rows, dtype, weight, scale, block, bias, silu_mul, chosen)
 
 

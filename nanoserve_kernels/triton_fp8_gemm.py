@@ -9,7 +9,9 @@ for batches of more than one row:
     e4m3 values are bf16/fp16 values) and scaled the same way: small decode batches, whose cost is the
     weight read, halved by e4m3, and which would not repay the activations' quantization pass.
 
-BLOCK_K divides the weight blocks' 128 columns, so one weight scale covers a step; per-channel weights
+BLOCK_K divides the weight blocks' 128 columns, so one weight scale covers a step of a column, and of
+the whole tile where BLOCK_N divides the blocks' 128 rows (TILE_SCALE: the scaling is then a multiply an
+element, ~70 fewer registers a thread at 128 x 128); per-channel weights
 (scales [N, 1]) are the case of one block per row. With SILU_MUL the weight holds gate rows then as many
 up rows (the MLP's packed gate/up) and the epilogue writes silu(gate) * up, as the 16-bit path fuses it
 (triton_gate_up.py), each half rounded to the output dtype first. Launch shapes come from fp8_configs.py.
@@ -36,10 +38,16 @@ SPLIT_K_COUNTERS = 1 << 16
 
 
 @triton.jit
-def _scaled_step(a, w_ptrs, w_scale_ptrs, mask_w, scale_ok, a_scale, W8A8: tl.constexpr):
-    """One BLOCK_K step's product of the a tile with a weight tile, scaled to float32."""
+def _scaled_step(a, w_ptrs, w_scale_ptrs, mask_w, scale_ok, a_scale, W8A8: tl.constexpr, TILE_SCALE: tl.constexpr):
+    """One BLOCK_K step's product of the a tile with a weight tile, scaled to float32. TILE_SCALE: one weight
+    scale for the tile's columns (w_scale_ptrs a pointer, not a row of them), so the scaling is one multiply
+    an element, not the outer product of two scale vectors and a multiply (the same float32 products)."""
     w = tl.load(w_ptrs, mask=mask_w, other=0.0)
     w_scale = tl.load(w_scale_ptrs, mask=scale_ok, other=0.0)
+    if TILE_SCALE:
+        if W8A8:
+            return tl.dot(a, tl.trans(w)) * (a_scale * w_scale)[:, None]
+        return tl.dot(a, tl.trans(w.to(a.dtype))) * w_scale
     if W8A8:
         return tl.dot(a, tl.trans(w)) * (a_scale[:, None] * w_scale[None, :])
     return tl.dot(a, tl.trans(w.to(a.dtype))) * w_scale[None, :]
@@ -70,9 +78,11 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, 
                      stride_out,
                      SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ACT_GROUP: tl.constexpr, W8A8: tl.constexpr,
                      SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr = 1):
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr = 1,
+                     TILE_SCALE: tl.constexpr = False):
     # Programs in groups of GROUP_M row blocks over each column block: the weight tiles they share
     # are read from memory once and from L2 after. With SPLIT_K, axis 1 is the program's share of K.
+    # TILE_SCALE: the tile's columns, and their up rows, lie in one row of weight scales.
     pid = tl.program_id(0)
     row_blocks, col_blocks = tl.cdiv(rows, BLOCK_M), tl.cdiv(n_size, BLOCK_N)
     group_size = GROUP_M * col_blocks
@@ -87,7 +97,10 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, 
     row_ok, col_ok = row < rows, col < n_size
     a_ptrs = a_ptr + row[:, None].to(tl.int64) * stride_a + k[None, :]
     w_ptrs = w_ptr + col[:, None].to(tl.int64) * stride_w + k[None, :]
-    w_scale_ptrs = w_scale_ptr + (col // SCALE_BN) * stride_wsn
+    if TILE_SCALE:
+        w_scale_ptrs = w_scale_ptr + (col_block * BLOCK_N // SCALE_BN) * stride_wsn
+    else:
+        w_scale_ptrs = w_scale_ptr + (col // SCALE_BN) * stride_wsn
     up_offset = n_size * stride_w  # SILU_MUL: the up row of each gate row
     up_scale_offset = (n_size // SCALE_BN) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -103,12 +116,16 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, 
             a_scale = tl.load(a_scale_ptr + row * stride_asm + (start // ACT_GROUP) * stride_ask,
                               mask=row_ok & (start < k_size), other=0.0)
         mask_w = col_ok[:, None] & k_ok[None, :]
-        scale_ok = col_ok & (start < k_size)
+        if TILE_SCALE:
+            scale_ok = start < k_size
+        else:
+            scale_ok = col_ok & (start < k_size)
         scale_step = (start // SCALE_BK) * stride_wsk
-        acc += _scaled_step(a, w_ptrs + start, w_scale_ptrs + scale_step, mask_w, scale_ok, a_scale, W8A8)
+        acc += _scaled_step(a, w_ptrs + start, w_scale_ptrs + scale_step, mask_w, scale_ok, a_scale, W8A8,
+                            TILE_SCALE)
         if SILU_MUL:
             up_acc += _scaled_step(a, w_ptrs + up_offset + start, w_scale_ptrs + up_scale_offset + scale_step,
-                                   mask_w, scale_ok, a_scale, W8A8)
+                                   mask_w, scale_ok, a_scale, W8A8, TILE_SCALE)
     store_ok = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K > 1:
         tiles = row_blocks * col_blocks
@@ -166,5 +183,6 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         x_scale.stride(0) if w8a8 else 0, x_scale.stride(1) if w8a8 else 0, weight.stride(0),
         weight_scale.stride(0), 0 if per_row else weight_scale.stride(1), out.stride(0),
         SCALE_BN=block[0], SCALE_BK=launch["BLOCK_K"] if per_row else block[1], ACT_GROUP=ACT_GROUP, W8A8=w8a8,
-        SILU_MUL=silu_mul, HAS_BIAS=bias is not None, **dict(launch, SPLIT_K=split_k))
+        SILU_MUL=silu_mul, HAS_BIAS=bias is not None, **dict(launch, SPLIT_K=split_k),
+        TILE_SCALE=block[0] % launch["BLOCK_N"] == 0 and (not silu_mul or n_size % block[0] == 0))
     return out

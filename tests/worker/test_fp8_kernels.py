@@ -170,7 +170,7 @@ def test_fp8_gemm_compiles_for_hopper(w8a8: bool, silu_mul: bool, launch: dict) 
              "counter_ptr": "*i32"}
     constexprs = dict(SCALE_BN=128, SCALE_BK=128, ACT_GROUP=128, W8A8=w8a8, SILU_MUL=silu_mul, HAS_BIAS=silu_mul,
                       **{name: launch[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")},
-                      SPLIT_K=launch.get("SPLIT_K", 1))
+                      SPLIT_K=launch.get("SPLIT_K", 1), TILE_SCALE=w8a8)  # one weight scale a tile, or a column
     ptx = _compile_for_hopper(triton_fp8_gemm._fp8_gemm_kernel, types, constexprs, num_warps=launch["num_warps"],
                               num_stages=launch["num_stages"])
     assert "e4m3" in ptx
