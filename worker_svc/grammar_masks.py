@@ -195,13 +195,14 @@ class GrammarMasks:
         if self.device_table is self.host_table or not slots:  # on a CPU they are one
             return
         first, end = min(slots), max(slots) + 1
-        if len(slots) <= SIDE_STREAM_ROWS or self.copy_stream is None:
-            self._wait_side_copy()
-            # on the filling thread's current stream: its default one, the steps' (launched_step.py)
-            self.device_table[first:end].copy_(self.host_table[first:end], non_blocking=True)
-            return
-        with torch.cuda.stream(self.copy_stream):
-            self.device_table[first:end].copy_(self.host_table[first:end], non_blocking=True)
+        with torch.inference_mode():  # the tables were made in it (the runner's), the fills run outside it
+            if len(slots) <= SIDE_STREAM_ROWS or self.copy_stream is None:
+                self._wait_side_copy()
+                # on the filling thread's current stream: its default one, the steps' (launched_step.py)
+                self.device_table[first:end].copy_(self.host_table[first:end], non_blocking=True)
+                return
+            with torch.cuda.stream(self.copy_stream):
+                self.device_table[first:end].copy_(self.host_table[first:end], non_blocking=True)
         self.side_copied = torch.cuda.Event()
         self.side_copied.record(self.copy_stream)
 

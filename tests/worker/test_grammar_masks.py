@@ -37,9 +37,11 @@ def allowed_by_oracle(tokenizer: GrammarTokenizer, grammar: str, tokens: list[in
 
 def grammar_masks(capacity: int, tokenizer: GrammarTokenizer) -> GrammarMasks:
     """GrammarMasks on the CPU, with a table of its own standing for the device's copy: each fill must
-    copy its rows there for the masks to reach a draw."""
-    masks = GrammarMasks(capacity, tokenizer, torch.device("cpu"))
-    masks.device_table = torch.zeros_like(masks.host_table)
+    copy its rows there for the masks to reach a draw. Made under inference mode, as the runner makes
+    them, though the fills run on other threads, outside it."""
+    with torch.inference_mode():
+        masks = GrammarMasks(capacity, tokenizer, torch.device("cpu"))
+        masks.device_table = torch.zeros_like(masks.host_table)
     return masks
 
 
