@@ -197,8 +197,8 @@ class GrammarMasks:
         first, end = min(slots), max(slots) + 1
         if len(slots) <= SIDE_STREAM_ROWS or self.copy_stream is None:
             self._wait_side_copy()
-            with torch.cuda.stream(self.step_stream):
-                self.device_table[first:end].copy_(self.host_table[first:end], non_blocking=True)
+            # on the filling thread's current stream: its default one, the steps' (launched_step.py)
+            self.device_table[first:end].copy_(self.host_table[first:end], non_blocking=True)
             return
         with torch.cuda.stream(self.copy_stream):
             self.device_table[first:end].copy_(self.host_table[first:end], non_blocking=True)
