@@ -13,8 +13,8 @@ nanoserve_model/row_fusion.py) against the gemv with them fused in.
 `--fp8 block|row` runs the same with e4m3 weights (128 x 128 block scales, or one scale a row) against
 the same layers in bf16 through cuBLAS, the kernel's e4m3 launch (fp8_configs.json's, else the default
 e4m3 tiles) in place of the 16-bit one. With `--sweep` it times, per shape, launches of the model's call
-(fp8_candidates: tiles and the three e4m3 conversions of triton_gemv.CONVERTS, each checked against
-Triton's conversion first) within --budget-s for all the shapes, and the same call in bf16 (the 16-bit
+(fp8_candidates: tiles, ways of summing and of loading around the stored launch, each checked against
+Triton's conversion first; --budget-s of timing for all the shapes), and the same call in bf16 (the 16-bit
 tiles); with `--fp8 block` it writes each shape's winner, its time and the bf16 time into the FP8 table as
 bucket 1 (--table, default nanoserve_kernels/fp8_configs.json), where serving reads them.
 
@@ -113,7 +113,7 @@ def fp8_candidates(k: int, silu_mul: bool, stored: dict | None = None) -> list[d
     then the PTX conversion, summing and loading as stored, over a grid around the stored tiles: one, two or
     four times the rows by half to twice the columns, where a thread's tile loaded ahead stays within
     WORDS_AHEAD_BYTES; the other warp count at the stored and twice the rows; twice the rows loaded the other
-    way. (The integer conversion lost every sweep to the PTX one and is no longer tried.)"""
+    way. (The integer conversion never won a sweep and is no longer tried.)"""
     default = tiles(k, silu_mul, fp8=True)
     rows, columns, warps = (stored["BLOCK_N"], stored["BLOCK_K"], stored["num_warps"]) if stored else default
     sum_once, stream = (stored["SUM_ONCE"], stored.get("STREAM", False)) if stored else (True, False)
