@@ -1,7 +1,8 @@
 """structured_outputs through real processes on CPU (issue 40): outputs that end with stop are what
 the constraint asks for (JSON validated by `jsonschema`, regexes by `re`, choices by membership);
 outputs cut by max_tokens are prefixes llguidance accepts; greedy constrained decoding equals
-transformers' with llguidance's mask applied to its logits, token for token; a property test over
+transformers' with llguidance's mask applied to its logits, token for token; the masks come before
+logprobs and other processors that read the logits, and inside the draw otherwise; a property test over
 generated schemas; constraints that cannot compile are INVALID_ARGUMENT naming what is wrong; a
 worker killed while constrained requests stream leaves their outputs as an undisturbed run's."""
 import json
@@ -146,6 +147,27 @@ def test_constrained_and_plain_requests_share_steps(client):
     for thread in threads:
         thread.join(timeout=120)
     assert together == alone
+
+
+def test_masks_come_first_where_logprobs_or_processors_read_the_logits(client, grammar_tokenizer):
+    """A constrained request that asks for logprobs (or top-k) has its logits masked before they are read,
+    one that asks for neither has its masks read inside the draw: the same greedy tokens either way, each
+    scored against the masked logits (every alternative with a finite logprob one the grammar allows
+    there, the token itself first), and sampled top-k outputs as valid as any."""
+    greedy = dict(max_tokens=40, temperature=0, structured_outputs=json_schema(PERSON))
+    drawn, scored = client.generate(PROMPT, **greedy), client.generate(PROMPT, logprobs=3, **greedy)
+    assert scored.token_ids == drawn.token_ids and len(scored.logprobs) == len(drawn.token_ids)
+    matcher = llguidance.LLMatcher(grammar_tokenizer, schema_grammar(PERSON))
+    bitmask = allocate_token_bitmask(1, grammar_tokenizer.vocab_size)
+    for token, row in zip(scored.token_ids, scored.logprobs):
+        fill_next_token_bitmask(matcher, bitmask)
+        alternatives = [alt.token_id for alt in row.top if np.isfinite(alt.logprob)]
+        assert alternatives[0] == token and all((bitmask[0, t // 32] >> (t % 32)) & 1 for t in alternatives)
+        if token not in EOS_IDS:
+            assert matcher.consume_token(token)
+    top_k = client.generate_n(PROMPT, n=4, max_tokens=80, temperature=1.0, top_k=5, seed=11,
+                              structured_outputs=json_schema(PERSON))
+    check_json_outputs(top_k, PERSON, grammar_tokenizer)
 
 
 @st.composite
