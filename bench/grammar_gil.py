@@ -1,9 +1,10 @@
 """What a JSON-schema constraint costs a launcher-bound batch-1 worker, on the CPU (issue 40): the step
-period of a stand-in launcher thread (--launcher-ms of small torch calls a step, each letting go of
-the GIL as the real launcher's do; 1.25 ms as the 0.6B shape's batch-1 step on an H200), with a stand-in device (a step's forward runs from when it
-is queued, halfway through the launcher's step, its draw from when that is queued, after the masks)
-and a reply thread that wakes when each step's device work ends and answers it (a StepResponse), as worker_svc/server.py's does; at most
-MAX_STEPS_IN_FLIGHT steps are launched and not yet answered, as the scheduler sends them.
+period of a stand-in launcher thread (--launcher-ms of small torch calls a step, each letting go of the
+GIL as the real launcher's do; 1.25 ms as the 0.6B shape's batch-1 step on an H200), with a stand-in
+device (a step's forward runs from when it is queued, halfway through the launcher's step, its draw
+from when that is queued, after the masks) and a reply thread that wakes when each step's device work
+ends and answers it (a StepResponse), as worker_svc/server.py's does; at most MAX_STEPS_IN_FLIGHT steps
+are launched and not yet answered, as the scheduler sends them.
 
 A constrained step runs rank 0's real grammar hooks on bench/grammar.py's LONG schema and Qwen3's
 vocabulary (GrammarMasks: draw_masks before the draw, observe after it); the draw picks a token its
