@@ -154,7 +154,7 @@ def test_masks_come_first_where_logprobs_or_processors_read_the_logits(client, g
     one that asks for neither has its masks read inside the draw: the same greedy tokens either way, each
     scored against the masked logits (every alternative with a finite logprob one the grammar allows
     there, the token itself first), and sampled top-k outputs as valid as any."""
-    greedy = dict(max_tokens=40, temperature=0, structured_outputs=json_schema(PERSON))
+    greedy = dict(max_tokens=32, temperature=0, structured_outputs=json_schema(PERSON))
     drawn, scored = client.generate(PROMPT, **greedy), client.generate(PROMPT, logprobs=3, **greedy)
     assert scored.token_ids == drawn.token_ids and len(scored.logprobs) == len(drawn.token_ids)
     matcher = llguidance.LLMatcher(grammar_tokenizer, schema_grammar(PERSON))
@@ -165,7 +165,7 @@ def test_masks_come_first_where_logprobs_or_processors_read_the_logits(client, g
         assert alternatives[0] == token and all((bitmask[0, t // 32] >> (t % 32)) & 1 for t in alternatives)
         if token not in EOS_IDS:
             assert matcher.consume_token(token)
-    top_k = client.generate_n(PROMPT, n=4, max_tokens=80, temperature=1.0, top_k=5, seed=11,
+    top_k = client.generate_n(PROMPT, n=2, max_tokens=48, temperature=1.0, top_k=5, seed=11,
                               structured_outputs=json_schema(PERSON))
     check_json_outputs(top_k, PERSON, grammar_tokenizer)
 
