@@ -138,7 +138,7 @@ def single(tiny_model_dir, tmp_path_factory):
 def test_tokenizing_a_long_text_leaves_the_streams_running(single):
     """Item 6: a text prompt is tokenized off the engine's loop, so while a long text is tokenized a
     stream's tokens keep coming: no gap between them near the time the tokenization takes (with the
-    loop blocked, one gap would span it)."""
+    loop blocked, one gap would span it; a loaded 2-core machine leaves gaps of up to about half of it)."""
     up, _ = single
     text = "The sea is calm tonight, and the tide is full. " * (MAX_REQUEST_BYTES // 50)
     with Client(up.address) as client:
@@ -164,7 +164,7 @@ def test_tokenizing_a_long_text_leaves_the_streams_running(single):
     assert ended == [grpc.StatusCode.CANCELLED]
     window = [t for t in arrivals if started <= t <= started + took]
     longest_gap = max(b - a for a, b in zip([started, *window], [*window, started + took]))
-    assert longest_gap < took / 2, (longest_gap, took)
+    assert len(window) >= 3 and longest_gap < took * 0.8, (len(window), longest_gap, took)
 
 
 def test_oversized_and_malformed_requests_are_invalid_arguments(single):
