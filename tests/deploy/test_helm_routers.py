@@ -8,8 +8,8 @@ import yaml
 
 from nanoserve.flags import defaults
 from nanoserve_cli.router import LOAD_POLL_SECONDS, overload_flags
-from tests.deploy.chart_model import (FULLNAME, NAMESPACE, PROFILES, REPO, command_line, of_kind, one, pod_templates,
-                                      pods, render, schema_errors)
+from tests.deploy.chart_model import (CHART, FULLNAME, NAMESPACE, PROFILES, REPO, command_line, of_kind, one,
+                                      pod_templates, pods, render, schema_errors)
 
 ROUTER = f"{FULLNAME}-router"
 
@@ -24,10 +24,8 @@ def test_smg_discovers_the_pods_that_serve_the_openai_api(profile):
     docs = render(profile)
     router = one(docs, "Deployment", ROUTER)["spec"]["template"]
     [container] = router["spec"]["containers"]
-    args = launch_router.parse_router_args(container["args"])  # SMG's own parser, as its image runs it
+    args = launch_router.parse_router_args(container["args"])  # SMG's own parser, as the router image runs it
     args._validate_router_args()
-    # the image runs the SMG release whose parser checked the arguments
-    assert container["image"].rsplit(":", 1)[1] == metadata.version("smg")
     assert args.service_discovery and args.service_discovery_namespace == NAMESPACE
     assert args.policy == "cache_aware"
     assert args.load_monitor_interval == LOAD_POLL_SECONDS  # as `nanoserve up` runs SMG
@@ -39,6 +37,18 @@ def test_smg_discovers_the_pods_that_serve_the_openai_api(profile):
             assert args.service_discovery_port == gateway.port
     ports = {port["name"]: port["containerPort"] for port in container["ports"]}
     assert (ports["http"], ports["metrics"]) == (args.port, args.prometheus_port)
+
+
+def test_smg_runs_in_nanoserves_router_image_unless_told_otherwise():
+    """The router image (docker/router.Dockerfile) at the chart's version, as the chart's other images: its
+    entrypoint, which the pod keeps, is SMG's launcher as `nanoserve up` runs it, the arguments follow it.
+    SMG's official image, at the release the router image pins, is a choice of values, with the same arguments."""
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    [container] = one(render(), "Deployment", ROUTER)["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == f"nanoserve-router:{app_version}" and "command" not in container
+    official = {"router.smg.image.repository": "lightseekorg/smg", "router.smg.image.tag": metadata.version("smg")}
+    [theirs] = one(render(**official), "Deployment", ROUTER)["spec"]["template"]["spec"]["containers"]
+    assert theirs["image"] == f"lightseekorg/smg:{metadata.version('smg')}" and theirs["args"] == container["args"]
 
 
 @pytest.mark.parametrize("max_num_seqs", [None, 64])

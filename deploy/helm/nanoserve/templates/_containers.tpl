@@ -28,7 +28,7 @@
 {{/* Fetches the model into the cache before the services start (hf download skips files it has). */}}
 {{- define "nanoserve.downloadInitContainer" -}}
 - name: download
-  image: {{ include "nanoserve.image" (dict "root" . "which" "worker") }}
+  image: {{ include "nanoserve.image" (dict "root" . "image" .Values.image.worker) }}
   imagePullPolicy: {{ .Values.image.pullPolicy }}
   command: [hf, download]
   args:
@@ -76,7 +76,7 @@ grpc:
 {{- $root := .root -}}
 {{- $values := $root.Values -}}
 - name: worker
-  image: {{ include "nanoserve.image" (dict "root" $root "which" "worker") }}
+  image: {{ include "nanoserve.image" (dict "root" $root "image" $values.image.worker) }}
   imagePullPolicy: {{ $values.image.pullPolicy }}
   args:
     - worker
@@ -143,7 +143,7 @@ grpc:
 {{- $values := $root.Values -}}
 {{- $port := include "nanoserve.schedulerPort" $root -}}
 - name: scheduler
-  image: {{ include "nanoserve.image" (dict "root" $root "which" "server") }}
+  image: {{ include "nanoserve.image" (dict "root" $root "image" $values.image.server) }}
   imagePullPolicy: {{ $values.image.pullPolicy }}
   args:
     - scheduler
@@ -212,7 +212,7 @@ grpc:
 {{- define "nanoserve.gatewayContainer" -}}
 {{- $port := include "nanoserve.openaiPort" . -}}
 - name: gateway
-  image: {{ include "nanoserve.image" (dict "root" . "which" "server") }}
+  image: {{ include "nanoserve.image" (dict "root" . "image" .Values.image.server) }}
   imagePullPolicy: {{ .Values.image.pullPolicy }}
   args:
     - gateway

@@ -42,9 +42,9 @@ llm-d.ai/engine-type: nanoserve
 {{- end }}
 {{- end -}}
 
+{{/* repository:tag of an image's values (`image`); an empty tag is the chart's appVersion. */}}
 {{- define "nanoserve.image" -}}
-{{- $image := index .root.Values.image .which -}}
-{{- printf "%s:%s" $image.repository ($image.tag | default .root.Chart.AppVersion) -}}
+{{- printf "%s:%s" .image.repository (.image.tag | default .root.Chart.AppVersion) -}}
 {{- end -}}
 
 {{- define "nanoserve.modelDir" -}}
