@@ -2,7 +2,7 @@
 nanoserve.flags --markdown` prints; every repo path they (or a bench script) name exists; every
 relative link leads to a file and heading that exist; every `nanoserve ...` command they show parses
 with the CLI's own parser, every `make` target is the Makefile's, every `python -m` module and
-`python3 bench/...` script exists."""
+`python3 bench/...` script exists, every image is built under the name compose gives it."""
 import importlib.util
 import re
 import shlex
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from nanoserve_cli.cli import build_parser
+from tests.deploy.compose_model import raw_services
 from tests.services.processes import ENV
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,7 +26,7 @@ PATH = re.compile(r"^[\w.*-]+(?:/[\w.*-]*)+$")
 TOP_FOLDERS = ("tests", "bench", "docker", "docs", "examples", "proto", "nanoserve_kernels", "nanoserve_model",
                "worker_svc", "scheduler_svc", "gateway_svc", "nanoserve_cli")
 GENERATED = ("bench/out", "tests/services/node/node_modules")  # written by runs and installs, not committed
-FENCED = re.compile(r"^```[^\n]*\n(.*?)^```", flags=re.S | re.M)
+FENCED = re.compile(r"^ *```([^\n]*)\n(.*?)^ *```", flags=re.S | re.M)  # indented too: a block in a list item
 SHELL_OPERATORS = {"|", "||", "&&", ";", "&", ">", ">>", "2>&1"}
 
 
@@ -63,9 +64,9 @@ def shell_commands(markdown: str) -> list[list[str]]:
     dropped, split at pipes, `&&` and `;`), as its words. Python blocks are not shell."""
     commands = []
     for block in FENCED.finditer(markdown):
-        if markdown[block.start():].startswith("```python"):
+        if block[1].startswith("python"):
             continue
-        for line in block[1].replace("\\\n", " ").splitlines():
+        for line in block[2].replace("\\\n", " ").splitlines():
             try:
                 words = shlex.split(line, comments=True)
             except ValueError:  # not shell (an ASCII picture)
@@ -145,7 +146,7 @@ def test_the_docs_have_their_parts_and_the_readme_stays_short():
 @pytest.mark.parametrize("doc", DOCS, ids=doc_id)
 def test_every_repo_path_a_doc_names_exists(doc):
     text = doc.read_text()
-    code = "\n".join(block[1] for block in FENCED.finditer(text))
+    code = "\n".join(block[2] for block in FENCED.finditer(text))
     assert missing(backticked_paths(text) + script_paths(code)) == []
 
 
@@ -159,6 +160,23 @@ def test_every_relative_link_of_a_doc_leads_somewhere(doc):
 def test_every_command_a_doc_shows_parses(doc):
     targets = makefile_targets()
     assert [problem for words in shell_commands(doc.read_text()) for problem in command_problems(words, targets)] == []
+
+
+def built_images(markdown: str) -> dict[str, str]:
+    """Dockerfile -> image name (no registry, no tag) of each `docker build -f FILE -t NAME` a page shows."""
+    return {words[words.index("-f") + 1]: words[words.index("-t") + 1].rsplit("/", 1)[-1].split(":")[0]
+            for words in shell_commands(markdown) if words[:2] == ["docker", "build"]}
+
+
+def test_the_docs_build_every_image_under_its_compose_name():
+    """The Kubernetes page builds and pushes every image docker/ holds (the chart pulls them all), and
+    every page names each image as compose.yaml does."""
+    compose = {service["build"]["dockerfile"]: service["image"] for service in raw_services().values()
+               if "build" in service}
+    assert set(compose) == {path.relative_to(REPO).as_posix() for path in (REPO / "docker").glob("*.Dockerfile")}
+    assert built_images((REPO / "docs" / "kubernetes.md").read_text()) == compose
+    for doc in DOCS:
+        assert built_images(doc.read_text()).items() <= compose.items(), doc_id(doc)
 
 
 def test_the_readme_shows_the_commands_a_user_starts_with():
@@ -189,6 +207,8 @@ def test_the_checks_catch_what_is_gone(tmp_path):
     problems = [p for words in shell_commands(shown) for p in command_problems(words, {"serve"})]
     assert problems == ["`nanoserve up --model M --no-such-flag` does not parse", "make has no target nothing",
                         "no module no_such_module", "no script bench/gone.py"]
+    in_a_list = "- Build:\n\n  ```bash\n  docker build -f docker/x.Dockerfile -t registry.example.com/x:0.1.0 .\n  ```\n"
+    assert built_images(in_a_list) == {"docker/x.Dockerfile": "x"}
 
     page = tmp_path / "page.md"
     page.write_text("# A page\n\n## Its part (one)\n\n[ok](#its-part-one) [bad](#nowhere) [gone](other.md) "
