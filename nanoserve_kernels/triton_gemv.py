@@ -122,7 +122,7 @@ def _as_x_operand(x, BLOCK_K: tl.constexpr, CONVERT: tl.constexpr, X_BY_THREAD: 
 
 @triton.jit
 def _products(w, x, CONVERT: tl.constexpr):
-    """w * x over one tile (x from _x_tile), float32. CONVERT "triton": w [rows, columns] in the model dtype
+    """w * x over one tile (x from _as_x_operand), float32. CONVERT "triton": w [rows, columns] in the model dtype
     or e4m3 (Triton's conversion); "ptx" and "bits": w [rows, words] int32, four e4m3 a word
     (nanoserve_kernels/e4m3_words.py), and the result the sum of each word's four products ("bits": times
     2^-56)."""
