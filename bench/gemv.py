@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve_kernels.fp8_configs import CONFIG_FILE, GEMV, tuned
-from nanoserve_kernels.triton_gemv import gemv, rms_norm_gemv, tiles
+from nanoserve_kernels.triton_gemv import gemv, rms_norm_gemv, thread_spanning_columns, tiles
 
 SHAPES = {  # (name, N, K) of one layer's projections: W is [N, K]
     "0.6b": [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072)],
@@ -41,7 +41,8 @@ SHAPES = {  # (name, N, K) of one layer's projections: W is [N, K]
 LM_HEADS = {"0.6b": ("lm_head", 151936, 1024), "8b": ("lm_head", 151936, 4096)}  # once a step, not a layer
 REPLAYS = 64
 L2_BYTES = 50 * 2**20
-LAUNCH_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "CONVERT", "SUM_ONCE", "STREAM")  # an e4m3 gemv launch
+# an e4m3 gemv launch
+LAUNCH_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "CONVERT", "SUM_ONCE", "STREAM", "X_BY_THREAD")
 WORDS_AHEAD_BYTES = 128  # the e4m3 bytes a thread may hold of the tile loaded ahead (32 registers)
 FP8_BLOCKS = {"block": lambda k: (128, 128), "row": lambda k: (1, k)}  # scale block of each --fp8 layout
 
@@ -113,29 +114,38 @@ def fp8_candidates(k: int, silu_mul: bool, stored: dict | None = None) -> list[d
     then the PTX conversion, summing and loading as stored, over a grid around the stored tiles: one, two or
     four times the rows by half to twice the columns, where a thread's tile loaded ahead stays within
     WORDS_AHEAD_BYTES; the other warp count at the stored and twice the rows; twice the rows loaded the other
-    way. (The integer conversion never won a sweep and is no longer tried.)"""
+    way. Right after the stored launch's own variants, x loaded by thread (X_BY_THREAD, summing once) at half,
+    one and twice its rows, at 4 warps and its own, each at the narrowest column tile that spreads over every
+    thread (triton_gemv.thread_spanning_columns); the grid keeps the stored X_BY_THREAD where its tiles spread so.
+    (The integer conversion never won a sweep and is no longer tried.)"""
     default = tiles(k, silu_mul, fp8=True)
     rows, columns, warps = (stored["BLOCK_N"], stored["BLOCK_K"], stored["num_warps"]) if stored else default
     sum_once, stream = (stored["SUM_ONCE"], stored.get("STREAM", False)) if stored else (True, False)
+    by_thread = stored.get("X_BY_THREAD", False) if stored else False
 
     def launch(convert: str, once: bool = sum_once, streamed: bool = stream, block_n: int = rows,
-               block_k: int = columns, num_warps: int = warps) -> dict:
+               block_k: int = columns, num_warps: int = warps, x_by_thread: bool = by_thread) -> dict:
         return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, CONVERT=convert, SUM_ONCE=once,
-                    STREAM=streamed)
+                    STREAM=streamed, X_BY_THREAD=x_by_thread and block_k >= thread_spanning_columns(num_warps))
 
     def fits(block_n: int, block_k: int, num_warps: int) -> bool:
         return (512 <= block_k <= 2 * triton_pow2(k)
                 and block_n * block_k * (2 if silu_mul else 1) <= WORDS_AHEAD_BYTES * 32 * num_warps)
 
     other_warps = 12 - warps  # 4 <-> 8
+    by_threads = [launch("ptx", True, block_n=block_n, block_k=block_k, num_warps=num_warps, x_by_thread=True)
+                  for num_warps in dict.fromkeys((warps, 4))
+                  for block_k in [max(columns, thread_spanning_columns(num_warps))]
+                  for block_n in (rows, max(1, rows // 2), 2 * rows) if fits(block_n, block_k, num_warps)]
     grid = [launch("ptx", block_n=block_n, block_k=block_k) for block_n, block_k in itertools.product(
         (rows, 2 * rows, 4 * rows), (columns // 2, columns, 2 * columns)) if fits(block_n, block_k, warps)]
     grid += [launch("ptx", block_n=block_n, num_warps=other_warps) for block_n in (rows, 2 * rows)
              if fits(block_n, columns, other_warps)]
     grid += [launch("ptx", streamed=not stream, block_n=2 * rows, block_k=block_k)
              for block_k in (columns // 2, columns) if fits(2 * rows, block_k, warps)]
-    launches = ([launch("triton", False, False, *default)] + ([{**launch("triton"), **stored}] if stored else [])
-                + [launch("ptx", not sum_once), launch("ptx", streamed=not stream)] + grid)
+    launches = ([launch("triton", False, False, *default, x_by_thread=False)]
+                + ([{**launch("triton"), **stored}] if stored else [])
+                + [launch("ptx", not sum_once), launch("ptx", streamed=not stream)] + by_threads + grid)
     return [item for i, item in enumerate(launches) if item not in launches[:i]]
 
 
@@ -147,7 +157,8 @@ def fp8_sweep(call, weights: list, k: int, silu_mul: bool, budget_s: float, stor
 
     def run(launch: dict, weight=weights[0]):
         return call(weight, block_n=launch["BLOCK_N"], block_k=launch["BLOCK_K"], num_warps=launch["num_warps"],
-                    convert=launch["CONVERT"], sum_once=launch["SUM_ONCE"], stream=launch["STREAM"])
+                    convert=launch["CONVERT"], sum_once=launch["SUM_ONCE"], stream=launch["STREAM"],
+                    x_by_thread=launch["X_BY_THREAD"])
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:  # compiles: ptxas runs outside the GIL
         outputs = list(pool.map(lambda launch: or_error(run, launch), launches))
@@ -273,7 +284,7 @@ def main() -> None:
           + ("  model call us (fusions in), its best us (block_n, block_k, warps)"
              if args.sweep and not args.fp8 else "")
           + ("  model call us (fusions in), its best us, the 16-bit call us, (block_n, block_k, warps, conversion,"
-             " sum once, past L1)" if args.sweep and args.fp8 else ""))
+             " sum once, past L1, x by thread)" if args.sweep and args.fp8 else ""))
     print("\n".join(rows))
     layer = [e for e in report if e["layer"] != "lm_head"]
     total = {model: (sum(e["cublas_us"] for e in layer if e["model"] == model),

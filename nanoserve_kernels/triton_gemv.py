@@ -87,10 +87,21 @@ def _x_at(x_ptr, residual_ptr, norm_ptr, columns, ok, inverse_rms, PROLOGUE: tl.
 
 @triton.jit
 def _x_tile(x_ptr, residual_ptr, norm_ptr, start, cols, K, inverse_rms, PROLOGUE: tl.constexpr,
-            HAS_RESIDUAL: tl.constexpr, CONVERT: tl.constexpr):
+            HAS_RESIDUAL: tl.constexpr, CONVERT: tl.constexpr, X_BY_THREAD: tl.constexpr,
+            THREAD_COLUMNS: tl.constexpr, BLOCK_K: tl.constexpr):
     """x over one tile, float32, as _products takes it: [columns] (CONVERT "triton"), or [words, 4], the
-    columns of each word ("bits": times 2^64)."""
-    if CONVERT == "ptx" or CONVERT == "bits":
+    columns of each word ("bits": times 2^64). X_BY_THREAD: [threads, vectors, columns] instead (_as_x_operand
+    makes it the above), each thread's THREAD_COLUMNS columns in 16-byte vectors of x, so that x is loaded in
+    the layout of the weight tile's columns, not loaded otherwise and moved through shared memory each tile."""
+    if X_BY_THREAD:
+        tl.static_assert(BLOCK_K % THREAD_COLUMNS == 0, "X_BY_THREAD: whole threads' columns in a tile")
+        # Triton's coalescing puts 16-byte vectors on the last axis and threads on the first (of the axes alike
+        # in contiguity, the first first): the middle one stays in each thread's registers (docs/fp8.md)
+        vector: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth  # columns of a 16-byte load
+        columns = (start + THREAD_COLUMNS * tl.arange(0, BLOCK_K // THREAD_COLUMNS)[:, None, None]
+                   + vector * tl.arange(0, THREAD_COLUMNS // vector)[None, :, None]
+                   + tl.arange(0, vector)[None, None, :])
+    elif CONVERT == "ptx" or CONVERT == "bits":
         columns = start + 4 * cols[:, None] + tl.arange(0, 4)[None, :]
     else:
         columns = start + cols
@@ -101,8 +112,17 @@ def _x_tile(x_ptr, residual_ptr, norm_ptr, start, cols, K, inverse_rms, PROLOGUE
 
 
 @triton.jit
+def _as_x_operand(x, BLOCK_K: tl.constexpr, CONVERT: tl.constexpr, X_BY_THREAD: tl.constexpr):
+    """x from _x_tile as _products takes it: [threads, vectors, columns] (X_BY_THREAD) in column order to
+    [words, 4] or [columns]."""
+    if X_BY_THREAD:
+        x = tl.reshape(x, [BLOCK_K // 4, 4] if CONVERT == "ptx" or CONVERT == "bits" else [BLOCK_K])
+    return x
+
+
+@triton.jit
 def _products(w, x, CONVERT: tl.constexpr):
-    """w * x over one tile (x from _x_tile), float32. CONVERT "triton": w [rows, columns] in the model dtype
+    """w * x over one tile (x from _as_x_operand), float32. CONVERT "triton": w [rows, columns] in the model dtype
     or e4m3 (Triton's conversion); "ptx" and "bits": w [rows, words] int32, four e4m3 a word
     (nanoserve_kernels/e4m3_words.py), and the result the sum of each word's four products ("bits": times
     2^-56)."""
@@ -115,12 +135,24 @@ def _products(w, x, CONVERT: tl.constexpr):
 
 @triton.jit
 def _times_column_scales(x, scale_ptr, row, start, cols, K, stride_scale, SCALE_BN: tl.constexpr,
-                         SCALE_BK: tl.constexpr, CONVERT: tl.constexpr):
-    """x (from _x_tile) times the block scale of each of its columns, of the scale row holding `row`."""
+                         SCALE_BK: tl.constexpr, CONVERT: tl.constexpr, X_BY_THREAD: tl.constexpr,
+                         THREAD_COLUMNS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x (from _x_tile) times the block scale of each of its columns, of the scale row holding `row`
+    (X_BY_THREAD: one a thread, whose columns lie in one scale block)."""
     words: tl.constexpr = CONVERT == "ptx" or CONVERT == "bits"
-    columns = start + (4 if words else 1) * cols  # a word's four columns share a scale block
+    if X_BY_THREAD:
+        tl.static_assert(SCALE_BK % THREAD_COLUMNS == 0, "X_BY_THREAD: a thread's columns in one scale block")
+        columns = start + THREAD_COLUMNS * tl.arange(0, BLOCK_K // THREAD_COLUMNS)
+    else:
+        columns = start + (4 if words else 1) * cols  # a word's four columns share a scale block
     scale = tl.load(scale_ptr + (row // SCALE_BN) * stride_scale + columns // SCALE_BK, mask=columns < K, other=0.0)
-    return x * scale[:, None] if words else x * scale
+    if X_BY_THREAD:
+        x *= scale[:, None, None]
+    elif words:
+        x *= scale[:, None]
+    else:
+        x *= scale
+    return x
 
 
 @triton.jit
@@ -142,17 +174,18 @@ def _tile_sums(products, scale_ptr, rows, row_ok, start, K, stride_scale, BLOCK_
 @triton.jit
 def _tile_terms(w, x, scale_ptr, first_row, rows, row_ok, start, cols, K, stride_scale, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, WEIGHT_SCALE: tl.constexpr,
-                CONVERT: tl.constexpr, SUM_ONCE: tl.constexpr):
+                CONVERT: tl.constexpr, SUM_ONCE: tl.constexpr, X_BY_THREAD: tl.constexpr,
+                THREAD_COLUMNS: tl.constexpr):
     """One tile's addition to the accumulator: per column with SUM_ONCE (x taken times the block scales of
     the scale row holding `first_row`), else each row's sum (_tile_sums)."""
     if SUM_ONCE:
         if WEIGHT_SCALE == "block":
             x = _times_column_scales(x, scale_ptr, first_row, start, cols, K, stride_scale, SCALE_BN, SCALE_BK,
-                                     CONVERT)
-        terms = _products(w, x, CONVERT)
+                                     CONVERT, X_BY_THREAD, THREAD_COLUMNS, BLOCK_K)
+        terms = _products(w, _as_x_operand(x, BLOCK_K, CONVERT, X_BY_THREAD), CONVERT)
     else:
-        terms = _tile_sums(_products(w, x, CONVERT), scale_ptr, rows, row_ok, start, K, stride_scale, BLOCK_N,
-                           BLOCK_K, SCALE_BN, SCALE_BK, WEIGHT_SCALE)
+        terms = _tile_sums(_products(w, _as_x_operand(x, BLOCK_K, CONVERT, X_BY_THREAD), CONVERT), scale_ptr, rows,
+                           row_ok, start, K, stride_scale, BLOCK_N, BLOCK_K, SCALE_BN, SCALE_BK, WEIGHT_SCALE)
     return terms
 
 
@@ -161,7 +194,8 @@ def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, scale_p
                  stride_scale, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
                  WEIGHT_SCALE: tl.constexpr = "none", SCALE_BN: tl.constexpr = 1, SCALE_BK: tl.constexpr = 1,
-                 CONVERT: tl.constexpr = "triton", SUM_ONCE: tl.constexpr = False, STREAM: tl.constexpr = False):
+                 CONVERT: tl.constexpr = "triton", SUM_ONCE: tl.constexpr = False, STREAM: tl.constexpr = False,
+                 X_BY_THREAD: tl.constexpr = False):
     """PROLOGUE "none": x as given; "rms_norm": x = norm(x (+ residual)). SILU_MUL: W holds N gate
     rows then N up rows, and y = silu(gate) * up of the products, each rounded to the model dtype
     first as the unfused projection's output is. Each weight tile is loaded one iteration ahead,
@@ -172,9 +206,12 @@ def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, scale_p
     [rows / SCALE_BN, K / SCALE_BK]: "row" one per row (per channel), "block" per SCALE_BK columns too. CONVERT (e4m3 only) says how (_products); "ptx" and
     "bits" take W as int32 words (w_ptr, stride_w in words; K a multiple of 4). SUM_ONCE with block scales
     needs a program's rows (and its up rows) in one scale row: BLOCK_N dividing SCALE_BN, which divides N.
-    STREAM: the weight tiles loaded as read once (_weight_tile)."""
+    STREAM: the weight tiles loaded as read once (_weight_tile). X_BY_THREAD: x loaded as each thread's columns
+    of the weight tile (_x_tile)."""
     dtype = y_ptr.dtype.element_ty
     LANES: tl.constexpr = 4 if CONVERT == "ptx" or CONVERT == "bits" else 1  # columns a loaded element holds
+    # the columns of a thread's 16-byte load of W (with the column tile spread over every thread, its x)
+    THREAD_COLUMNS: tl.constexpr = 128 * LANES // w_ptr.dtype.element_ty.primitive_bitwidth
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K // LANES)
     row_ok = rows < N
@@ -198,13 +235,15 @@ def _gemv_kernel(x_ptr, residual_ptr, residual_out_ptr, norm_ptr, w_ptr, scale_p
         up_acc = tl.zeros([BLOCK_N], tl.float32)
     first_row = tl.program_id(0) * BLOCK_N
     for start in range(0, K, BLOCK_K):
-        x = _x_tile(x_ptr, residual_ptr, norm_ptr, start, cols, K, inverse_rms, PROLOGUE, HAS_RESIDUAL, CONVERT)
+        x = _x_tile(x_ptr, residual_ptr, norm_ptr, start, cols, K, inverse_rms, PROLOGUE, HAS_RESIDUAL, CONVERT,
+                    X_BY_THREAD, THREAD_COLUMNS, BLOCK_K)
         acc += _tile_terms(w, x, scale_ptr, first_row, rows, row_ok, start, cols, K, stride_scale, BLOCK_N, BLOCK_K,
-                           SCALE_BN, SCALE_BK, WEIGHT_SCALE, CONVERT, SUM_ONCE)
+                           SCALE_BN, SCALE_BK, WEIGHT_SCALE, CONVERT, SUM_ONCE, X_BY_THREAD, THREAD_COLUMNS)
         w = _weight_tile(w_ptr, rows, row_ok, (start + BLOCK_K) // LANES, cols, K // LANES, stride_w, STREAM)
         if SILU_MUL:
             up_acc += _tile_terms(w_up, x, scale_ptr, first_row + N, rows + N, row_ok, start, cols, K, stride_scale,
-                                  BLOCK_N, BLOCK_K, SCALE_BN, SCALE_BK, WEIGHT_SCALE, CONVERT, SUM_ONCE)
+                                  BLOCK_N, BLOCK_K, SCALE_BN, SCALE_BK, WEIGHT_SCALE, CONVERT, SUM_ONCE, X_BY_THREAD,
+                                  THREAD_COLUMNS)
             w_up = _weight_tile(w_ptr, rows + N, row_ok, (start + BLOCK_K) // LANES, cols, K // LANES, stride_w,
                                 STREAM)
     if SUM_ONCE:
@@ -270,16 +309,25 @@ def takes_fp8(weight: torch.Tensor, block: tuple[int, int]) -> bool:
 
 
 CONVERTS = ("triton", "ptx", "bits")  # ways to read e4m3 (_products), measured by bench/gemv.py --fp8 block --sweep
+E4M3_THREAD_COLUMNS = 16  # the e4m3 columns of a thread's 16-byte load of W
+
+
+def thread_spanning_columns(num_warps: int) -> int:
+    """The fewest columns of an e4m3 tile that spread over every thread of a program (32 a warp), no thread on
+    a second row of it: from there X_BY_THREAD loads x as each thread multiplies it, with no exchange between
+    threads (fewer, and the threads of a column share its x, which Triton then moves through shared memory)."""
+    return E4M3_THREAD_COLUMNS * 32 * num_warps
 
 
 def default_launch(k: int, silu_mul: bool, fp8: bool) -> dict:
     """`tiles`, read with Triton's conversion and summed a tile at a time."""
     block_n, block_k, warps = tiles(k, silu_mul, fp8)
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, CONVERT="triton", SUM_ONCE=False, STREAM=False)
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, CONVERT="triton", SUM_ONCE=False, STREAM=False,
+                X_BY_THREAD=False)
 
 
 def fp8_launch(device_name: str, n: int, k: int, silu_mul: bool, block: tuple[int, int]) -> dict:
-    """The e4m3 launch (BLOCK_N, BLOCK_K, num_warps, CONVERT, SUM_ONCE, STREAM) for W [n, k] (n: the gate
+    """The e4m3 launch (BLOCK_N, BLOCK_K, num_warps, CONVERT, SUM_ONCE, STREAM, X_BY_THREAD) for W [n, k] (n: the gate
     and up rows together with silu_mul): bench/gemv.py's measured winner for this device and shape where it
     tiles these scale blocks, else the default."""
     tuned = fp8_configs.tuned(device_name, n, k, 1, silu_mul)
@@ -306,7 +354,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bl
             residual_out: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
             prologue: str = "none", silu_mul: bool = False, weight_scale: torch.Tensor | None = None,
             block: tuple[int, int] | None = None, convert: str | None = None, sum_once: bool | None = None,
-            stream: bool | None = None) -> torch.Tensor:
+            stream: bool | None = None, x_by_thread: bool | None = None) -> torch.Tensor:
     n, k = weight.shape
     assert x.shape == (1, k) and x.stride(1) == 1 and weight.stride(1) == 1
     if weight_scale is not None and x.is_cuda:
@@ -317,6 +365,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bl
     num_warps, convert = num_warps or chosen["num_warps"], convert or chosen["CONVERT"]
     sum_once = chosen.get("SUM_ONCE", False) if sum_once is None else sum_once
     stream = chosen.get("STREAM", False) if stream is None else stream
+    x_by_thread = chosen.get("X_BY_THREAD", False) if x_by_thread is None else x_by_thread
     if sum_once and weight_scale is not None and weight_scale.shape[1] > 1:  # a program's rows in one scale row
         sum_once = block[0] % block_n == 0 and (not silu_mul or n // 2 % block[0] == 0)
     w = weight
@@ -332,7 +381,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bl
         x, residual, residual_out, norm_weight, w, weight_scale, bias, y, n, k, w.stride(0),
         0 if weight_scale is None else weight_scale.stride(0), eps, BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul,
-        CONVERT=convert, SUM_ONCE=sum_once, STREAM=stream, num_warps=num_warps,
+        CONVERT=convert, SUM_ONCE=sum_once, STREAM=stream, X_BY_THREAD=x_by_thread, num_warps=num_warps,
         **_scale_args(weight_scale, block, block_k), **pdl_launch(x.device))
     return y
 
@@ -340,11 +389,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bl
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
          block_k: int | None = None, num_warps: int | None = None, weight_scale: torch.Tensor | None = None,
          block: tuple[int, int] | None = None, convert: str | None = None, sum_once: bool | None = None,
-         stream: bool | None = None) -> torch.Tensor:
+         stream: bool | None = None, x_by_thread: bool | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for one row x [1, K] (tiles chosen by `tiles`, or `fp8_launch`, unless
     given); of an e4m3 weight given its scales and their block."""
     return _launch(x, weight, bias, block_n, block_k, num_warps, weight_scale=weight_scale, block=block,
-                   convert=convert, sum_once=sum_once, stream=stream)
+                   convert=convert, sum_once=sum_once, stream=stream, x_by_thread=x_by_thread)
 
 
 def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

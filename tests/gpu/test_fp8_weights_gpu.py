@@ -47,10 +47,11 @@ KL_BOUND_NATS = 3e-3
 def test_quantize_gemm_and_gemv_match_the_reference_in_bfloat16():
     check_quantize("cuda", torch.bfloat16)
     check_norm_quantize("cuda", torch.bfloat16)
-    # each way the matrix-vector kernel reads e4m3 (the PTX one runs only here) and sums
-    for convert, sum_once, stream in (("triton", False, False), ("ptx", True, True), ("ptx", False, False),
-                                      ("bits", False, True)):
-        check_gemv("cuda", torch.bfloat16, convert, sum_once, stream)
+    # each way the matrix-vector kernel reads e4m3 (the PTX one runs only here), sums and loads x
+    for convert, sum_once, stream, x_by_thread in (("triton", False, False, False), ("ptx", True, True, False),
+                                                   ("ptx", False, False, False), ("bits", False, True, False),
+                                                   ("ptx", True, False, True), ("triton", False, False, True)):
+        check_gemv("cuda", torch.bfloat16, convert, sum_once, stream, x_by_thread)
     for rows in (2, 64, 300, 4096):  # the default launch shapes of their buckets
         check_gemm("cuda", torch.bfloat16, fp8_configs.default_choice(fp8_configs.bucket(rows)).launch)
     for split_k in (2, 3):  # K split over programs, a step each or more, some splits past K

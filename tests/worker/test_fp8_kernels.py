@@ -6,6 +6,7 @@ reading e4m3 (with the RMSNorm prologue), on CPU through Triton's interpreter in
 (its bfloat16 dots are wrong), and compiled for sm_90 in bfloat16 (the e4m3 tensor-core dots the
 interpreter stands numpy in for). tests/gpu/test_fp8_weights_gpu.py runs the same checks on CUDA in
 bfloat16. The interpreted checks run in a process of their own (tests/worker/interpreter.py says why)."""
+import re
 from typing import Callable
 
 import pytest
@@ -92,11 +93,12 @@ def check_gemm(device: str, dtype: torch.dtype, launch: dict = SMALL_LAUNCH,
 
 
 def check_gemv(device: str, dtype: torch.dtype, convert: str = "triton", sum_once: bool = False,
-               stream: bool = False) -> None:
+               stream: bool = False, x_by_thread: bool = False) -> None:
     """One row through the matrix-vector kernel reading e4m3 (`convert`: how, triton_gemv.CONVERTS; `sum_once`:
-    the block scales on x, one sum a row; `stream`: the weights loaded past L1): plain, with a bias, with the
-    RMSNorm prologue and the residual add, and with the SiLU-and-mul."""
-    variant = dict(convert=convert, sum_once=sum_once, stream=stream)
+    the block scales on x, one sum a row; `stream`: the weights loaded past L1; `x_by_thread`: x loaded as each
+    thread's columns): plain, with a bias, with the RMSNorm prologue and the residual add, and with the
+    SiLU-and-mul."""
+    variant = dict(convert=convert, sum_once=sum_once, stream=stream, x_by_thread=x_by_thread)
     from nanoserve_kernels.triton_gemv import gemv, rms_norm_gemv
     from nanoserve_model.norm import rms_normalize
     for seed, (n, k, block) in enumerate(SHAPES):
@@ -134,24 +136,45 @@ def run_interpreted_cases(kernel: str) -> None:
         check_gemv("cpu", torch.float32)  # conversion runs on CUDA only: tests/gpu)
         check_gemv("cpu", torch.float16, convert="bits", sum_once=True, stream=True)
         return
+    if kernel == "gemv_x_by_thread":  # x loaded as each thread's columns: with the words summed once (its block
+        check_gemv("cpu", torch.float16, convert="bits", sum_once=True, x_by_thread=True)  # scales on x), and
+        check_gemv("cpu", torch.float32, x_by_thread=True)  # Triton's conversion summing a tile at a time
+        return
     for dtype in (torch.float32, torch.float16):
         check_quantize("cpu", dtype)
         check_norm_quantize("cpu", dtype)
 
 
-@pytest.mark.parametrize("kernel", each_in_its_own_group("fp8-interpreter", ("quantize", "gemm", "gemv")))
+@pytest.mark.parametrize("kernel", each_in_its_own_group("fp8-interpreter",
+                                                         ("quantize", "gemm", "gemv", "gemv_x_by_thread")))
 def test_fp8_kernel_matches_reference_in_interpreter(interpreter, kernel: str) -> None:
     interpreter.run(__file__, kernel)
 
 
-def _compile_for_hopper(kernel, types: dict[str, str], constexprs: dict, **options) -> str:
+def _compile_for_hopper(kernel, types: dict[str, str], constexprs: dict, sixteens: tuple[str, ...] = (),
+                        **options) -> str:
+    """PTX for sm_90; `sixteens`: the arguments known divisible by 16, as Triton's launcher finds them at run
+    time (aligned pointers, sizes and strides), which lets it load vectors."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from tests.worker.test_triton_kernels import _hopper_signature
-    source = ASTSource(kernel, _hopper_signature(kernel, types), constexprs=constexprs)
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in sixteens}
+    source = ASTSource(kernel, _hopper_signature(kernel, types), constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+def _loop_bodies(ptx: str) -> list[str]:
+    """The PTX of each loop: from its label to the last branch back to it."""
+    lines = ptx.splitlines()
+    labels = {label.group(1): i for i, line in enumerate(lines) if (label := re.match(r"(\$L__BB\d+_\d+):", line))}
+    bodies = {}
+    for i, line in enumerate(lines):
+        target = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", line)
+        if target and labels.get(target.group(1), i) < i:
+            bodies[target.group(1)] = "\n".join(lines[labels[target.group(1)]:i + 1])
+    return list(bodies.values())
 
 
 @pytest.mark.parametrize("w8a8, silu_mul, launch", [
@@ -193,6 +216,32 @@ def test_fp8_gemv_compiles_for_hopper(mode: str, silu_mul: bool, convert: str, s
     ptx = _compile_for_hopper(triton_gemv._gemv_kernel, types, constexprs, num_warps=4)
     assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (convert != "bits")
     assert ("ld.global.cg" in ptx) == stream
+
+
+@pytest.mark.parametrize("silu_mul, prologue, block_n, block_k, warps", [
+    (True, "rms_norm", 4, 2048, 4), (False, "none", 4, 4096, 8)])
+def test_fp8_gemv_x_by_thread_loop_has_no_barrier(silu_mul: bool, prologue: str, block_n: int, block_k: int,
+                                                  warps: int) -> None:
+    """At tiles whose columns spread over every thread (triton_gemv.thread_spanning_columns), x loaded by thread
+    (X_BY_THREAD) is in the layout the products take it in: no loop of the kernel (the norm's, the tiles')
+    passes anything through shared memory or waits at a barrier, where x loaded as a tile does, every tile
+    (the gate/up call with the norm, as the 8B model makes it, and 8 warps without a prologue)."""
+    from nanoserve_kernels import triton_gemv
+    assert block_k >= triton_gemv.thread_spanning_columns(warps)
+    types = {name: "*bf16" for name in ("x_ptr", "residual_ptr", "residual_out_ptr", "norm_ptr", "bias_ptr", "y_ptr")}
+    types |= {"w_ptr": "*i32", "scale_ptr": "*fp32", "eps": "fp32"}
+    sixteens = (*types.keys() - {"eps"}, "N", "K", "stride_w", "stride_scale")
+    barriers = {}
+    for x_by_thread in (False, True):
+        constexprs = dict(BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False, PROLOGUE=prologue,
+                          HAS_RESIDUAL=prologue == "rms_norm", SILU_MUL=silu_mul, PDL=False, WEIGHT_SCALE="block",
+                          SCALE_BN=128, SCALE_BK=128, CONVERT="ptx", SUM_ONCE=True, STREAM=False,
+                          X_BY_THREAD=x_by_thread)
+        ptx = _compile_for_hopper(triton_gemv._gemv_kernel, types, constexprs, sixteens, num_warps=warps)
+        loops = _loop_bodies(ptx)
+        assert len(loops) == 1 + (prologue == "rms_norm"), len(loops)
+        barriers[x_by_thread] = [loop.count("bar.sync") + loop.count(".shared") for loop in loops]
+    assert max(barriers[False]) > 0 and barriers[True] == [0] * len(barriers[True]), barriers
 
 
 def test_activation_quantization_compiles_for_hopper() -> None:
