@@ -51,11 +51,18 @@ class WorkerGroup:
     they are hung."""
 
     def __init__(self, addresses: list[str], token: str = "", tls: TLSFiles = TLSFiles(),
-                 step_timeout: float | None = None, kv_offer: tuple[int, list[str]] | None = None):
+                 step_timeout: float | None = None, kv_offer: tuple[int, list[str]] | None = None,
+                 failed_instances: frozenset[str] = frozenset()):
         self.addresses = addresses
         self.token, self.tls = token, tls
         self.step_timeout = step_timeout
         self.kv_offer = kv_offer  # (blocks, each rank's kv_sizing) a previous group served with
+        # The processes of the failed group of several ranks this one follows: once one of its ranks is
+        # seen down or restarted, the others leave that group too, and their answers meanwhile are not
+        # taken (a restarted rank sizing its KV cache waits in a collective for its peers' restarts).
+        self.failed_instances = failed_instances
+        self.stale_ranks: set[int] = set()  # ranks that answered from one of those processes
+        self.restarting = False  # a rank was seen down or restarted: the failed group is not whole
         self.session_id = secrets.token_hex(16)
         self.metadata = ((SESSION_KEY, self.session_id),) + (((TOKEN_KEY, TOKEN_SCHEME + token),) if token else ())
         self.channels = [open_aio_channel(a, tls, options=GRPC_OPTIONS + RECONNECT_OPTIONS) for a in addresses]
@@ -70,7 +77,8 @@ class WorkerGroup:
         offer_kv_pool, it offers restarted ranks this group's KV pool (they take it where their
         configuration is unchanged instead of measuring memory again; the pool keeps its shape)."""
         offer = (self.num_blocks, [info.kv_sizing for info in self.infos]) if offer_kv_pool and self.infos else None
-        return WorkerGroup(self.addresses, self.token, self.tls, self.step_timeout, offer)
+        failed = frozenset(info.instance_id for info in self.infos) if len(self.infos) > 1 else frozenset()
+        return WorkerGroup(self.addresses, self.token, self.tls, self.step_timeout, offer, failed - {""})
 
     def name(self, rank: int) -> str:
         return f"worker rank {rank} at {self.addresses[rank]}"
@@ -126,9 +134,10 @@ class WorkerGroup:
             request.num_kv_blocks, request.kv_sizing = self.kv_offer[0], self.kv_offer[1][rank]
         while True:
             try:
-                return await self.stubs[rank].Describe(request, timeout=max(1.0, deadline - time.monotonic()),
+                info = await self.stubs[rank].Describe(request, timeout=max(1.0, deadline - time.monotonic()),
                                                        metadata=self.metadata)
             except grpc.aio.AioRpcError as err:
+                self.restarting = True
                 now = time.monotonic()
                 if err.code() in _FINAL_CODES:
                     raise WorkerUnavailable(f"{self.name(rank)} refused the handshake: {err.code().name}: "
@@ -140,6 +149,21 @@ class WorkerGroup:
                     log.info("waiting for %s (%s: %s)", self.name(rank), err.code().name, err.details())
                     next_log = now + 10
                 await asyncio.sleep(HANDSHAKE_POLL_SECONDS)
+                continue
+            if info.instance_id not in self.failed_instances:
+                self.restarting = self.restarting or bool(self.failed_instances)
+                return info
+            self.stale_ranks.add(rank)
+            if not self.restarting and len(self.stale_ranks) == len(self.stubs):
+                return info  # every rank is still the failed group's process: no rank died, the group is whole
+            now = time.monotonic()
+            if now >= deadline:
+                raise WorkerUnavailable(f"{self.name(rank)} did not restart within {timeout:.0f}s: it still "
+                                        "answers from the failed group's process")
+            if now >= next_log:
+                log.info("waiting for %s to restart: it answers from the failed group's process", self.name(rank))
+                next_log = now + 10
+            await asyncio.sleep(HANDSHAKE_POLL_SECONDS)
 
     def _check_agreement(self) -> None:
         first = self.infos[0]

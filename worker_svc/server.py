@@ -1,6 +1,7 @@
 """The Worker gRPC service: one process per tensor-parallel rank, around a ModelRunner."""
 import logging
 import queue
+import secrets
 import sys
 import threading
 from concurrent import futures
@@ -31,6 +32,7 @@ log = logging.getLogger("nanoserve.worker")
 # with a null device of 1 ms steps and 0.9 ms launches, 0.2 ms took a batch-1 stream from 790 to 865
 # tokens/s on a 2-core machine (the scheduler's next step waits for that reply).
 GIL_SWITCH_SECONDS = 2e-4
+INSTANCE_ID = secrets.token_hex(8)  # this process's, in every WorkerInfo it gives
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
@@ -55,6 +57,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 self._size_kv_cache(request)
         info = self.runner.info()
         info.max_steps_in_flight = self.depth
+        info.instance_id = INSTANCE_ID
         return info
 
     def _size_kv_cache(self, request: worker_pb2.DescribeRequest) -> None:

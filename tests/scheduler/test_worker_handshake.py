@@ -124,3 +124,68 @@ def test_engine_keeps_the_smallest_depth_in_flight_and_counts_rank_0_host_time()
     assert totals.prefill_steps >= 1 and totals.decode_steps >= 7
     assert totals.prefill_host_seconds == pytest.approx(0.25 * totals.prefill_steps)
     assert totals.decode_host_seconds == pytest.approx(0.25 * totals.decode_steps)
+
+
+
+class RestartingRank(FakeRank):
+    """A rank of two: answers from its first process until restart(), then as `timeline` says, by the
+    seconds since restart() ((from, instance id); None: down, UNAVAILABLE, as while a process starts)."""
+
+    def __init__(self, rank: int, first: str, timeline: list[tuple[float, str | None]]):
+        super().__init__(rank, 2, 3, 0.0)
+        self.first, self.timeline = first, timeline
+        self.restarted: float | None = None
+
+    def restart(self) -> None:
+        self.restarted = time.monotonic()
+
+    def Describe(self, request, context):
+        instance = self.first
+        if self.restarted is not None:
+            instance = [i for at, i in self.timeline if time.monotonic() - self.restarted >= at][-1]
+        if instance is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "starting")
+        info = worker_pb2.WorkerInfo()
+        info.CopyFrom(self.info)
+        info.instance_id = instance
+        return info
+
+
+def renewed_group_instances(ranks: list[RestartingRank]) -> list[str]:
+    """Connects a group, renews it as after a failure, then connects the renewed one while the ranks
+    go through their timelines: the process each rank was taken from."""
+    servers, addresses = serve(ranks)
+
+    async def fail_and_renew() -> list[str]:
+        failed = WorkerGroup(addresses)
+        await failed.connect(timeout=10)
+        await failed.close()
+        for rank in ranks:
+            rank.restart()
+        group = failed.renewed()
+        try:
+            await group.connect(timeout=10)
+        finally:
+            await group.close()
+        return [info.instance_id for info in group.infos]
+
+    try:
+        return asyncio.run(fail_and_renew())
+    finally:
+        for server in servers:
+            server.stop(0)
+
+
+def test_a_renewed_group_waits_for_the_failed_groups_processes_to_restart():
+    """Rank 0 is down while rank 1's process of the failed group still answers (it leaves that group a
+    moment later): taken, that answer would leave rank 0's new process in its first collective waiting
+    for a rank 1 nobody asks again. The renewed group waits for rank 1's new process too."""
+    ranks = [RestartingRank(0, "old-0", [(0.0, None), (0.3, "new-0")]),
+             RestartingRank(1, "old-1", [(0.0, "old-1"), (0.6, None), (0.9, "new-1")])]
+    assert renewed_group_instances(ranks) == ["new-0", "new-1"]
+
+
+def test_a_renewed_group_whose_processes_all_stayed_takes_them_again():
+    """No rank went down (a step outlived --step-timeout, say): the failed group's processes serve on."""
+    ranks = [RestartingRank(0, "old-0", [(0.0, "old-0")]), RestartingRank(1, "old-1", [(0.0, "old-1")])]
+    assert renewed_group_instances(ranks) == ["old-0", "old-1"]

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from nanoserve.v1 import llm_pb2 as nanoserve_dot_v1_dot_llm__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19nanoserve/v1/worker.proto\x12\x0cnanoserve.v1\x1a\x16nanoserve/v1/llm.proto\";\n\x0f\x44\x65scribeRequest\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\r\x12\x11\n\tkv_sizing\x18\x02 \x01(\t\"\x8b\x04\n\nWorkerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rmax_kv_blocks\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12\x19\n\x11\x61ttention_backend\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x0c \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\r \x01(\r\x12\x19\n\x11model_fingerprint\x18\x0e \x01(\t\x12\x1b\n\x13max_steps_in_flight\x18\x0f \x01(\r\x12\x39\n\x11sampling_defaults\x18\x10 \x01(\x0b\x32\x1e.nanoserve.v1.SamplingDefaults\x12\x16\n\x0ekv_cache_dtype\x18\x11 \x01(\t\x12\x13\n\x0bstep_format\x18\x12 \x01(\r\x12\x14\n\x0cweight_dtype\x18\x13 \x01(\t\x12\x14\n\x0cquantization\x18\x14 \x01(\t\x12\x10\n\x08platform\x18\x15 \x01(\t\x12\x11\n\tkv_sizing\x18\x16 \x01(\t\"x\n\x10SamplingDefaults\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_k\",\n\x16\x41llocateKVCacheRequest\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\"-\n\x17\x41llocateKVCacheResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\"\xdf\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x66orget_seq_ids\x18\x03 \x03(\x04\x12\x0f\n\x07seq_ids\x18\x04 \x03(\x04\x12\x14\n\x0cnum_computed\x18\x05 \x03(\r\x12\x15\n\rnum_token_ids\x18\x06 \x03(\r\x12\x11\n\ttoken_ids\x18\x07 \x01(\x0c\x12\x0e\n\x06sample\x18\x08 \x03(\x08\x12\x15\n\rnum_generated\x18\t \x03(\r\x12)\n\x06\x65xtras\x18\n \x03(\x0b\x32\x19.nanoserve.v1.EntryExtrasJ\x04\x08\x02\x10\x03\"\xbe\x01\n\x0b\x45ntryExtras\x12\r\n\x05\x65ntry\x18\x01 \x01(\r\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\r\n\x05reset\x18\x03 \x01(\x08\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.nanoserve.v1.SamplingParams\x12\x1e\n\x16prompt_logprob_targets\x18\x05 \x03(\r\x12\x19\n\x11history_token_ids\x18\x06 \x03(\r\x12\x0f\n\x07grammar\x18\x07 \x01(\t\"\xec\x01\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x14\n\x0c\x62usy_seconds\x18\x04 \x01(\x01\x12\x14\n\x0cidle_seconds\x18\x05 \x01(\x01\x12\x14\n\x0chost_seconds\x18\x06 \x01(\x01\x12\x33\n\x10sampled_logprobs\x18\n \x01(\x0b\x32\x19.nanoserve.v1.LogprobRows\x12\x32\n\x0fprompt_logprobs\x18\x0b \x01(\x0b\x32\x19.nanoserve.v1.LogprobRows\"n\n\x0bLogprobRows\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\r\n\x05ranks\x18\x03 \x03(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\x32\xf0\x01\n\x06Worker\x12\x43\n\x08\x44\x65scribe\x12\x1d.nanoserve.v1.DescribeRequest\x1a\x18.nanoserve.v1.WorkerInfo\x12^\n\x0f\x41llocateKVCache\x12$.nanoserve.v1.AllocateKVCacheRequest\x1a%.nanoserve.v1.AllocateKVCacheResponse\x12\x41\n\x04Step\x12\x19.nanoserve.v1.StepRequest\x1a\x1a.nanoserve.v1.StepResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19nanoserve/v1/worker.proto\x12\x0cnanoserve.v1\x1a\x16nanoserve/v1/llm.proto\";\n\x0f\x44\x65scribeRequest\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\r\x12\x11\n\tkv_sizing\x18\x02 \x01(\t\"\xa0\x04\n\nWorkerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rmax_kv_blocks\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12\x19\n\x11\x61ttention_backend\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x0c \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\r \x01(\r\x12\x19\n\x11model_fingerprint\x18\x0e \x01(\t\x12\x1b\n\x13max_steps_in_flight\x18\x0f \x01(\r\x12\x39\n\x11sampling_defaults\x18\x10 \x01(\x0b\x32\x1e.nanoserve.v1.SamplingDefaults\x12\x16\n\x0ekv_cache_dtype\x18\x11 \x01(\t\x12\x13\n\x0bstep_format\x18\x12 \x01(\r\x12\x14\n\x0cweight_dtype\x18\x13 \x01(\t\x12\x14\n\x0cquantization\x18\x14 \x01(\t\x12\x10\n\x08platform\x18\x15 \x01(\t\x12\x11\n\tkv_sizing\x18\x16 \x01(\t\x12\x13\n\x0binstance_id\x18\x17 \x01(\t\"x\n\x10SamplingDefaults\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_k\",\n\x16\x41llocateKVCacheRequest\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\"-\n\x17\x41llocateKVCacheResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\"\xdf\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x66orget_seq_ids\x18\x03 \x03(\x04\x12\x0f\n\x07seq_ids\x18\x04 \x03(\x04\x12\x14\n\x0cnum_computed\x18\x05 \x03(\r\x12\x15\n\rnum_token_ids\x18\x06 \x03(\r\x12\x11\n\ttoken_ids\x18\x07 \x01(\x0c\x12\x0e\n\x06sample\x18\x08 \x03(\x08\x12\x15\n\rnum_generated\x18\t \x03(\r\x12)\n\x06\x65xtras\x18\n \x03(\x0b\x32\x19.nanoserve.v1.EntryExtrasJ\x04\x08\x02\x10\x03\"\xbe\x01\n\x0b\x45ntryExtras\x12\r\n\x05\x65ntry\x18\x01 \x01(\r\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\r\n\x05reset\x18\x03 \x01(\x08\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.nanoserve.v1.SamplingParams\x12\x1e\n\x16prompt_logprob_targets\x18\x05 \x03(\r\x12\x19\n\x11history_token_ids\x18\x06 \x03(\r\x12\x0f\n\x07grammar\x18\x07 \x01(\t\"\xec\x01\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x14\n\x0c\x62usy_seconds\x18\x04 \x01(\x01\x12\x14\n\x0cidle_seconds\x18\x05 \x01(\x01\x12\x14\n\x0chost_seconds\x18\x06 \x01(\x01\x12\x33\n\x10sampled_logprobs\x18\n \x01(\x0b\x32\x19.nanoserve.v1.LogprobRows\x12\x32\n\x0fprompt_logprobs\x18\x0b \x01(\x0b\x32\x19.nanoserve.v1.LogprobRows\"n\n\x0bLogprobRows\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\r\n\x05ranks\x18\x03 \x03(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\x32\xf0\x01\n\x06Worker\x12\x43\n\x08\x44\x65scribe\x12\x1d.nanoserve.v1.DescribeRequest\x1a\x18.nanoserve.v1.WorkerInfo\x12^\n\x0f\x41llocateKVCache\x12$.nanoserve.v1.AllocateKVCacheRequest\x1a%.nanoserve.v1.AllocateKVCacheResponse\x12\x41\n\x04Step\x12\x19.nanoserve.v1.StepRequest\x1a\x1a.nanoserve.v1.StepResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,21 +35,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_start=67
   _globals['_DESCRIBEREQUEST']._serialized_end=126
   _globals['_WORKERINFO']._serialized_start=129
-  _globals['_WORKERINFO']._serialized_end=652
-  _globals['_SAMPLINGDEFAULTS']._serialized_start=654
-  _globals['_SAMPLINGDEFAULTS']._serialized_end=774
-  _globals['_ALLOCATEKVCACHEREQUEST']._serialized_start=776
-  _globals['_ALLOCATEKVCACHEREQUEST']._serialized_end=820
-  _globals['_ALLOCATEKVCACHERESPONSE']._serialized_start=822
-  _globals['_ALLOCATEKVCACHERESPONSE']._serialized_end=867
-  _globals['_STEPREQUEST']._serialized_start=870
-  _globals['_STEPREQUEST']._serialized_end=1093
-  _globals['_ENTRYEXTRAS']._serialized_start=1096
-  _globals['_ENTRYEXTRAS']._serialized_end=1286
-  _globals['_STEPRESPONSE']._serialized_start=1289
-  _globals['_STEPRESPONSE']._serialized_end=1525
-  _globals['_LOGPROBROWS']._serialized_start=1527
-  _globals['_LOGPROBROWS']._serialized_end=1637
-  _globals['_WORKER']._serialized_start=1640
-  _globals['_WORKER']._serialized_end=1880
+  _globals['_WORKERINFO']._serialized_end=673
+  _globals['_SAMPLINGDEFAULTS']._serialized_start=675
+  _globals['_SAMPLINGDEFAULTS']._serialized_end=795
+  _globals['_ALLOCATEKVCACHEREQUEST']._serialized_start=797
+  _globals['_ALLOCATEKVCACHEREQUEST']._serialized_end=841
+  _globals['_ALLOCATEKVCACHERESPONSE']._serialized_start=843
+  _globals['_ALLOCATEKVCACHERESPONSE']._serialized_end=888
+  _globals['_STEPREQUEST']._serialized_start=891
+  _globals['_STEPREQUEST']._serialized_end=1114
+  _globals['_ENTRYEXTRAS']._serialized_start=1117
+  _globals['_ENTRYEXTRAS']._serialized_end=1307
+  _globals['_STEPRESPONSE']._serialized_start=1310
+  _globals['_STEPRESPONSE']._serialized_end=1546
+  _globals['_LOGPROBROWS']._serialized_start=1548
+  _globals['_LOGPROBROWS']._serialized_end=1658
+  _globals['_WORKER']._serialized_start=1661
+  _globals['_WORKER']._serialized_end=1901
 # @@protoc_insertion_point(module_scope)

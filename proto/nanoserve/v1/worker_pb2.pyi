@@ -16,7 +16,7 @@ class DescribeRequest(_message.Message):
     def __init__(self, num_kv_blocks: _Optional[int] = ..., kv_sizing: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "rank", "world_size", "dtype", "block_size", "max_kv_blocks", "vocab_size", "max_model_len", "eos_token_ids", "attention_backend", "device", "max_num_seqs", "max_num_batched_tokens", "model_fingerprint", "max_steps_in_flight", "sampling_defaults", "kv_cache_dtype", "step_format", "weight_dtype", "quantization", "platform", "kv_sizing")
+    __slots__ = ("model", "rank", "world_size", "dtype", "block_size", "max_kv_blocks", "vocab_size", "max_model_len", "eos_token_ids", "attention_backend", "device", "max_num_seqs", "max_num_batched_tokens", "model_fingerprint", "max_steps_in_flight", "sampling_defaults", "kv_cache_dtype", "step_format", "weight_dtype", "quantization", "platform", "kv_sizing", "instance_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class WorkerInfo(_message.Message):
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     KV_SIZING_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     rank: int
     world_size: int
@@ -61,7 +62,8 @@ class WorkerInfo(_message.Message):
     quantization: str
     platform: str
     kv_sizing: str
-    def __init__(self, model: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_kv_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_steps_in_flight: _Optional[int] = ..., sampling_defaults: _Optional[_Union[SamplingDefaults, _Mapping]] = ..., kv_cache_dtype: _Optional[str] = ..., step_format: _Optional[int] = ..., weight_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., platform: _Optional[str] = ..., kv_sizing: _Optional[str] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, model: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_kv_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_steps_in_flight: _Optional[int] = ..., sampling_defaults: _Optional[_Union[SamplingDefaults, _Mapping]] = ..., kv_cache_dtype: _Optional[str] = ..., step_format: _Optional[int] = ..., weight_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., platform: _Optional[str] = ..., kv_sizing: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class SamplingDefaults(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k")
