@@ -36,8 +36,9 @@ def on_kernels(x: torch.Tensor, block: tuple[int, int]) -> bool:
             and (columns >= x.shape[1] or (columns >= 32 and columns & (columns - 1) == 0)))
 
 
-def choice(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> Fp8Choice:
-    return fp8_configs.choose(_device_name(x.device), weight.shape[0], weight.shape[1], x.shape[0], silu_mul)
+def choice(rows: int, weight: torch.Tensor, silu_mul: bool = False) -> Fp8Choice:
+    """The table's choice for `rows` rows through this weight on its device."""
+    return fp8_configs.choose(_device_name(weight.device), weight.shape[0], weight.shape[1], rows, silu_mul)
 
 
 def _gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
@@ -45,7 +46,7 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tup
     """The GEMM of more than one row, as chosen for the shape and bucket."""
     from nanoserve_kernels.triton_fp8_gemm import fp8_gemm
     from nanoserve_kernels.triton_fp8_quant import quantize_activation
-    chosen = choice(x, weight, silu_mul)
+    chosen = choice(x.shape[0], weight, silu_mul)
     if chosen.mode != W8A8:
         return fp8_gemm(x, weight, scale, block, _launch(chosen, scale, block), bias=bias, silu_mul=silu_mul)
     quantized = quantize_activation(x, **input_layout(chosen, x.shape, weight, block))
@@ -88,7 +89,7 @@ def input_quantization(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, 
     quantize it instead (triton_rms_norm.rms_norm_fp8); None where x goes in unquantized."""
     if not on_kernels(x, block) or x.shape[0] < 2:
         return None
-    chosen = choice(x, weight, silu_mul)
+    chosen = choice(x.shape[0], weight, silu_mul)
     return input_layout(chosen, x.shape, weight, block) if chosen.mode == W8A8 else None
 
 
@@ -99,8 +100,7 @@ def quantized_linear(quantized: tuple[torch.Tensor, torch.Tensor], rows: int, dt
     """fp8_linear (fp8_gate_up_silu with `silu_mul`) of x [rows, K] in `dtype`, given x already quantized in
     the layout input_quantization gave; through `chosen` (a W8A8 choice: the tuner's candidates), else the
     table's."""
-    chosen = chosen or fp8_configs.choose(_device_name(weight.device), weight.shape[0], weight.shape[1], rows,
-                                          silu_mul)
+    chosen = chosen or choice(rows, weight, silu_mul)
     return _w8a8(quantized, rows, dtype, weight, scale, block, bias, silu_mul, chosen)
 
 
