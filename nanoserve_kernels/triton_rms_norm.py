@@ -92,8 +92,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
                  token_minor: bool = False, padded_rows: int | None = None
                  ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
-    """((e4m3, scales) of norm(x (+ residual)) for x [M, K], bit for bit what quantize_activation (with these
-    `token_minor` and `padded_rows`) makes of rms_norm's output; x + residual, or None without a residual)."""
+    """((e4m3, scales) of norm(x (+ residual)) for x [M, K], in the arithmetic of quantize_activation (with these
+    `token_minor` and `padded_rows`) on rms_norm's output; x + residual, or None without a residual). Compiled,
+    the two variants may sum a row's squares in different orders: a rare element lands one e4m3 step away."""
     assert x.dim() == 2 and weight.dtype == x.dtype  # rounded to x's dtype, as rms_norm's output would be
     q, scale = empty_quantized(x.shape[0], x.shape[1], x.device, token_minor, padded_rows)
     return (q, scale), _normalize(x, weight, eps, residual, q, scale)

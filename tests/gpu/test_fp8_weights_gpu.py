@@ -68,7 +68,7 @@ def test_every_batch_size_through_the_dispatch(block, silu_mul):
     weight, scale = random_fp8(2 * 12288, 4096, block, "cuda", 0)
     for rows in ROWS + (4096,):
         x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
-        w8a8 = rows > 1 and choice(x, weight, silu_mul).mode == W8A8
+        w8a8 = rows > 1 and choice(rows, weight, silu_mul).mode == W8A8
         expected = fp8_reference.fp8_linear(x, weight, scale, block, quantize_input=w8a8)
         if silu_mul:
             if rows == 1:
@@ -83,9 +83,13 @@ def test_every_batch_size_through_the_dispatch(block, silu_mul):
 @pytest.mark.parametrize("silu_mul", [False, True])
 def test_the_norm_quantizing_for_the_projection_gives_the_unfused_output(silu_mul):
     """The RMSNorm writing the W8A8 GEMM's e4m3 activations (in the layout of the GEMM the table chose: Triton's
-    or torch's scaled_mm) gives the norm-then-project result bit for bit, on the 8B gate/up at each batch size
-    where the projection quantizes its input."""
+    or torch's scaled_mm) gives the norm-then-quantize activations and the norm-then-project result, on the 8B
+    gate/up at each batch size where the projection quantizes its input. Compiled, the two norm variants may
+    sum a row's squares in different orders (the quantizing one's layout follows its reshape into groups), so
+    a rare element may round to the neighbouring e4m3 value: at most 1 in 10,000, one step apart, where the
+    interpreter's test (tests/worker/test_fp8_kernels.py) holds them bit for bit."""
     from nanoserve_kernels.fp8_linear import fp8_gate_up_silu, fp8_linear, input_quantization, quantized_linear
+    from nanoserve_kernels.triton_fp8_quant import quantize_activation
     from nanoserve_kernels.triton_rms_norm import rms_norm, rms_norm_fp8
     weight, scale = random_fp8(2 * 12288, 4096, (128, 128), "cuda", 0)
     norm_weight = (1 + 0.3 * torch.randn(4096, device="cuda")).to(torch.bfloat16)
@@ -99,8 +103,16 @@ def test_the_norm_quantizing_for_the_projection_gives_the_unfused_output(silu_mu
         normed, new_residual = rms_norm(x, norm_weight, 1e-6, residual)
         expected = (fp8_gate_up_silu if silu_mul else fp8_linear)(normed, weight, scale, (128, 128))
         quantized, fused_residual = rms_norm_fp8(x, norm_weight, 1e-6, residual, **layout)
+        assert torch.equal(fused_residual, new_residual), (rows, layout)
+        (fused_q, fused_scale), (unfused_q, unfused_scale) = quantized, quantize_activation(normed, **layout)
+        fused_q, unfused_q = fused_q[:rows].float(), unfused_q[:rows].float()
+        differ = fused_q != unfused_q
+        steps = (fused_q - unfused_q).abs() / unfused_q.abs().clamp(min=2.0 ** -6)
+        assert differ.float().mean() <= 1e-4 and (steps[differ] <= 0.125).all(), (rows, layout, int(differ.sum()))
+        # a scale may follow a group maximum one bf16 step off
+        torch.testing.assert_close(fused_scale[:rows], unfused_scale[:rows], rtol=2.0 ** -7, atol=0)
         got = quantized_linear(quantized, rows, x.dtype, weight, scale, (128, 128), silu_mul=silu_mul)
-        assert torch.equal(got, expected) and torch.equal(fused_residual, new_residual), (rows, layout)
+        assert relative_error(got, expected) < 1e-3, (rows, layout, relative_error(got, expected))
     assert quantized_batches  # the table runs W8A8 somewhere among these batch sizes
 
 
