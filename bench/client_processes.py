@@ -11,6 +11,7 @@ CPU second per second was the limit.
 """
 import asyncio
 import contextlib
+import functools
 import multiprocessing
 import time
 from dataclasses import dataclass
@@ -34,15 +35,16 @@ class ClientProcesses:
     """`count` client processes, started once and reused for every run (warm-up included), so their
     connections are open before the timed runs as a single client's are."""
 
-    def __init__(self, count: int, open_target: Callable[[], Any], run_schedule: RunSchedule):
-        """open_target (picklable: a module-level function or a partial of one) makes a process's target;
-        run_schedule times its share of a run. Both run in the child processes."""
+    def __init__(self, count: int, open_target: Callable[[int], Any], run_schedule: RunSchedule):
+        """open_target(index) (picklable: a module-level function or a partial of one) makes the target of
+        process `index`; run_schedule times its share of a run. Both run in the child processes."""
         context = multiprocessing.get_context("spawn")  # forking a process that runs gRPC threads is unsafe
         self.pipes: list[Connection] = []
         self.processes = []
-        for _ in range(count):
+        for index in range(count):
             ours, theirs = context.Pipe()
-            process = context.Process(target=_serve, args=(theirs, open_target, run_schedule), daemon=True)
+            process = context.Process(target=_serve, args=(theirs, functools.partial(open_target, index), run_schedule),
+                                      daemon=True)
             process.start()
             theirs.close()  # so that a process that dies is an EOFError on our end, not a hang
             self.pipes.append(ours)

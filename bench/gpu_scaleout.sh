@@ -92,6 +92,10 @@ fi
 if { part 1 || part 2; } && up "dp${gpus}_small" --model "$small" --data-parallel-size "$gpus"; then
   part 1 && bench "dp${gpus}_small" "$small" "${design[@]}" --num-prompts $((256 * gpus)) \
     --replicas $(replicas "$gpus") --client-processes $((clients * gpus))
+  # the same prompts to the same replicas with no router: client process i drives replica i mod N's gateway,
+  # so that what the router path costs shows apart from what N replicas on one host cost
+  part 1 && via=$(gateways "$gpus" | paste -sd,) bench "dp${gpus}_small_direct" "$small" "${design[@]}" \
+    --num-prompts $((256 * gpus)) --replicas $(replicas "$gpus") --client-processes $((clients * gpus))
   if part 1; then
     # what up's router queues (its launcher's line) and the most this host lets any port queue
     { grep -h "accept queue" "$out/dp${gpus}_small.server.log"

@@ -66,6 +66,7 @@ def summarize(folder: Path, gpus: int) -> dict:
            if name.stem not in ("summary", "burst_arrival") and not name.stem.startswith("router_overhead")}
     one, many = run.get("dp1_small"), run.get(f"dp{gpus}_small")
     own, rr = run.get(f"dp{gpus}_small_smg_own"), run.get(f"dp{gpus}_small_rr")
+    direct = run.get(f"dp{gpus}_small_direct")
     summary = {
         "date": datetime.date.today().isoformat(),
         "device": (folder / "gpus.txt").read_text().strip().replace("\n", "; ") if (folder / "gpus.txt").exists()
@@ -75,6 +76,10 @@ def summarize(folder: Path, gpus: int) -> dict:
                       "ratio_to_n_x_one": ratio(field(many, "output_tok_per_s"),
                                                 gpus * (field(one, "output_tok_per_s") or 0)),
                       "target": 0.95,
+                      # the same replicas with no router: each client process drives one replica's gateway
+                      f"{gpus}_replicas_direct_tok_s": field(direct, "output_tok_per_s"),
+                      "direct_ratio_to_n_x_one": ratio(field(direct, "output_tok_per_s"),
+                                                       gpus * (field(one, "output_tok_per_s") or 0)),
                       # the same replicas through SMG's own launcher, its port's accept queue at 128
                       f"{gpus}_replicas_smg_own_launcher_tok_s": field(own, "output_tok_per_s"),
                       "own_launcher_ratio_to_n_x_one": ratio(field(own, "output_tok_per_s"),
@@ -156,11 +161,14 @@ def markdown(s: dict) -> str:
     so, t = s["scale_out"], s["tenants"]
     replicas, own = so[f"{s['gpus']}_replicas_smg_tok_s"], so[f"{s['gpus']}_replicas_smg_own_launcher_tok_s"]
     rr = so[f"{s['gpus']}_replicas_smg_round_robin_tok_s"]
+    direct = so[f"{s['gpus']}_replicas_direct_tok_s"]
     lines = [f"# Scale-out, {s['date']}, {s['device']} ({s['gpus']} GPUs), `{s['command']}`", "",
              "| measure | value |", "| --- | --- |",
              f"| one replica direct, output tok/s | {num(so['one_replica_direct_tok_s'], 0)} |",
              f"| {s['gpus']} replicas through SMG, output tok/s | {num(replicas, 0)} |",
              f"| ... over {s['gpus']} x one replica (target >= 0.95) | {num(so['ratio_to_n_x_one'])} |",
+             f"| the same replicas with no router (client processes split over their gateways), output tok/s, "
+             f"over {s['gpus']} x one | {num(direct, 0)}, {num(so['direct_ratio_to_n_x_one'])} |",
              f"| the same through SMG's own launcher (accept queue 128), output tok/s, over {s['gpus']} x one | "
              f"{num(own, 0)}, {num(so['own_launcher_ratio_to_n_x_one'])} |",
              f"| the same through up's launcher with round robin, output tok/s, over {s['gpus']} x one | "

@@ -339,9 +339,10 @@ async def replica_stats(addresses: list[str]) -> list[llm_pb2.Stats]:
     return stats
 
 
-def open_target(args: argparse.Namespace, address: str, api: str) -> GrpcTarget | OpenAITarget:
+def open_target(args: argparse.Namespace, address: str, api: str, process: int = 0) -> GrpcTarget | OpenAITarget:
     """The API the benchmark drives: "grpc" (the scheduler at `address`) or "openai" (the gateway at
-    args.openai, with the scheduler's counters when `address` is known)."""
+    args.openai, with the scheduler's counters when `address` is known); of several gateways, client
+    process `process` drives the one at its index modulo their number."""
     grpc_target = GrpcTarget(address, args.temperature, not args.no_ignore_eos) if address else None
     if api == "grpc":
         return grpc_target
@@ -350,7 +351,8 @@ def open_target(args: argparse.Namespace, address: str, api: str) -> GrpcTarget 
         from tokenizers import Tokenizer
 
         decode = Tokenizer.from_file(str(Path(args.text_prompts) / "tokenizer.json")).decode
-    return OpenAITarget(args.openai, args.temperature, not args.no_ignore_eos, grpc_target, decode)
+    urls = args.openai.split(",")
+    return OpenAITarget(urls[process % len(urls)], args.temperature, not args.no_ignore_eos, grpc_target, decode)
 
 
 def workload(args: argparse.Namespace, seed: int, count: int) -> list[BenchRequest]:
@@ -476,7 +478,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slo-tpot-ms", type=float, default=25.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--openai", nargs="?", const="start", default="",
-                   help="drive the OpenAI API of a gateway at this URL; alone: start one in front of the scheduler")
+                   help="drive the OpenAI API of a gateway at this URL; alone: start one in front of the scheduler; "
+                   "URL,URL,...: several replicas' gateways with no router, client process i driving URL i mod "
+                   "their number (--client-processes a multiple of it)")
     p.add_argument("--null-worker", action="store_true",
                    help="serve with a scheduler over a worker that computes nothing (CPU): the services' own costs")
     p.add_argument("--api-server-count", type=int, default=1, help="processes of the gateway --openai starts")
@@ -488,6 +492,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--compare-grpc compares the --openai runs with gRPC: give --openai")
     if args.openai not in ("", "start") and args.compare_grpc and not args.address:
         p.error("--compare-grpc against a running gateway needs its scheduler's --address")
+    if args.openai.count(",") and args.client_processes % (args.openai.count(",") + 1):
+        p.error("--openai with several URLs: --client-processes must be a multiple of their number")
     if args.client_processes < 1 or args.max_concurrency % args.client_processes:
         p.error("--client-processes must be >= 1 and divide --max-concurrency (each process takes an equal part)")
     if args.null_worker and args.address:
@@ -541,7 +547,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.openai == "start":
             args.openai = running.enter_context(started_gateway(address, args.api_server_count))
         elif args.openai:
-            wait_http_ok(args.openai + "/health", [], timeout=120)
+            for url in args.openai.split(","):
+                wait_http_ok(url + "/health", [], timeout=120)
         print_header()
         report = asyncio.run(benchmark(args, address))
     report["command"] = " ".join(sys.argv)

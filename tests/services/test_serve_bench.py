@@ -98,6 +98,16 @@ def test_a_failed_request_is_recorded_not_raised():
     assert result.error == "UNAVAILABLE: the worker went away" and result.e2e is None and result.output_tokens == 2
 
 
+def test_several_gateways_are_driven_by_the_client_processes_in_turn():
+    """--openai URL,URL (replicas with no router in front): client process i drives URL i mod 2, and a
+    client count that would favour one of them is refused."""
+    args = serve.parse_args(["--openai", "http://127.0.0.1:8001,http://127.0.0.1:8002", "--client-processes", "4"])
+    urls = [serve.open_target(args, "", "openai", process).url for process in range(4)]
+    assert urls == ["http://127.0.0.1:8001", "http://127.0.0.1:8002"] * 2
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--openai", "http://127.0.0.1:8001,http://127.0.0.1:8002", "--client-processes", "3"])
+
+
 def test_summary_counts_goodput_within_the_slo():
     def result(ttft: float, tpot: float, tokens: int = 11) -> "serve.RequestResult":
         return serve.RequestResult(100, tokens, ttft, [tpot] * (tokens - 1), ttft + tpot * (tokens - 1))
