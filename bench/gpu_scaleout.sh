@@ -43,20 +43,27 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpus.
 small=.cache/qwen3-0.6b-shape big=.cache/qwen3-8b-shape
 python3 -m nanoserve_cli.demo_model "$small" --shape qwen3-0.6b --no-weights >/dev/null
 python3 -m nanoserve_cli.demo_model "$big" --shape qwen3-8b --no-weights >/dev/null
+# the replicas' gRPC ports from here up (a lent host once had a service of its own on 50052)
+grpc_port=43051
+ss -ltn 2>/dev/null | awk 'NR > 1 {print $4}' | sort > "$out/listening_before.txt"
 common=(--load-format dummy --attention-backend triton --max-model-len 4096 --shutdown-timeout 5
-        --port 50051 --worker-base-port 50061 --openai-port 8000)
+        --port $grpc_port --worker-base-port $((grpc_port + 10)) --openai-port 8000)
 url=http://127.0.0.1:8000
 design=(--request-rates inf --input-len 100 1024 --output-len 100 1024 --temperature 0.6)
 clients=2  # client processes per GPU in the throughput runs
 
 up() {  # name, then `nanoserve up` flags: starts it and waits until it serves (or gives up)
   local name=$1; shift
-  python3 -m nanoserve_cli up "${common[@]}" "$@" > "$out/$name.server.log" 2>&1 &
-  server=$!
-  for _ in $(seq 600); do
-    grep -q "nanoserve is serving" "$out/$name.server.log" && return 0
-    kill -0 $server 2>/dev/null || break
-    sleep 0.5
+  for attempt in 1 2 3 4 5; do  # a port still held by the last run's closing connections: again shortly
+    python3 -m nanoserve_cli up "${common[@]}" "$@" > "$out/$name.server.log" 2>&1 &
+    server=$!
+    for _ in $(seq 600); do
+      grep -q "nanoserve is serving" "$out/$name.server.log" && return 0
+      kill -0 $server 2>/dev/null || break
+      sleep 0.5
+    done
+    grep -q "the port is in use" "$out/$name.server.log" || break
+    sleep 3
   done
   echo "$name: the server did not start:"; tail -5 "$out/$name.server.log"; down; return 1
 }
@@ -80,7 +87,7 @@ gateways() {  # the gateways of `up --data-parallel-size $1`: replica d's is on 
   for d in $(seq 0 $(($1 - 1))); do echo "http://127.0.0.1:$((8001 + d))"; done
 }
 replicas() {  # the schedulers of `up --data-parallel-size $1`: replica d's gRPC port is --port + d
-  for d in $(seq 0 $(($1 - 1))); do echo "127.0.0.1:$((50051 + d))"; done
+  for d in $(seq 0 $(($1 - 1))); do echo "127.0.0.1:$((grpc_port + d))"; done
 }
 in_time() { (( SECONDS - started < ${1:-480} )) || { echo "skipped (time): $2"; return 1; }; }
 

@@ -63,12 +63,16 @@ class GrammarMasks:
         self.num_constrained = 0  # slots holding a matcher: while 0, no batch is looked at
         pinned = device.type == "cuda"
         # Per slot: the mask of its matcher's next token, kept current by the advances and first masks; pinned,
-        # so a step's rows go to the device straight from here, with no per-step buffer.
-        self.host_table = torch.zeros((capacity, self.words), dtype=torch.int32, pin_memory=pinned)
+        # so a step's rows go to the device straight from here, with no per-step buffer. Plain tensors, not
+        # the runner's inference tensors: the threads that fill them copy rows with no mode to enter.
+        with torch.inference_mode(False):  # (views made in that mode could not be written outside it either)
+            self.host_table = torch.zeros((capacity, self.words), dtype=torch.int32, pin_memory=pinned)
+            self.device_table = self.host_table.to(device) if pinned else self.host_table
+            # each slot's row of both tables, made once: a batch-1 step's copy is one call on the reply thread
+            self.row_pairs = list(zip(self.device_table.unbind(0), self.host_table.unbind(0)))
         self.next_masks = self.host_table.numpy()
         # where llguidance fills a slot's row: address + slot * row_bytes
         self.table_address, self.row_bytes = self.host_table.data_ptr(), 4 * self.words
-        self.device_table = self.host_table.to(device) if pinned else self.host_table
         # Whoever fills rows queues their copy to the device's table: a few on the steps' stream, more (up to
         # 19 KB each) on a stream of their own, beside the forward pass still running, with an event after
         # them that the steps' stream waits for before its next masked draw or copy.
@@ -195,14 +199,17 @@ class GrammarMasks:
         if self.device_table is self.host_table or not slots:  # on a CPU they are one
             return
         first, end = min(slots), max(slots) + 1
-        with torch.inference_mode():  # the tables were made in it (the runner's), the fills run outside it
-            if len(slots) <= SIDE_STREAM_ROWS or self.copy_stream is None:
-                self._wait_side_copy()
-                # on the filling thread's current stream: its default one, the steps' (launched_step.py)
+        if len(slots) <= SIDE_STREAM_ROWS or self.copy_stream is None:
+            self._wait_side_copy()
+            # on the filling thread's current stream: its default one, the steps' (launched_step.py)
+            if end - first == 1:
+                device_row, host_row = self.row_pairs[first]
+                device_row.copy_(host_row, non_blocking=True)
+            else:
                 self.device_table[first:end].copy_(self.host_table[first:end], non_blocking=True)
-                return
-            with torch.cuda.stream(self.copy_stream):
-                self.device_table[first:end].copy_(self.host_table[first:end], non_blocking=True)
+            return
+        with torch.cuda.stream(self.copy_stream):
+            self.device_table[first:end].copy_(self.host_table[first:end], non_blocking=True)
         self.side_copied = torch.cuda.Event()
         self.side_copied.record(self.copy_stream)
 

@@ -38,10 +38,13 @@ def allowed_by_oracle(tokenizer: GrammarTokenizer, grammar: str, tokens: list[in
 def grammar_masks(capacity: int, tokenizer: GrammarTokenizer) -> GrammarMasks:
     """GrammarMasks on the CPU, with a table of its own standing for the device's copy: each fill must
     copy its rows there for the masks to reach a draw. Made under inference mode, as the runner makes
-    them, though the fills run on other threads, outside it."""
+    them, though the fills run on other threads, outside it; the stand-in table, like the real ones, is a
+    plain tensor that those threads may write."""
     with torch.inference_mode():
         masks = GrammarMasks(capacity, tokenizer, torch.device("cpu"))
+    with torch.inference_mode(False):
         masks.device_table = torch.zeros_like(masks.host_table)
+        masks.row_pairs = list(zip(masks.device_table.unbind(0), masks.host_table.unbind(0)))
     return masks
 
 
