@@ -10,7 +10,9 @@ A constrained step runs rank 0's real grammar hooks on bench/grammar.py's LONG s
 vocabulary (GrammarMasks: draw_masks before the draw, observe after it); the draw picks a token its
 mask allows. What differs between the runs is which thread advances the matchers after a step (the
 callable observe() returns):
-- `reply`: the step's reply thread, the moment the step's tokens are home (what the worker does);
+- `reply`: the step's reply thread, once it has answered the step (what the worker does);
+- `before-reply`: the step's reply thread, the moment the step's tokens are home, before it answers
+  (the worker's order before: the scheduler, which sends a step on each answer, waited for the advance);
 - `launcher`: nobody, so the launcher runs it at the next masked step, in series with its own work;
 - `mask-thread`: a thread of its own, handed each step's advance (the layout before: one more thread
   to wake and to hand the GIL to, each step).
@@ -44,7 +46,7 @@ from worker_svc.grammar_masks import GrammarMasks  # noqa: E402
 from worker_svc.launched_step import MAX_STEPS_IN_FLIGHT  # noqa: E402
 from worker_svc.server import GIL_SWITCH_SECONDS  # noqa: E402
 
-MODES = ("plain", "reply", "launcher", "mask-thread")
+MODES = ("plain", "reply", "before-reply", "launcher", "mask-thread")
 QWEN3_VOCAB, QWEN3_EOS = 151_936, (151_645,)
 DRAW_MS = 0.03  # the device's part of a step after its draw is queued (the race's two launches)
 
@@ -127,7 +129,7 @@ class Worker:
                 advance = masks.observe(drawn, end, slots, rows)
                 if mode == "mask-thread":
                     mask_thread.submit(advance)
-            replies.put((end, drawn, advance if mode == "reply" else None))
+            replies.put((end, drawn, advance if mode in ("reply", "before-reply") else None, mode == "reply"))
             self.launcher_work()
             now = time.perf_counter()
             periods.append(now - last)
@@ -138,16 +140,18 @@ class Worker:
         return 1e3 * statistics.median(periods[len(periods) // 10:])
 
     def reply_loop(self, replies: queue.SimpleQueue, in_flight: threading.Semaphore) -> None:
-        """Each step: wait for its end, run its advance (reply mode), answer it (the scheduler then
-        sends another step)."""
+        """Each step: wait for its end, answer it (the scheduler then sends another step), and run its
+        advance after the answer (reply mode) or before it (before-reply mode)."""
         while (item := replies.get()) is not None:
-            end, drawn, advance = item
+            end, drawn, advance, after = item
             end.synchronize()
-            if advance is not None:
+            if advance is not None and not after:
                 advance()
             reply = worker_pb2.StepResponse(step_id=1, token_ids=drawn.tolist(), busy_seconds=1e-3)
             reply.SerializeToString()
             in_flight.release()
+            if advance is not None and after:
+                advance()
 
 
 def main() -> None:

@@ -6,8 +6,8 @@ Each constrained slot's next mask is filled ahead, into a per-slot table in pinn
 copied to the device's copy of the table by whoever fills it. After each step that drew constrained
 rows, the matchers consume the drawn tokens and fill their next masks (llguidance's native fill drops
 the GIL; many rows go to llguidance's own threads). That advance is done by the step's reply thread,
-which is awake the moment the step's tokens are home (it waits for them to answer the scheduler), so
-it costs no thread of its own a wake-up and no extra hand-over of the GIL: at batch 1 the worker is
+which is awake once the step's tokens are home (it waits for them to answer the scheduler, and answers
+first), so it costs no thread of its own a wake-up and no extra hand-over of the GIL: at batch 1 the worker is
 bound by the launcher thread's Python, and every hand-over is launcher time (bench/grammar_gil.py).
 The launcher thread meanwhile builds and queues step N+1's forward pass; only right before step N+1's
 draw does it need step N's advance, normally done by then (if not, it waits for it, or does it

@@ -1,7 +1,7 @@
 """Work that two threads may each be first to need, run once by whichever comes first.
 
 The grammar's advance after a step (grammar_masks.py) is such work: the step's reply thread runs it
-the moment the step's tokens are home, but where that thread is late the launcher needs it done
+once it has answered the step, but where that thread is late the launcher needs it done
 before the next masked draw, and a new sequence's first mask in the same slot must come after it.
 """
 import threading

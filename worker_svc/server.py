@@ -101,11 +101,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         try:
             while (item := launched.get()) is not _END:
                 yield self._reply(*item)
+                item[1].after_reply()  # gRPC asks for the next reply once this one is sent
         finally:  # the client left: finish the device work, reply to no one
             while item is not _END:
                 item = launched.get()
                 if item is not _END:
                     self._reply(*item)
+                    item[1].after_reply()
         log.info("step stream closed")
 
     def _launch_each(self, requests: Iterator[worker_pb2.StepRequest], launched: queue.SimpleQueue) -> None:

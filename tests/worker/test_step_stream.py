@@ -44,10 +44,17 @@ def test_a_refused_step_is_answered_in_order_between_launched_ones(tiny_model_di
 
 
 class _DoneStep:
-    """A step whose device work is already done."""
+    """A step whose device work is already done; it records when its after-reply work ran."""
+
+    def __init__(self, log: list[str] | None = None):
+        self.log = [] if log is None else log
 
     def reply(self, step_id: int) -> worker_pb2.StepResponse:
+        self.log.append(f"reply {step_id}")
         return worker_pb2.StepResponse(step_id=step_id, token_ids=[step_id])
+
+    def after_reply(self) -> None:
+        self.log.append("after reply")
 
 
 class _SlowLaunchRunner:
@@ -83,3 +90,31 @@ def test_a_finished_step_is_answered_while_the_next_one_is_still_being_launched(
     assert next(stream).step_id == 2
     done.set()
     assert list(stream) == []
+
+
+class _LoggingRunner:
+    def __init__(self):
+        self.log: list[str] = []
+
+    def launch(self, request: worker_pb2.StepRequest) -> _DoneStep:
+        return _DoneStep(self.log)
+
+
+def test_a_steps_after_reply_work_waits_until_its_reply_is_handed_out():
+    """The grammars' advance needs a step's tokens, not its reply: run after the reply is handed to gRPC
+    (which asks for the next one once this one is sent), so the scheduler, which sends a step on each
+    reply, never waits for it."""
+    runner, done = _LoggingRunner(), threading.Event()
+
+    def requests():
+        yield from (worker_pb2.StepRequest(step_id=1), worker_pb2.StepRequest(step_id=2))
+        done.wait(timeout=30)
+
+    stream = WorkerService(runner).Step(requests(), _StreamContext())
+    assert next(stream).step_id == 1
+    assert runner.log == ["reply 1"]  # handed out; its after-reply work not yet run
+    assert next(stream).step_id == 2
+    assert runner.log == ["reply 1", "after reply", "reply 2"]
+    done.set()
+    assert list(stream) == []
+    assert runner.log == ["reply 1", "after reply", "reply 2", "after reply"]
