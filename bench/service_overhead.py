@@ -60,6 +60,9 @@ class NullStep:
         return worker_pb2.StepResponse(step_id=step_id, token_ids=self.tokens, busy_seconds=self.busy,
                                        idle_seconds=self.idle, host_seconds=self.host)
 
+    def after_reply(self) -> None:
+        """Nothing waits for a null step's tokens."""
+
 
 class NullRunner:
     """A runner that computes nothing, behind the real worker service (its step loop included):

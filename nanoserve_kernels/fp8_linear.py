@@ -109,14 +109,6 @@ def takes_scaled_mm(k: int, weight: torch.Tensor, block: tuple[int, int]) -> boo
     return block == (128, 128) and k % 128 == 0 and weight.shape[0] % 128 == 0
 
 
-def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x @ W.T through torch's blockwise scaled_mm: x quantized per token and 128 columns, its scales
-    token-minor and its rows padded to a multiple of 4, as cuBLAS wants them."""
-    from nanoserve_kernels.triton_fp8_quant import quantize_activation
-    x_quantized, x_scale = quantize_activation(x, token_minor=True, padded_rows=-(-x.shape[0] // 4) * 4)
-    return _scaled_mm_quantized(x_quantized, x_scale, weight, scale, x.dtype)[:x.shape[0]]
-
-
 def _scaled_mm_quantized(x_quantized: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
                          scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The padded rows' product, the weight scales' K blocks padded to a multiple of 4 as cuBLAS wants."""

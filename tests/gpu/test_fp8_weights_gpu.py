@@ -19,7 +19,7 @@ import torch
 from nanoserve_cli.demo_model import config_json, random_weights, write_checkpoint
 from nanoserve_cli.fp8_checkpoint import write_fp8_checkpoint
 from nanoserve_kernels import fp8_configs, fp8_reference
-from nanoserve_kernels.fp8_configs import W8A8
+from nanoserve_kernels.fp8_configs import SCALED_MM, W8A8, Fp8Choice
 from nanoserve_model.step_context import step_context
 from tests.worker.fp8_models import write_dequantized
 from tests.worker.test_fp8_kernels import (ROWS, check_gemm, check_gemv, check_norm_quantize, check_quantize,
@@ -117,11 +117,16 @@ def test_the_norm_quantizing_for_the_projection_gives_the_unfused_output(silu_mu
 
 
 def test_torch_blockwise_scaled_mm_matches_the_reference_where_it_runs():
-    from nanoserve_kernels.fp8_linear import scaled_mm
+    """The W8A8 path through torch's blockwise scaled_mm, as the table may choose it: x quantized in the
+    layout cuBLAS wants (scales token-minor, rows padded to a multiple of 4), 300 rows."""
+    from nanoserve_kernels.fp8_linear import input_layout, quantized_linear
+    from nanoserve_kernels.triton_fp8_quant import quantize_activation
     weight, scale = random_fp8(4096, 4096, (128, 128), "cuda", 1)
     x = torch.randn(300, 4096, device="cuda", dtype=torch.bfloat16)
+    chosen = Fp8Choice(W8A8, SCALED_MM)
+    quantized = quantize_activation(x, **input_layout(chosen, x.shape, weight, (128, 128)))
     try:
-        got = scaled_mm(x, weight, scale)
+        got = quantized_linear(quantized, len(x), x.dtype, weight, scale, (128, 128), chosen=chosen)
     except (AttributeError, RuntimeError, NotImplementedError) as err:
         pytest.skip(f"torch {torch.__version__} has no blockwise scaled_mm here: {type(err).__name__}: {err}")
     expected = fp8_reference.fp8_linear(x, weight, scale, (128, 128), quantize_input=True)
