@@ -20,8 +20,6 @@ from nanoserve_kernels.triton_kv_store import round_to_e4m3_grid
 GROUPS = 8
 
 
-# One compile whatever the batch: the row count, and the scale strides that follow it (token-minor
-# scales of a padded batch), are not specialized on (a batch that is a multiple of 16 would compile anew).
 @triton.jit
 def quantize_groups(x, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr):
     """(values on the e4m3 grid, in float32; scale [groups]) of x [groups, group size] in float32."""
@@ -29,6 +27,8 @@ def quantize_groups(x, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr):
     return round_to_e4m3_grid(tl.clamp(tl.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)), scale
 
 
+# One compile whatever the batch: the row count, and the scale strides that follow it (token-minor
+# scales of a padded batch), are not specialized on (a batch that is a multiple of 16 would compile anew).
 @triton.jit(do_not_specialize=["rows", "stride_sm", "stride_sk"])
 def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, rows, k_size, stride_x, stride_q, stride_sm, stride_sk,
                             GROUP: tl.constexpr, GROUPS: tl.constexpr, FP8_MAX: tl.constexpr,

@@ -41,15 +41,15 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
         x = s
     inverse_rms = libdevice.rsqrt(tl.sum(s * s, axis=0) / n + eps)
     weight = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    normed = weight * (x * inverse_rms)
     if GROUP:
-        normed = (weight * (x * inverse_rms)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
         q, scale = quantize_groups(tl.reshape(normed, [BLOCK // GROUP, GROUP]), FP8_MAX, AMAX_FLOOR)
         tl.store(out_ptr + row * stride_out + cols, tl.reshape(q, [BLOCK]).to(out_ptr.dtype.element_ty), mask=ok)
         groups = tl.arange(0, BLOCK // GROUP)
         tl.store(scale_ptr + row * stride_sm + groups * stride_sk, scale, mask=groups * GROUP < n)
     else:
-        tl.store(out_ptr + row * stride_out + cols, (weight * (x * inverse_rms)).to(out_ptr.dtype.element_ty),
-                 mask=ok)
+        tl.store(out_ptr + row * stride_out + cols, normed.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def _warps(block: int) -> int:

@@ -138,30 +138,25 @@ class WorkerGroup:
                                                        metadata=self.metadata)
             except grpc.aio.AioRpcError as err:
                 self.restarting = True
-                now = time.monotonic()
                 if err.code() in _FINAL_CODES:
                     raise WorkerUnavailable(f"{self.name(rank)} refused the handshake: {err.code().name}: "
                                             f"{err.details()}", final=True) from err
-                if now >= deadline:
-                    raise WorkerUnavailable(f"{self.name(rank)} did not answer within {timeout:.0f}s: "
-                                            f"{err.code().name}") from err
-                if now >= next_log:
-                    log.info("waiting for %s (%s: %s)", self.name(rank), err.code().name, err.details())
-                    next_log = now + 10
-                await asyncio.sleep(HANDSHAKE_POLL_SECONDS)
-                continue
-            if info.instance_id not in self.failed_instances:
-                self.restarting = self.restarting or bool(self.failed_instances)
-                return info
-            self.stale_ranks.add(rank)
-            if not self.restarting and len(self.stale_ranks) == len(self.stubs):
-                return info  # every rank is still the failed group's process: no rank died, the group is whole
+                late, waiting, cause = (f"did not answer within {timeout:.0f}s: {err.code().name}",
+                                        f"({err.code().name}: {err.details()})", err)
+            else:
+                if info.instance_id not in self.failed_instances:
+                    self.restarting = self.restarting or bool(self.failed_instances)
+                    return info
+                self.stale_ranks.add(rank)
+                if not self.restarting and len(self.stale_ranks) == len(self.stubs):
+                    return info  # every rank is still the failed group's process: no rank died, the group is whole
+                late = f"did not restart within {timeout:.0f}s: it still answers from the failed group's process"
+                waiting, cause = "to restart: it answers from the failed group's process", None
             now = time.monotonic()
             if now >= deadline:
-                raise WorkerUnavailable(f"{self.name(rank)} did not restart within {timeout:.0f}s: it still "
-                                        "answers from the failed group's process")
+                raise WorkerUnavailable(f"{self.name(rank)} {late}") from cause
             if now >= next_log:
-                log.info("waiting for %s to restart: it answers from the failed group's process", self.name(rank))
+                log.info("waiting for %s %s", self.name(rank), waiting)
                 next_log = now + 10
             await asyncio.sleep(HANDSHAKE_POLL_SECONDS)
 

@@ -4,8 +4,7 @@ step's tokens to come home, the matchers consuming them and filling their next m
 first masks, their compile included (the mask thread); and what the launcher thread spent waiting for
 that work, then handing the masks to the draw (the mask kernel's launch, where processors or logprobs
 follow; otherwise the sampler's race reads the masks). The fill's part includes queuing the filled rows'
-copy to the device. A step whose forward outlasts that work shows no
-launcher wait.
+copy to the device. A step whose forward outlasts that work shows no launcher wait.
 
 The figures add up over a run of consecutive masked steps and are logged as one line when the
 run ends (the first sampled step with no constrained row), so a benchmark can read each phase's
