@@ -52,16 +52,19 @@ def launches(mode: str, rows: int, silu_mul: bool) -> list[dict]:
     """The launch shapes tried: a row block as tall as the bucket, 64 rows at most (the weight-only GEMM, at 32
     rows and under: 32 or 64 columns; W8A8: 64 or 128), and from 128 rows 128 x 64 and 128 x 128 tiles (not
     for the gate/up GEMM, which holds two accumulators), each with K unsplit or split over 2 or 4 programs (up
-    to SPLIT_MAX_ROWS rows: a 4,096-row projection has 32-64 tiles of 128 x 128 for 132 multiprocessors)."""
+    to SPLIT_MAX_ROWS rows: a 4,096-row projection has 32-64 tiles of 128 x 128 for 132 multiprocessors);
+    W8A8 each with its tiles loaded by pointers and through tensor descriptors (TMA)."""
     height = min(64, max(16, rows))
     tiles = [(height, 32), (height, 64)] if mode == WEIGHT_ONLY else [(height, 64), (height, 128)]
     if mode == W8A8 and rows >= 128:
         tiles += [(128, 64)] + ([] if silu_mul else [(128, 128)])
     shapes = []
-    for (block_m, block_n), split in itertools.product(tiles, SPLITS if rows <= SPLIT_MAX_ROWS else (1,)):
+    tma = (False, True) if mode == W8A8 else (False,)
+    for (block_m, block_n), split, through_tma in itertools.product(tiles, SPLITS if rows <= SPLIT_MAX_ROWS else (1,),
+                                                                    tma):
         tile = block_m * block_n  # 8 warps from 64 x 128 on: with 4, its float32 sums and the scaled step spill
         shapes.append(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, num_warps=8 if tile >= 8192 else 4,
-                           num_stages=3 if tile >= 128 * 128 else 4, SPLIT_K=split))
+                           num_stages=3 if tile >= 128 * 128 else 4, SPLIT_K=split, TMA=through_tma))
     return shapes
 
 

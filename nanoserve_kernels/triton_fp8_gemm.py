@@ -23,12 +23,18 @@ projection against 50 us at 512). Each program stores its float32 partial sums i
 itself in the tile's counter; the last to arrive adds the partials in split order (the same sums whatever
 the arrival order), runs the epilogue and sets the counter back to zero for the next call (CUTLASS's
 serial split-K), so no second kernel and no memset.
+
+TMA (W8A8 only) loads the a and weight tiles through tensor descriptors: Hopper's tensor-memory accelerator
+copies each 128-byte-wide e4m3 tile into shared memory, with no address arithmetic in the threads and edges
+read as zeros. The tuner offers every W8A8 launch both ways; on an H100 it won at 64-256 rows on the 8B shape's
+q/k/v, o and down projections by 0.3-1.3 us a call (bench/RESULTS.md).
 """
 import functools
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanoserve_kernels.fp8_reference import ACT_GROUP
 from nanoserve_kernels.triton_activation import silu_mul
@@ -38,12 +44,10 @@ SPLIT_K_COUNTERS = 1 << 16
 
 
 @triton.jit
-def _scaled_step(a, w_ptrs, w_scale_ptrs, mask_w, scale_ok, a_scale, W8A8: tl.constexpr, TILE_SCALE: tl.constexpr):
+def _scaled_step(a, w, w_scale, a_scale, W8A8: tl.constexpr, TILE_SCALE: tl.constexpr):
     """One BLOCK_K step's product of the a tile with a weight tile, scaled to float32. TILE_SCALE: one weight
-    scale for the tile's columns (w_scale_ptrs a pointer, not a row of them), so the scaling is one multiply
-    an element, not the outer product of two scale vectors and a multiply (the same float32 products)."""
-    w = tl.load(w_ptrs, mask=mask_w, other=0.0)
-    w_scale = tl.load(w_scale_ptrs, mask=scale_ok, other=0.0)
+    scale for the tile's columns (w_scale a scalar, not a row of them), so the scaling is one multiply an
+    element, not the outer product of two scale vectors and a multiply (the same float32 products)."""
     if TILE_SCALE:
         if W8A8:
             return tl.dot(a, tl.trans(w)) * (a_scale * w_scale)[:, None]
@@ -79,10 +83,11 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, 
                      SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ACT_GROUP: tl.constexpr, W8A8: tl.constexpr,
                      SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr = 1,
-                     TILE_SCALE: tl.constexpr = False):
+                     TILE_SCALE: tl.constexpr = False, TMA: tl.constexpr = False):
     # Programs in groups of GROUP_M row blocks over each column block: the weight tiles they share
     # are read from memory once and from L2 after. With SPLIT_K, axis 1 is the program's share of K.
-    # TILE_SCALE: the tile's columns, and their up rows, lie in one row of weight scales.
+    # TILE_SCALE: the tile's columns, and their up rows, lie in one row of weight scales. TMA: a_ptr and w_ptr
+    # are tensor descriptors, whose tiles Hopper's tensor-memory accelerator copies (rows past the edges zero).
     pid = tl.program_id(0)
     row_blocks, col_blocks = tl.cdiv(rows, BLOCK_M), tl.cdiv(n_size, BLOCK_N)
     group_size = GROUP_M * col_blocks
@@ -95,8 +100,9 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, 
     col = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     row_ok, col_ok = row < rows, col < n_size
-    a_ptrs = a_ptr + row[:, None].to(tl.int64) * stride_a + k[None, :]
-    w_ptrs = w_ptr + col[:, None].to(tl.int64) * stride_w + k[None, :]
+    if not TMA:
+        a_ptrs = a_ptr + row[:, None].to(tl.int64) * stride_a + k[None, :]
+        w_ptrs = w_ptr + col[:, None].to(tl.int64) * stride_w + k[None, :]
     if TILE_SCALE:
         w_scale_ptrs = w_scale_ptr + (col_block * BLOCK_N // SCALE_BN) * stride_wsn
     else:
@@ -106,26 +112,35 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, 
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     a_scale = tl.zeros([BLOCK_M], tl.float32)
-    # split_steps BLOCK_K steps a split; the last split's may pass K: masked, adding zeros
+    # split_steps BLOCK_K steps a split; the last split's may pass K: masked (TMA: read as zeros), adding zeros
     k_first = tl.program_id(1) * split_steps * BLOCK_K
     for step in range(0, split_steps):
         start = k_first + step * BLOCK_K
-        k_ok = start + k < k_size
-        a = tl.load(a_ptrs + start, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if TMA:  # a and w are descriptors; a gate tile past N reads up rows, whose columns are not stored
+            a = a_ptr.load([row_block * BLOCK_M, start])
+            w = w_ptr.load([col_block * BLOCK_N, start])
+        else:
+            k_ok = start + k < k_size
+            mask_w = col_ok[:, None] & k_ok[None, :]
+            a = tl.load(a_ptrs + start, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs + start, mask=mask_w, other=0.0)
         if W8A8:
             a_scale = tl.load(a_scale_ptr + row * stride_asm + (start // ACT_GROUP) * stride_ask,
                               mask=row_ok & (start < k_size), other=0.0)
-        mask_w = col_ok[:, None] & k_ok[None, :]
         if TILE_SCALE:
             scale_ok = start < k_size
         else:
             scale_ok = col_ok & (start < k_size)
         scale_step = (start // SCALE_BK) * stride_wsk
-        acc += _scaled_step(a, w_ptrs + start, w_scale_ptrs + scale_step, mask_w, scale_ok, a_scale, W8A8,
-                            TILE_SCALE)
+        w_scale = tl.load(w_scale_ptrs + scale_step, mask=scale_ok, other=0.0)
+        acc += _scaled_step(a, w, w_scale, a_scale, W8A8, TILE_SCALE)
         if SILU_MUL:
-            up_acc += _scaled_step(a, w_ptrs + up_offset + start, w_scale_ptrs + up_scale_offset + scale_step,
-                                   mask_w, scale_ok, a_scale, W8A8, TILE_SCALE)
+            if TMA:
+                w_up = w_ptr.load([n_size + col_block * BLOCK_N, start])
+            else:
+                w_up = tl.load(w_ptrs + up_offset + start, mask=mask_w, other=0.0)
+            up_scale = tl.load(w_scale_ptrs + up_scale_offset + scale_step, mask=scale_ok, other=0.0)
+            up_acc += _scaled_step(a, w_up, up_scale, a_scale, W8A8, TILE_SCALE)
     store_ok = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K > 1:
         tiles = row_blocks * col_blocks
@@ -149,6 +164,12 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, 
     tl.store(out_ptr + row[:, None].to(tl.int64) * stride_out + col[None, :], acc.to(out_dtype), mask=store_ok)
 
 
+def takes_tma(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x and the weight can be read through tensor descriptors: 16-byte aligned starts and rows. (TMA
+    serves W8A8 only: its e4m3 tiles' 128-column rows are one 128-byte swizzle span.)"""
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (x, weight))
+
+
 @functools.cache
 def _split_k_counters(device: torch.device) -> torch.Tensor:
     """The device's tile counters (zero between launches, in stream order; allocated before graph capture by
@@ -161,7 +182,8 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
              silu_mul: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) [M, N] for x [M, K]: W8A8 when x is e4m3 with its `x_scale` [M, ceil(K / 128)],
     weight-only when x is 16-bit; with `silu_mul`, silu(gate) * up [M, N / 2] of the packed (gate, up).
-    `launch`: BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, optionally SPLIT_K (fp8_configs.py)."""
+    `launch`: BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, optionally SPLIT_K and TMA (W8A8's
+    loads through tensor descriptors, where takes_tma; fp8_configs.py)."""
     rows, k_size = x.shape
     n_size = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     assert x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == k_size
@@ -177,12 +199,16 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         partials = torch.empty(split_k * tiles * 2 * launch["BLOCK_M"] * launch["BLOCK_N"], dtype=torch.float32,
                                device=x.device)
         counters = _split_k_counters(x.device)
+    tma = launch.get("TMA", False) and w8a8 and takes_tma(x, weight)
+    a_arg, w_arg = (x, weight) if not tma else (
+        TensorDescriptor.from_tensor(x, [launch["BLOCK_M"], launch["BLOCK_K"]]),
+        TensorDescriptor.from_tensor(weight, [launch["BLOCK_N"], launch["BLOCK_K"]]))
     _fp8_gemm_kernel[(tiles, split_k)](
-        x, x_scale, weight, weight_scale, bias, out, partials, counters, rows, n_size, k_size,
+        a_arg, x_scale, w_arg, weight_scale, bias, out, partials, counters, rows, n_size, k_size,
         triton.cdiv(triton.cdiv(k_size, launch["BLOCK_K"]), split_k), x.stride(0),
         x_scale.stride(0) if w8a8 else 0, x_scale.stride(1) if w8a8 else 0, weight.stride(0),
         weight_scale.stride(0), 0 if per_row else weight_scale.stride(1), out.stride(0),
         SCALE_BN=block[0], SCALE_BK=launch["BLOCK_K"] if per_row else block[1], ACT_GROUP=ACT_GROUP, W8A8=w8a8,
-        SILU_MUL=silu_mul, HAS_BIAS=bias is not None, **dict(launch, SPLIT_K=split_k),
+        SILU_MUL=silu_mul, HAS_BIAS=bias is not None, **dict(launch, SPLIT_K=split_k, TMA=tma),
         TILE_SCALE=block[0] % launch["BLOCK_N"] == 0 and (not silu_mul or n_size % block[0] == 0))
     return out

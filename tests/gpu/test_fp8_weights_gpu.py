@@ -56,6 +56,9 @@ def test_quantize_gemm_and_gemv_match_the_reference_in_bfloat16():
         check_gemm("cuda", torch.bfloat16, fp8_configs.default_choice(fp8_configs.bucket(rows)).launch)
     for split_k in (2, 3):  # K split over programs, a step each or more, some splits past K
         check_gemm("cuda", torch.bfloat16, dict(fp8_configs.default_choice(64).launch, SPLIT_K=split_k))
+    for split_k in (1, 3):  # the tiles copied by the tensor-memory accelerator, in the tuner's 128 x 128 tiles too
+        for launch in (fp8_configs.default_choice(64).launch, fp8_configs.default_choice(512).launch):
+            check_gemm("cuda", torch.bfloat16, dict(launch, SPLIT_K=split_k, TMA=True))
 
 
 @pytest.mark.parametrize("block", [(128, 128), (1, 4096)])

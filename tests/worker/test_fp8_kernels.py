@@ -132,6 +132,12 @@ def run_interpreted_cases(kernel: str) -> None:
         check_gemm("cpu", torch.float16, dict(SMALL_LAUNCH, BLOCK_M=64, BLOCK_N=64, SPLIT_K=3),
                    fp8_reference.quantize_activation, rows_tried=(2, 70))
         return
+    if kernel == "gemm_tma":  # the loads through tensor descriptors (where the rows are 16-byte aligned: not the
+        # 200-column shape), K split or not; edge tiles read as zeros
+        for split in (1, 3):
+            check_gemm("cpu", torch.float16, dict(SMALL_LAUNCH, BLOCK_M=64, BLOCK_N=64, SPLIT_K=split, TMA=True),
+                       fp8_reference.quantize_activation, rows_tried=(2, 70))
+        return
     if kernel == "gemv":  # Triton's conversion, then the integer one summing once a row, a dtype each (the PTX
         check_gemv("cpu", torch.float32)  # conversion runs on CUDA only: tests/gpu)
         check_gemv("cpu", torch.float16, convert="bits", sum_once=True, stream=True)
@@ -146,7 +152,8 @@ def run_interpreted_cases(kernel: str) -> None:
 
 
 @pytest.mark.parametrize("kernel", each_in_its_own_group("fp8-interpreter",
-                                                         ("quantize", "gemm", "gemv", "gemv_x_by_thread")))
+                                                         ("quantize", "gemm", "gemm_tma", "gemv",
+                                                                            "gemv_x_by_thread")))
 def test_fp8_kernel_matches_reference_in_interpreter(interpreter, kernel: str) -> None:
     interpreter.run(__file__, kernel)
 
@@ -181,23 +188,29 @@ def _loop_bodies(ptx: str) -> list[str]:
     (True, False, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)),
     (True, True, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4, SPLIT_K=4)),
     (True, True, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)),
+    (True, True, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4, SPLIT_K=2, TMA=True)),
+    (True, False, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3, TMA=True)),
     (False, False, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)),
     (False, True, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)),
 ])
 def test_fp8_gemm_compiles_for_hopper(w8a8: bool, silu_mul: bool, launch: dict) -> None:
     """sm_90 in bfloat16: W8A8 runs e4m3 tensor-core dots (the interpreter multiplies in numpy); the SiLU-and-mul
-    variants with a bias; with K split, one thread a program counts it in its tile's counter (acquire-release)."""
+    variants with a bias; with K split, one thread a program counts it in its tile's counter (acquire-release);
+    with TMA, x and the weight are tensor descriptors whose tiles the tensor-memory accelerator copies."""
     from nanoserve_kernels import triton_fp8_gemm
-    types = {"a_ptr": "*fp8e4nv" if w8a8 else "*bf16", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv",
-             "w_scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32",
-             "counter_ptr": "*i32"}
+    tma = launch.get("TMA", False)
+    tile = lambda rows: f"tensordesc<fp8e4nv[{rows}, {launch['BLOCK_K']}]>"  # noqa: E731
+    types = {"a_ptr": tile(launch["BLOCK_M"]) if tma else "*fp8e4nv" if w8a8 else "*bf16", "a_scale_ptr": "*fp32",
+             "w_ptr": tile(launch["BLOCK_N"]) if tma else "*fp8e4nv", "w_scale_ptr": "*fp32", "bias_ptr": "*bf16",
+             "out_ptr": "*bf16", "partial_ptr": "*fp32", "counter_ptr": "*i32"}
     constexprs = dict(SCALE_BN=128, SCALE_BK=128, ACT_GROUP=128, W8A8=w8a8, SILU_MUL=silu_mul, HAS_BIAS=silu_mul,
                       **{name: launch[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")},
-                      SPLIT_K=launch.get("SPLIT_K", 1), TILE_SCALE=w8a8)  # one weight scale a tile, or a column
+                      SPLIT_K=launch.get("SPLIT_K", 1), TILE_SCALE=w8a8, TMA=tma)  # a weight scale a tile, or a column
     ptx = _compile_for_hopper(triton_fp8_gemm._fp8_gemm_kernel, types, constexprs, num_warps=launch["num_warps"],
                               num_stages=launch["num_stages"])
     assert "e4m3" in ptx
     assert ptx.count("atom.global.gpu.acq_rel.add") == (launch.get("SPLIT_K", 1) > 1)
+    assert ("cp.async.bulk.tensor.2d" in ptx) == tma
 
 
 @pytest.mark.parametrize("mode, silu_mul, convert, sum_once, stream", [
