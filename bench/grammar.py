@@ -224,6 +224,7 @@ async def measure(address: str, repeats: int, shape: tuple[int, int, int], log: 
             itl["json_schema"].append(await itl_ms(stub, LONG))
             splits.append(await end_masked_run(stub, log))
         out["itl_batch1_ms"] = {name: statistics.median(values) for name, values in itl.items()}
+        out["itl_pairs_ms"] = itl  # each repeat's pair, in order: the spread behind the medians
         out["itl_mask_split"] = {part: statistics.median(split.get(part, 0.0) for split in splits)
                                  for part in splits[0]} if splits and splits[0] else {}
         out["itl_ratio"] = out["itl_batch1_ms"]["json_schema"] / out["itl_batch1_ms"]["plain"]
