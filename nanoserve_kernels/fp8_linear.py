@@ -11,7 +11,9 @@ The projections' fusions take the same kernels: the RMSNorm before q/k/v and gat
 the matrix-vector kernel's prologue (triton_gemv.rms_norm_gemv with the weight's scales), and the
 SiLU-and-mul after gate/up the GEMM's epilogue (fp8_gate_up_silu). Before a W8A8 GEMM the RMSNorm
 quantizes its own output (input_quantization says in which layout, quantized_linear takes it:
-nanoserve_model/row_fusion.py); the o and down projections' activations take a quantization pass.
+nanoserve_model/row_fusion.py); so does the SiLU-and-mul pass after torch's scaled_mm for the down
+projection (`output_layout`); the o projection's activations, and the down projection's after the Triton
+GEMM's epilogue, take a quantization pass.
 """
 import functools
 
@@ -20,6 +22,9 @@ import torch.nn.functional as F
 
 from nanoserve_kernels import fp8_configs, fp8_reference
 from nanoserve_kernels.fp8_configs import SCALED_MM, W8A8, Fp8Choice
+
+# A projection's output: in the model dtype, or quantized for the next W8A8 GEMM (e4m3 values, their scales).
+Activation = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 @functools.cache
@@ -42,7 +47,7 @@ def choice(rows: int, weight: torch.Tensor, silu_mul: bool = False) -> Fp8Choice
 
 
 def _gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-          bias: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
+          bias: torch.Tensor | None, silu_mul: bool, output_layout: dict | None = None) -> Activation:
     """The GEMM of more than one row, as chosen for the shape and bucket."""
     from nanoserve_kernels.triton_fp8_gemm import fp8_gemm
     from nanoserve_kernels.triton_fp8_quant import quantize_activation
@@ -50,7 +55,7 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tup
     if chosen.mode != W8A8:
         return fp8_gemm(x, weight, scale, block, _launch(chosen, scale, block), bias=bias, silu_mul=silu_mul)
     quantized = quantize_activation(x, **input_layout(chosen, x.shape, weight, block))
-    return _w8a8(quantized, x.shape[0], x.dtype, weight, scale, block, bias, silu_mul, chosen)
+    return _w8a8(quantized, x.shape[0], x.dtype, weight, scale, block, bias, silu_mul, chosen, output_layout)
 
 
 def _launch(chosen: Fp8Choice, scale: torch.Tensor, block: tuple[int, int]) -> dict:
@@ -69,39 +74,45 @@ def input_layout(chosen: Fp8Choice, x_shape: torch.Size, weight: torch.Tensor, b
 
 def _w8a8(quantized: tuple[torch.Tensor, torch.Tensor], rows: int, dtype: torch.dtype, weight: torch.Tensor,
           scale: torch.Tensor, block: tuple[int, int], bias: torch.Tensor | None, silu_mul: bool,
-          chosen: Fp8Choice) -> torch.Tensor:
-    """The W8A8 GEMM of `rows` rows quantized in input_layout's layout, output in `dtype`."""
+          chosen: Fp8Choice, output_layout: dict | None = None) -> Activation:
+    """The W8A8 GEMM of `rows` rows quantized in input_layout's layout, output in `dtype`; with `silu_mul` and
+    `output_layout`, the SiLU-and-mul quantized in that layout where it is a pass of its own (scaled_mm)."""
     from nanoserve_kernels.triton_activation import silu_and_mul
     from nanoserve_kernels.triton_fp8_gemm import fp8_gemm
+    from nanoserve_kernels.triton_fp8_quant import quantize_activation
     x_quantized, x_scale = quantized
     if chosen.backend == SCALED_MM and takes_scaled_mm(x_quantized.shape[1], weight, block):
         y = _scaled_mm_quantized(x_quantized, x_scale, weight, scale, dtype)[:rows]
         y = y if bias is None else y + bias
+        if silu_mul and output_layout is not None:
+            return quantize_activation(y, silu_mul=True, **output_layout)
         return silu_and_mul(y) if silu_mul else y  # each half rounded first, as the fused epilogue
     return fp8_gemm(x_quantized, weight, scale, block, _launch(chosen, scale, block), x_scale=x_scale, bias=bias,
                     silu_mul=silu_mul, out_dtype=dtype)
 
 
-def input_quantization(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int], silu_mul: bool = False
-                       ) -> dict | None:
+def input_quantization(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int], silu_mul: bool = False,
+                       columns: int | None = None) -> dict | None:
     """For x [rows, K] that the projection (fp8_linear, or fp8_gate_up_silu with `silu_mul`) would quantize for
     a W8A8 GEMM: quantize_activation's layout (token_minor, padded_rows), so that the kernel making x can
-    quantize it instead (triton_rms_norm.rms_norm_fp8); None where x goes in unquantized."""
+    quantize it instead (triton_rms_norm.rms_norm_fp8); None where x goes in unquantized. `columns`: K, where x
+    is the tensor that x will be made from (same rows, device and dtype)."""
     if not on_kernels(x, block) or x.shape[0] < 2:
         return None
     chosen = choice(x.shape[0], weight, silu_mul)
-    return input_layout(chosen, x.shape, weight, block) if chosen.mode == W8A8 else None
+    shape = torch.Size((x.shape[0], columns or x.shape[1]))
+    return input_layout(chosen, shape, weight, block) if chosen.mode == W8A8 else None
 
 
 def quantized_linear(quantized: tuple[torch.Tensor, torch.Tensor], rows: int, dtype: torch.dtype,
                      weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-                     bias: torch.Tensor | None = None, silu_mul: bool = False, chosen: Fp8Choice | None = None
-                     ) -> torch.Tensor:
-    """fp8_linear (fp8_gate_up_silu with `silu_mul`) of x [rows, K] in `dtype`, given x already quantized in
-    the layout input_quantization gave; through `chosen` (a W8A8 choice: the tuner's candidates), else the
-    table's."""
+                     bias: torch.Tensor | None = None, silu_mul: bool = False, chosen: Fp8Choice | None = None,
+                     output_layout: dict | None = None) -> Activation:
+    """fp8_linear (fp8_gate_up_silu with `silu_mul`, and its `output_layout`) of x [rows, K] in `dtype`, given x
+    already quantized in the layout input_quantization gave; through `chosen` (a W8A8 choice: the tuner's
+    candidates), else the table's."""
     chosen = chosen or choice(rows, weight, silu_mul)
-    return _w8a8(quantized, rows, dtype, weight, scale, block, bias, silu_mul, chosen)
+    return _w8a8(quantized, rows, dtype, weight, scale, block, bias, silu_mul, chosen, output_layout)
 
 
 def takes_scaled_mm(k: int, weight: torch.Tensor, block: tuple[int, int]) -> bool:
@@ -132,9 +143,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
 
 
 def fp8_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-                     bias: torch.Tensor | None = None) -> torch.Tensor | None:
+                     bias: torch.Tensor | None = None, output_layout: dict | None = None) -> Activation | None:
     """silu(gate) * up of x [rows > 1, K] times the packed (gate, up) e4m3 weight, the SiLU-and-mul in the
-    GEMM's epilogue; None where the kernels do not take x."""
+    GEMM's epilogue, or a pass of its own that quantizes it in `output_layout` if given (scaled_mm); None
+    where the kernels do not take x."""
     if not on_kernels(x, block) or x.shape[0] < 2:
         return None
-    return _gemm(x, weight, scale, block, bias, silu_mul=True)
+    return _gemm(x, weight, scale, block, bias, silu_mul=True, output_layout=output_layout)

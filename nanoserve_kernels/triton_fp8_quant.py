@@ -9,12 +9,16 @@ hundreds of thousands of programs for a long prefill. The scales are written thr
 caller picks their layout: torch's blockwise scaled_mm wants them token-minor ([K / 128, M] stored,
 seen as [M, K / 128]). `quantize_groups` is the arithmetic, which the RMSNorm kernel also runs on the rows
 it normalizes (triton_rms_norm.py), so that the projections after a norm need no pass of their own.
+With `silu_mul` the pass reads the MLP's packed (gate, up) instead and quantizes silu(gate) * up, rounded to
+the input's dtype first: bit for bit the SiLU-and-mul pass then this one, in one pass (the down projection
+after a gate/up GEMM whose epilogue cannot make the SiLU-and-mul, torch's scaled_mm).
 """
 import torch
 import triton
 import triton.language as tl
 
 from nanoserve_kernels.fp8_reference import ACT_GROUP, AMAX_FLOOR, FP8_DTYPE, FP8_MAX
+from nanoserve_kernels.triton_activation import silu_mul
 from nanoserve_kernels.triton_kv_store import round_to_e4m3_grid
 
 GROUPS = 8
@@ -32,12 +36,17 @@ def quantize_groups(x, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr):
 @triton.jit(do_not_specialize=["rows", "stride_sm", "stride_sk"])
 def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, rows, k_size, stride_x, stride_q, stride_sm, stride_sk,
                             GROUP: tl.constexpr, GROUPS: tl.constexpr, FP8_MAX: tl.constexpr,
-                            AMAX_FLOOR: tl.constexpr):
+                            AMAX_FLOOR: tl.constexpr, SILU_MUL: tl.constexpr = False):
     row = tl.program_id(0)
     group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     ok = cols < k_size
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    x = tl.load(x_row + cols, mask=ok, other=0.0)
+    if SILU_MUL:  # x holds (gate, up), each k_size wide: the activation rounded as the SiLU-and-mul pass stores it
+        up = tl.load(x_row + k_size + cols, mask=ok, other=0.0)
+        x = silu_mul(x.to(tl.float32), up.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    x = x.to(tl.float32)
     q, scale = quantize_groups(x, FP8_MAX, AMAX_FLOOR)
     tl.store(q_ptr + row.to(tl.int64) * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(scale_ptr + row * stride_sm + group * stride_sk, scale, mask=group * GROUP < k_size)
@@ -55,16 +64,17 @@ def empty_quantized(rows: int, k_size: int, device: torch.device, token_minor: b
     return q, torch.empty(padded_rows, groups, dtype=torch.float32, device=device)
 
 
-def quantize_activation(x: torch.Tensor, token_minor: bool = False, padded_rows: int | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activation(x: torch.Tensor, token_minor: bool = False, padded_rows: int | None = None,
+                        silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 [M, K], scales [M, ceil(K / ACT_GROUP)]) of x [M, K]. `token_minor` stores the scales as
     their transpose (stride (1, rows)); `padded_rows` (>= M) sizes both outputs for that many rows, the
-    rows past M left unwritten (torch's blockwise scaled_mm wants a multiple of 4)."""
-    rows, k_size = x.shape
-    assert x.stride(1) == 1
+    rows past M left unwritten (torch's blockwise scaled_mm wants a multiple of 4). With `silu_mul`, of
+    silu(gate) * up for x [M, 2K] packed as (gate, up)."""
+    rows, k_size = x.shape[0], x.shape[1] // 2 if silu_mul else x.shape[1]
+    assert x.stride(1) == 1 and (not silu_mul or x.shape[1] % 2 == 0)
     q, scale = empty_quantized(rows, k_size, x.device, token_minor, padded_rows)
     if rows:
         _quantize_groups_kernel[(rows, triton.cdiv(scale.shape[1], GROUPS))](
             x, q, scale, rows, k_size, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1), GROUP=ACT_GROUP,
-            GROUPS=GROUPS, FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR)
+            GROUPS=GROUPS, FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, SILU_MUL=silu_mul)
     return q, scale

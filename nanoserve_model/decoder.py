@@ -68,7 +68,9 @@ class GatedMLP(nn.Module):
     def after_norm(self, norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the MLP of norm(hidden + residual), hidden + residual)."""
-        activation, residual = norm_project_silu_mul(norm, self.gate_up_proj, hidden, residual)
+        activation, residual = norm_project_silu_mul(norm, self.gate_up_proj, hidden, residual, self.down_proj)
+        if isinstance(activation, tuple):  # quantized for the down projection by the SiLU-and-mul pass
+            return self.down_proj.forward_quantized(activation, hidden.shape[0], hidden.dtype), residual
         return self(activation), residual
 
 

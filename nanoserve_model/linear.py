@@ -139,5 +139,17 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, 0, param.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(linear(x, self.weight, None, self.weight_scale, self.weight_block))
+        return self._reduced(linear(x, self.weight, None, self.weight_scale, self.weight_block))
+
+    def forward_quantized(self, quantized: tuple[torch.Tensor, torch.Tensor], rows: int, dtype: torch.dtype
+                          ) -> torch.Tensor:
+        """forward() of x [rows, K] (in `dtype`) given already quantized for this e4m3 weight's W8A8 GEMM, in the
+        layout fp8_linear.input_quantization gives."""
+        from nanoserve_kernels.fp8_linear import quantized_linear
+        return self._reduced(quantized_linear(quantized, rows, dtype, self.weight, self.weight_scale,
+                                              self.weight_block))
+
+    def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
+        """The ranks' partial outputs summed, then the bias."""
+        y = all_reduce(partial)
         return y if self.bias is None else y + self.bias

@@ -5,16 +5,18 @@ step is ~10 small kernels per layer. At 2 to 128 rows the SiLU-and-mul is made i
 epilogue (nanoserve_kernels/triton_gate_up.py; for e4m3 weights, at any batch size past one row, the
 FP8 GEMM's: nanoserve_kernels/fp8_linear.py). Before an e4m3 projection that runs W8A8 at the batch's size,
 the RMSNorm writes the quantized activations itself (nanoserve_kernels/triton_rms_norm.rms_norm_fp8), in
-place of a quantization pass. Larger batches and the CPU run the separate modules, as does any step where
+place of a quantization pass; so does the SiLU-and-mul pass after an e4m3 gate/up run by torch's scaled_mm,
+for the down projection. Larger batches and the CPU run the separate modules, as does any step where
 FUSED lacks the fusion."""
 import torch
 
+from nanoserve_kernels.fp8_linear import Activation
 from nanoserve_model.activation import silu_and_mul
-from nanoserve_model.linear import ColumnParallelLinear, on_matvec_path
+from nanoserve_model.linear import ColumnParallelLinear, RowParallelLinear, on_matvec_path
 from nanoserve_model.norm import RMSNorm
 
 # The fusions in use; tests take them out to compare with the separate kernels.
-FUSED = {"rms_norm", "silu_mul", "gate_up_silu", "rms_norm_quant"}
+FUSED = {"rms_norm", "silu_mul", "gate_up_silu", "rms_norm_quant", "silu_mul_quant"}
 
 
 def takes_weight(proj: ColumnParallelLinear) -> bool:
@@ -30,11 +32,21 @@ def fp8_args(proj: ColumnParallelLinear) -> dict:
     return {} if proj.weight_scale is None else dict(weight_scale=proj.weight_scale, block=proj.weight_block)
 
 
+def _down_layout(down: RowParallelLinear | None, hidden: torch.Tensor) -> dict | None:
+    """The layout in which the e4m3 down projection's W8A8 GEMM takes this batch's activations, for the
+    SiLU-and-mul pass to quantize them into; None where it takes them unquantized or the fusion is off."""
+    if down is None or down.weight_scale is None or "silu_mul_quant" not in FUSED:
+        return None
+    from nanoserve_kernels.fp8_linear import input_quantization
+    return input_quantization(hidden, down.weight, down.weight_block, columns=down.weight.shape[1])
+
+
 def _norm_quantized_project(norm: RMSNorm, proj: ColumnParallelLinear, hidden: torch.Tensor,
-                            residual: torch.Tensor | None, silu_mul: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """norm_project (silu(gate) * up of it with `silu_mul`) with the norm quantizing its output for the e4m3
-    projection's W8A8 GEMM; None where the projection takes this batch unquantized (16-bit, weight-only, one
-    row) or the fusion is off."""
+                            residual: torch.Tensor | None, silu_mul: bool, output_layout: dict | None = None
+                            ) -> tuple[Activation, torch.Tensor] | None:
+    """norm_project (silu(gate) * up of it with `silu_mul`, quantized in `output_layout` where a pass makes it)
+    with the norm quantizing its output for the e4m3 projection's W8A8 GEMM; None where the projection takes
+    this batch unquantized (16-bit, weight-only, one row) or the fusion is off."""
     if "rms_norm_quant" not in FUSED or proj.weight_scale is None or norm.weight.dtype != hidden.dtype:
         return None
     from nanoserve_kernels.fp8_linear import input_quantization, quantized_linear
@@ -44,7 +56,7 @@ def _norm_quantized_project(norm: RMSNorm, proj: ColumnParallelLinear, hidden: t
     from nanoserve_kernels.triton_rms_norm import rms_norm_fp8
     quantized, new_residual = rms_norm_fp8(hidden, norm.weight, norm.eps, residual, **layout)
     out = quantized_linear(quantized, hidden.shape[0], hidden.dtype, proj.weight, proj.weight_scale,
-                           proj.weight_block, proj.bias, silu_mul)
+                           proj.weight_block, proj.bias, silu_mul, output_layout=output_layout)
     return out, hidden if residual is None else new_residual
 
 
@@ -65,19 +77,23 @@ def norm_project(norm: RMSNorm, proj: ColumnParallelLinear, hidden: torch.Tensor
 
 
 def norm_project_silu_mul(norm: RMSNorm, proj: ColumnParallelLinear, hidden: torch.Tensor,
-                          residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(silu(gate) * up of proj(norm(hidden + residual)) packed as (gate, up), hidden + residual)."""
+                          residual: torch.Tensor, down: RowParallelLinear | None = None
+                          ) -> tuple[Activation, torch.Tensor]:
+    """(silu(gate) * up of proj(norm(hidden + residual)) packed as (gate, up), hidden + residual); the
+    activation already quantized for `down`, the projection it goes to, where a pass of its own makes it
+    (a tuple: RowParallelLinear.forward_quantized takes it)."""
     if {"rms_norm", "silu_mul"} <= FUSED and on_matvec_path(hidden) and takes_weight(proj):
         from nanoserve_kernels.triton_gemv import rms_norm_gemv
         return rms_norm_gemv(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias, silu_mul=True,
                              **fp8_args(proj))
     if "gate_up_silu" in FUSED and proj.weight_scale is not None and hidden.shape[0] > 1:
-        fused = _norm_quantized_project(norm, proj, hidden, residual, silu_mul=True)
+        layout = _down_layout(down, hidden)
+        fused = _norm_quantized_project(norm, proj, hidden, residual, silu_mul=True, output_layout=layout)
         if fused is not None:
             return fused
         from nanoserve_kernels.fp8_linear import fp8_gate_up_silu
         normed, new_residual = norm(hidden, residual)
-        activation = fp8_gate_up_silu(normed, proj.weight, proj.weight_scale, proj.weight_block, proj.bias)
+        activation = fp8_gate_up_silu(normed, proj.weight, proj.weight_scale, proj.weight_block, proj.bias, layout)
         if activation is not None:
             return activation, new_residual
         return silu_and_mul(proj(normed)), new_residual

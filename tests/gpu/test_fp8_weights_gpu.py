@@ -8,6 +8,7 @@ graphs (decode and piecewise prefill, with and without an FP8 KV cache) gives th
 tokens. Run with -s to see the numbers:
     PYTHONPATH=.:proto python3 -m pytest tests/gpu/test_fp8_weights_gpu.py -q -s
 """
+import functools
 import json
 import os
 import random
@@ -23,8 +24,8 @@ from nanoserve_kernels.fp8_configs import SCALED_MM, W8A8, Fp8Choice
 from nanoserve_model.step_context import step_context
 from tests.worker.fp8_models import write_dequantized
 from tests.worker.test_fp8_kernels import (ROWS, check_gemm, check_gemv, check_norm_quantize, check_quantize,
-                                           random_fp8, relative_error)
-from tests.worker.test_triton_kernels import TOLERANCE
+                                           check_silu_mul_quantize, random_fp8, relative_error)
+from tests.worker.test_triton_kernels import TOLERANCE, same_bits
 from tests.worker.worker_steps import StepWriter, generate
 from worker_svc.config import WorkerConfig
 from worker_svc.runner import ModelRunner
@@ -47,6 +48,7 @@ KL_BOUND_NATS = 3e-3
 def test_quantize_gemm_and_gemv_match_the_reference_in_bfloat16():
     check_quantize("cuda", torch.bfloat16)
     check_norm_quantize("cuda", torch.bfloat16)
+    check_silu_mul_quantize("cuda", torch.bfloat16)
     # each way the matrix-vector kernel reads e4m3 (the PTX one runs only here), sums and loads x
     for convert, sum_once, stream, x_by_thread in (("triton", False, False, False), ("ptx", True, True, False),
                                                    ("ptx", False, False, False), ("bits", False, True, False),
@@ -117,6 +119,39 @@ def test_the_norm_quantizing_for_the_projection_gives_the_unfused_output(silu_mu
         got = quantized_linear(quantized, rows, x.dtype, weight, scale, (128, 128), silu_mul=silu_mul)
         assert relative_error(got, expected) < 1e-3, (rows, layout, relative_error(got, expected))
     assert quantized_batches  # the table runs W8A8 somewhere among these batch sizes
+
+
+def test_the_silu_mul_pass_quantizing_for_the_down_projection_gives_the_unfused_output():
+    """After torch's scaled_mm on the 8B gate/up, the SiLU-and-mul pass that quantizes for the down projection's
+    W8A8 GEMM (in the layout of the GEMM the table chose for it) gives the e4m3 values and scales of the SiLU-
+    and-mul then its quantization, bit for bit, and so the down projection's very output, at each batch size
+    where the down projection quantizes its input."""
+    from nanoserve_kernels.fp8_linear import fp8_linear, input_layout, input_quantization, quantized_linear
+    from nanoserve_kernels.triton_fp8_quant import quantize_activation
+    gate_up, gate_up_scale = random_fp8(2 * 12288, 4096, (128, 128), "cuda", 0)
+    down, down_scale = random_fp8(4096, 12288, (128, 128), "cuda", 1)
+    chosen = Fp8Choice(W8A8, SCALED_MM)
+    fused_batches = 0
+    for rows in ROWS + (4096,):
+        x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+        layout = input_quantization(x, down, (128, 128), columns=12288)
+        if layout is None:
+            continue
+        fused_batches += 1
+        quantized_x = quantize_activation(x, **input_layout(chosen, x.shape, gate_up, (128, 128)))
+        project = functools.partial(quantized_linear, quantized_x, rows, x.dtype, gate_up, gate_up_scale, (128, 128),
+                                    silu_mul=True, chosen=chosen)
+        try:
+            activation = project()
+        except (AttributeError, RuntimeError, NotImplementedError) as err:
+            pytest.skip(f"torch {torch.__version__} has no blockwise scaled_mm here: {type(err).__name__}: {err}")
+        fused_q, fused_scale = project(output_layout=layout)
+        unfused_q, unfused_scale = quantize_activation(activation, **layout)
+        assert same_bits(fused_q[:rows], unfused_q[:rows]), (rows, layout)
+        assert torch.equal(fused_scale[:rows], unfused_scale[:rows]), (rows, layout)
+        got = quantized_linear((fused_q, fused_scale), rows, x.dtype, down, down_scale, (128, 128))
+        assert torch.equal(got, fp8_linear(activation, down, down_scale, (128, 128))), (rows, layout)
+    assert fused_batches  # the table runs the down projection W8A8 somewhere among these batch sizes
 
 
 def test_torch_blockwise_scaled_mm_matches_the_reference_where_it_runs():

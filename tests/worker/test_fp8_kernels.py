@@ -1,5 +1,6 @@
 """The FP8 weight kernels against the plain-torch reference (nanoserve_kernels/fp8_reference.py) on
-dequantized values: the activations' quantization (bit for bit, on its own and by the RMSNorm), the W8A8
+dequantized values: the activations' quantization (bit for bit, on its own, by the RMSNorm and with the
+SiLU-and-mul before it), the W8A8
 and weight-only GEMMs (with the SiLU-and-mul epilogue and a bias, masked tails, M = 1, 2, 7, 64, 300, K split
 over programs) and the matrix-vector kernel
 reading e4m3 (with the RMSNorm prologue), on CPU through Triton's interpreter in float32 and float16
@@ -43,6 +44,21 @@ def check_quantize(device: str, dtype: torch.dtype) -> None:
             q, s = quantize_activation(x, token_minor=token_minor, padded_rows=padded)
             assert same_bits(q[:rows], expected_q) and torch.equal(s[:rows], expected_s), (rows, k, token_minor)
             assert s.stride(0) == (1 if token_minor else s.shape[1])
+
+
+def check_silu_mul_quantize(device: str, dtype: torch.dtype) -> None:
+    """The quantization pass reading the MLP's packed (gate, up): bit for bit the SiLU-and-mul pass, then the
+    quantization of its output, in either scale layout, a row's last group cut short where K % 128."""
+    from nanoserve_kernels.triton_activation import silu_and_mul
+    from nanoserve_kernels.triton_fp8_quant import quantize_activation
+    for rows, k in ((1, 128), (7, 200), (33, 1100)):
+        gate_up = (torch.randn(rows, 2 * k, generator=torch.Generator().manual_seed(rows)) * 3).to(dtype).to(device)
+        for token_minor, padded in ((False, None), (True, rows + 3)):
+            expected_q, expected_s = quantize_activation(silu_and_mul(gate_up), token_minor=token_minor,
+                                                         padded_rows=padded)
+            q, s = quantize_activation(gate_up, token_minor=token_minor, padded_rows=padded, silu_mul=True)
+            assert q.shape == expected_q.shape and s.stride() == expected_s.stride(), (rows, k)
+            assert same_bits(q[:rows], expected_q[:rows]) and torch.equal(s[:rows], expected_s[:rows]), (rows, k)
 
 
 def check_norm_quantize(device: str, dtype: torch.dtype) -> None:
@@ -149,6 +165,7 @@ def run_interpreted_cases(kernel: str) -> None:
     for dtype in (torch.float32, torch.float16):
         check_quantize("cpu", dtype)
         check_norm_quantize("cpu", dtype)
+        check_silu_mul_quantize("cpu", dtype)
 
 
 @pytest.mark.parametrize("kernel", each_in_its_own_group("fp8-interpreter",
@@ -260,8 +277,10 @@ def test_fp8_gemv_x_by_thread_loop_has_no_barrier(silu_mul: bool, prologue: str,
 def test_activation_quantization_compiles_for_hopper() -> None:
     from nanoserve_kernels import triton_fp8_quant, triton_rms_norm
     types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
-    constexprs = dict(GROUP=128, GROUPS=8, FP8_MAX=448.0, AMAX_FLOOR=1e-12)
-    assert "e4m3" in _compile_for_hopper(triton_fp8_quant._quantize_groups_kernel, types, constexprs, num_warps=4)
+    for silu_mul in (False, True):  # the SiLU-and-mul before it: its exp
+        constexprs = dict(GROUP=128, GROUPS=8, FP8_MAX=448.0, AMAX_FLOOR=1e-12, SILU_MUL=silu_mul)
+        ptx = _compile_for_hopper(triton_fp8_quant._quantize_groups_kernel, types, constexprs, num_warps=4)
+        assert "e4m3" in ptx and ("ex2.approx" in ptx) == silu_mul
     types = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*fp8e4nv",
              "residual_out_ptr": "*bf16", "scale_ptr": "*fp32", "eps": "fp32"}
     constexprs = dict(HAS_RESIDUAL=True, BLOCK=4096, GROUP=128, FP8_MAX=448.0, AMAX_FLOOR=1e-12)
