@@ -8,7 +8,9 @@
 #                               weights), bench/grammar_gil.py on the host's CPU, then bench/grammar_host.py
 #                               on the 0.6B shape;
 #   bench/gpu_grammar.sh bench  (under 5 minutes) the kernel tests, bench/grammar.py on both shapes and
-#                               bench/grammar_gil.py only.
+#                               bench/grammar_gil.py only;
+#   bench/gpu_grammar.sh timeline  (under 2 minutes) bench/step_timeline.py on the 0.6B shape: where a batch-1
+#                               step's time goes between the worker's threads, plain and constrained.
 # Both end with a summary, two lines a shape: the throughput ratio; rank 0's decode steps (device busy, idle
 # before each, host time) and prefill/mixed steps (busy, host); the device's seconds in steps against the
 # run's; the mask split (ms a masked step: the matchers' advance after a step, on the step's reply thread:
@@ -23,6 +25,12 @@
 # stopped; each server's log beside its JSON (grammar_<shape>.server.log).
 source bench/gpu_env.sh
 mode=${1:-all}
+if [ "$mode" = timeline ]; then
+  python3 -m nanoserve_cli.demo_model .cache/qwen3-0.6b-dummy --shape qwen3-0.6b --no-weights >/dev/null
+  timeout 110 python3 bench/step_timeline.py --model .cache/qwen3-0.6b-dummy --rounds 12 \
+    --extra "--load-format dummy --attention-backend triton" --out "$out/step_timeline.json" | tail -40
+  exit
+fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import llguidance, jsonschema; print('llguidance', llguidance.__version__)" || exit 1
 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py -k "token_bitmask or sampling" 2>&1 \

@@ -24,6 +24,7 @@
 """
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import grpc
 import jsonschema
@@ -242,28 +244,38 @@ def main() -> None:
                    help="requests, longest prompt, longest output (default: DESIGN's)")
     p.add_argument("--out", default=str(REPO / "bench" / "out" / "grammar.json"))
     args = p.parse_args()
+    with serving(args.model, args.extra, Path(args.out).with_suffix(".server.log")) as (address, server_log):
+        result = asyncio.run(measure(address, args.repeats, tuple(args.workload), ServerLog(server_log)))
+    info = result.pop("model_info")
+    result["first_use_compile"] = compile_times(Path(args.model), info["vocab_size"], tuple(info["eos_token_ids"]))
+    write_result(result, Path(args.out))
+
+
+@contextlib.contextmanager
+def serving(model: str, extra: str, server_log: Path, env: dict[str, str] | None = None
+            ) -> Iterator[tuple[str, Path]]:
+    """One `nanoserve up` of `model` with `extra` flags, its output in `server_log`, until the block ends:
+    (its address, server_log). `env` is added to its environment; a PYTHONPATH there comes first on its path.
+    Where the block fails, the log's end is printed."""
+    more = dict(env or {})
+    path = [more.pop("PYTHONPATH", None), str(REPO), str(REPO / "proto"), os.environ.get("PYTHONPATH")]
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(REPO / "proto"),
-                                                                    os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "nanoserve_cli", "up", "--model", args.model, "--port", str(port),
-           "--worker-base-port", str(free_port()), "--max-model-len", "4096", *args.extra.split()]
+    cmd = [sys.executable, "-m", "nanoserve_cli", "up", "--model", model, "--port", str(port),
+           "--worker-base-port", str(free_port()), "--max-model-len", "4096", *extra.split()]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout stops the running server too (finally)
-    server_log = Path(args.out).with_suffix(".server.log")
     server_log.parent.mkdir(parents=True, exist_ok=True)
     with server_log.open("w") as log_file:
-        proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, env={**os.environ, **more, "PYTHONPATH": os.pathsep.join(filter(None, path))},
+                                stdout=log_file, stderr=subprocess.STDOUT)
     try:
         wait_serving(f"127.0.0.1:{port}", [proc], timeout=900)
-        result = asyncio.run(measure(f"127.0.0.1:{port}", args.repeats, tuple(args.workload), ServerLog(server_log)))
+        yield f"127.0.0.1:{port}", server_log
     except BaseException:
         print(f"the server's log ({server_log}) ends:\n" + "".join(server_log.read_text().splitlines(True)[-30:]),
               file=sys.stderr)
         raise
     finally:
         stop_all([proc])
-    info = result.pop("model_info")
-    result["first_use_compile"] = compile_times(Path(args.model), info["vocab_size"], tuple(info["eos_token_ids"]))
-    write_result(result, Path(args.out))
 
 
 def write_result(result: dict, out: Path) -> None:
