@@ -26,8 +26,8 @@ serial split-K), so no second kernel and no memset.
 
 TMA (W8A8 only) loads the a and weight tiles through tensor descriptors: Hopper's tensor-memory accelerator
 copies each 128-byte-wide e4m3 tile into shared memory, with no address arithmetic in the threads and edges
-read as zeros. The tuner offers every W8A8 launch both ways; on an H100 it won at 64-256 rows on the 8B shape's
-q/k/v, o and down projections by 0.3-1.3 us a call (bench/RESULTS.md).
+read as zeros. The tuner offers every W8A8 launch both ways; on an H100 it served the 8B shape's o projection at
+128-256 rows, down at 64-128 and q/k/v at 64, 0.3-1.3 us a call faster than the next choice (bench/RESULTS.md).
 """
 import functools
 

@@ -12,6 +12,7 @@ _spec = importlib.util.spec_from_file_location("bench_step_timeline", REPO / "be
 step_timeline = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(step_timeline)
 
+HOOKS = REPO / "bench" / "step_timeline_hooks"
 MS = 1e-3
 
 
@@ -53,16 +54,18 @@ def test_a_gap_between_requests_is_not_a_step():
     assert step_timeline.step_table(events)["plain"]["steps"] == 9
 
 
-def test_the_hooks_wrap_the_step_path_in_a_worker_only(tmp_path):
-    """A process whose command line names worker_svc has its step methods wrapped and writes their events
-    out when it ends; any other process, none."""
-    probe = ("import worker_svc.launched_step as m; print(hasattr(m.LaunchedStep.after_reply, '__wrapped__')); "
+def test_the_hooks_wrap_the_step_path_in_a_worker_only(tmp_path, monkeypatch):
+    """A process started as `python -m worker_svc` has its step methods wrapped and writes their events out
+    when it ends (here a process with that word on its command line); any other process, none (this one)."""
+    probe = ("import worker_svc.launched_step as m; assert hasattr(m.LaunchedStep.after_reply, '__wrapped__'); "
              "m.LaunchedStep.after_reply(type('Step', (), {'on_home': None})())")
-    env = {"PYTHONPATH": f"{REPO / 'bench' / 'step_timeline_hooks'}:{REPO}:{REPO / 'proto'}",
-           "NANOSERVE_STEP_TIMELINE": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    for argv, wrapped in (([], "False"), (["worker_svc"], "True")):
-        out = subprocess.run([sys.executable, "-c", probe, *argv], env=env, capture_output=True, text=True,
-                             check=True)
-        assert out.stdout.strip() == wrapped, out.stderr
+    env = {"PYTHONPATH": f"{HOOKS}:{REPO}:{REPO / 'proto'}", "NANOSERVE_STEP_TIMELINE": str(tmp_path),
+           "PATH": "/usr/bin:/bin"}
+    subprocess.run([sys.executable, "-c", probe, "worker_svc"], env=env, check=True)
     (trace,) = tmp_path.glob("*.jsonl")
     assert [event[0] for event in map(json.loads, trace.read_text().splitlines())] == ["after+", "after-"]
+    monkeypatch.setenv("NANOSERVE_STEP_TIMELINE", str(tmp_path))
+    spec = importlib.util.spec_from_file_location("step_timeline_hooks", HOOKS / "sitecustomize.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)  # in this process: no finder installed
+    assert not any(isinstance(finder, hooks._WrapOnLoad) for finder in sys.meta_path)
