@@ -82,9 +82,10 @@ def check_norm_quantize(device: str, dtype: torch.dtype) -> None:
 
 
 def check_gemm(device: str, dtype: torch.dtype, launch: dict = SMALL_LAUNCH,
-               quantize_activation: Callable | None = None, rows_tried: tuple[int, ...] = ROWS) -> None:
-    """W8A8 (x quantized by the kernel, or `quantize_activation`) and weight-only, plain and with the
-    SiLU-and-mul and a bias."""
+               quantize_activation: Callable | None = None, rows_tried: tuple[int, ...] = ROWS,
+               w8a8_modes: tuple[bool, ...] = (False, True)) -> None:
+    """W8A8 (x quantized by the kernel, or `quantize_activation`) and weight-only (`w8a8_modes`), plain and with
+    the SiLU-and-mul and a bias."""
     from nanoserve_kernels.triton_fp8_gemm import fp8_gemm
     if quantize_activation is None:
         from nanoserve_kernels.triton_fp8_quant import quantize_activation
@@ -94,7 +95,7 @@ def check_gemm(device: str, dtype: torch.dtype, launch: dict = SMALL_LAUNCH,
         shape_launch = dict(launch, BLOCK_K=min(launch["BLOCK_K"], block[1])) if scale.shape[1] > 1 else launch
         for rows in rows_tried:
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype).to(device)
-            for w8a8 in (False, True):
+            for w8a8 in w8a8_modes:
                 expected = fp8_reference.fp8_linear(x, weight, scale, block, bias, quantize_input=w8a8)
                 a, a_scale = quantize_activation(x) if w8a8 else (x, None)
                 got = fp8_gemm(a, weight, scale, block, shape_launch, x_scale=a_scale, bias=bias, out_dtype=dtype)
@@ -147,10 +148,10 @@ def run_interpreted_cases(kernel: str) -> None:
         # K split over 3 programs: a 128-column step each, or none (past K) for the narrower shapes
         check_gemm("cpu", torch.float16, dict(SMALL_LAUNCH, BLOCK_M=64, BLOCK_N=64, SPLIT_K=3),
                    fp8_reference.quantize_activation, rows_tried=(2, 70))
-        # the same through tensor descriptors (where the rows are 16-byte aligned: not the 200-column shape);
-        # edge tiles, and a split's steps past K, read as zeros (tests/gpu: unsplit too)
+        # W8A8 through tensor descriptors (where the rows are 16-byte aligned: not the 200-column shape); edge
+        # tiles, and a split's steps past K, read as zeros (tests/gpu: unsplit too)
         check_gemm("cpu", torch.float16, dict(SMALL_LAUNCH, BLOCK_M=64, BLOCK_N=64, SPLIT_K=3, TMA=True),
-                   fp8_reference.quantize_activation, rows_tried=(2, 70))
+                   fp8_reference.quantize_activation, rows_tried=(2, 70), w8a8_modes=(True,))
         return
     if kernel == "gemv":  # Triton's conversion, then the integer one summing once a row, a dtype each (the PTX
         check_gemv("cpu", torch.float32)  # conversion runs on CUDA only: tests/gpu)
