@@ -11,6 +11,7 @@ plain and held to bench/grammar.py's LONG schema, then per kind of step the medi
   answer_to_launch  from an answer to the start of the next launch
   ready             the launcher waiting for the masks before the step's draw (constrained)
   after, advance    the work after the answer, and the grammars' consume and fill within it (constrained)
+  launch_<part>     the launch's parts (LAUNCH_PARTS), and launch_other: the launch less its top-level parts
 
     python3 bench/step_timeline.py --model DIR [--extra "--load-format dummy"] [--rounds 10] [--out FILE]
 """
@@ -33,6 +34,11 @@ from grammar import LONG, itl_ms, run_one, serving, write_result  # noqa: E402  
 from nanoserve.v1 import llm_pb2_grpc  # noqa: E402
 
 HOOKS = Path(__file__).resolve().parent / "step_timeline_hooks"
+# The launcher's work inside a launch: the runner's host-only part, its forward (the staging wait, the
+# graph's replay and the logits inside it), the processors, the draw, the logprobs, the step's marks and copy
+# home, the hand-over of its tokens; the grammars' masks for the draw (inside the processors or the draw).
+TOP_PARTS = ("apply", "compute", "process", "sample", "finish", "marks", "home")
+LAUNCH_PARTS = TOP_PARTS + ("staging", "replay", "logits", "masks")
 # A gap between answers longer than this many median periods lies between two requests, not inside one.
 BETWEEN_REQUESTS = 5.0
 
@@ -86,6 +92,10 @@ def step_table(events: list[list]) -> dict[str, dict[str, float]]:
                    reply=replies[i].seconds,
                    answer_to_launch=min((launch.start for launch in launches[i + 1:] if launch.start >= replies[i].end),
                                         default=replies[i].end) - replies[i].end)
+        parts = {part: sum(span.seconds for span in found.get(part, ()) if launches[i].holds(span))
+                 for part in LAUNCH_PARTS}
+        row |= {f"launch_{part}": seconds for part, seconds in parts.items()}
+        row["launch_other"] = launches[i].seconds - sum(parts[part] for part in TOP_PARTS)
         if ready is not None:
             row["ready"] = ready.seconds
             after = next((span for span in afters if replies[i].end <= span.start < replies[i + 1].start), None)

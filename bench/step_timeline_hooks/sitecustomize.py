@@ -3,8 +3,8 @@ there for one `nanoserve up`). In a worker process, with NANOSERVE_STEP_TIMELINE
 the step path's functions as their modules load and appends (event, perf_counter, thread) to
 <folder>/<pid>.jsonl once a second: "launch" (the launcher thread applying and queuing a step),
 "reply" (waiting for a step's device work and building its answer), "after" (the work after the answer),
-"ready" (the launcher waiting for a masked draw's masks), "advance" (the grammars' consume and fill), each
-as name+ at entry and name- at exit. Nothing is wrapped anywhere else, so the service itself is unchanged."""
+"ready" (the launcher waiting for a masked draw's masks), "advance" (the grammars' consume and fill), and
+the launch's parts (LAUNCH_PARTS in bench/step_timeline.py), each as name+ at entry and name- at exit. Nothing is wrapped anywhere else, so the service itself is unchanged."""
 import atexit
 import functools
 import importlib.abc
@@ -19,8 +19,17 @@ FOLDER = os.environ.get("NANOSERVE_STEP_TIMELINE")
 # module -> [(class, method, event)]
 WRAPPED = {
     "worker_svc.server": [("WorkerService", "_launch", "launch"), ("WorkerService", "_reply", "reply")],
-    "worker_svc.launched_step": [("LaunchedStep", "after_reply", "after")],
-    "worker_svc.grammar_masks": [("GrammarMasks", "_rows_ready", "ready"), ("GrammarMasks", "_advance", "advance")],
+    "worker_svc.launched_step": [("LaunchedStep", "after_reply", "after"), ("LaunchedStep", "__init__", "marks")],
+    "worker_svc.grammar_masks": [("GrammarMasks", "_rows_ready", "ready"), ("GrammarMasks", "_advance", "advance"),
+                                 ("GrammarMasks", "draw_masks", "masks")],
+    # the launch's parts (bench/step_timeline.py: LAUNCH_PARTS)
+    "worker_svc.runner": [("ModelRunner", "_apply", "apply"), ("ModelRunner", "_compute", "compute")],
+    "worker_svc.step_buffers": [("StepBuffers", "next_staging", "staging")],
+    "worker_svc.cuda_graphs": [("StepGraphs", "replay", "replay")],
+    "worker_svc.sampling_extras": [("SamplingExtras", "process", "process"), ("SamplingExtras", "finish", "finish"),
+                                   ("SamplingExtras", "tokens_home", "home")],
+    "nanoserve_model.sampler": [("Sampler", "__call__", "sample")],
+    "nanoserve_model.decoder": [("DecoderForCausalLM", "compute_logits", "logits")],
 }
 events: list[tuple[str, float, str]] = []
 

@@ -17,13 +17,17 @@ MS = 1e-3
 
 
 def scripted(steps: int, constrained_from: int) -> list[list]:
-    """Steps 1 ms apart: the launcher takes step i's request at i ms and launches it in 0.4 ms (waiting 0.05 ms
-    for masks from step `constrained_from` on); the reply thread answers it at i + 1.5 ms after 0.3 ms of
+    """Steps 1 ms apart: the launcher takes step i's request at i ms and launches it in 0.4 ms (its host-only
+    part 0.05 ms, then the forward 0.2 ms with the graph's replay 0.1 ms inside; waiting 0.05 ms for masks
+    from step `constrained_from` on); the reply thread answers it at i + 1.5 ms after 0.3 ms of
     waiting, then runs 0.2 ms of work after the answer, 0.15 ms of it the grammars' advance."""
     events = []
     for i in range(steps):
         start = i * MS
-        events += [["launch+", start, "launcher"], ["launch-", start + 0.4 * MS, "launcher"]]
+        events += [["launch+", start, "launcher"], ["launch-", start + 0.4 * MS, "launcher"],
+                   ["apply+", start, "launcher"], ["apply-", start + 0.05 * MS, "launcher"],
+                   ["compute+", start + 0.05 * MS, "launcher"], ["compute-", start + 0.25 * MS, "launcher"],
+                   ["replay+", start + 0.1 * MS, "launcher"], ["replay-", start + 0.2 * MS, "launcher"]]
         if i >= constrained_from:
             events += [["ready+", start + 0.3 * MS, "launcher"], ["ready-", start + 0.35 * MS, "launcher"]]
         answer = start + 1.5 * MS
@@ -43,6 +47,9 @@ def test_the_step_table_reads_the_scripted_timeline():
         assert abs(kind["request_wait"] - 0.6) < 1e-9 and abs(kind["reply"] - 0.3) < 1e-9
         assert kind["in_flight"] == 1  # step i - 1 is answered at i + 0.5 ms, after step i's launch began
         assert abs(kind["answer_to_launch"] - 0.5) < 1e-9
+        assert abs(kind["launch_apply"] - 0.05) < 1e-9 and abs(kind["launch_compute"] - 0.2) < 1e-9
+        assert abs(kind["launch_replay"] - 0.1) < 1e-9 and kind["launch_sample"] == 0
+        assert abs(kind["launch_other"] - 0.15) < 1e-9  # the launch less its top-level parts (not the replay)
     assert "ready" not in plain
     assert abs(constrained["ready"] - 0.05) < 1e-9 and abs(constrained["after"] - 0.2) < 1e-9
     assert abs(constrained["advance"] - 0.15) < 1e-9
