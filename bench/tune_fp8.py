@@ -46,6 +46,7 @@ SHAPES = {  # name -> [(N, K, silu_mul, after a norm)]: q/k/v, o, gate/up, down 
 BUCKETS = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 WEIGHT_ONLY_MAX = 32  # measured: from 64 rows on, W8A8 won every shape
 SPLITS, SPLIT_MAX_ROWS = (1, 2, 4), 256
+DEEP_MAX_ROWS, DEEP_STAGES = 128, 6
 
 
 def launches(mode: str, rows: int, silu_mul: bool) -> list[dict]:
@@ -53,18 +54,25 @@ def launches(mode: str, rows: int, silu_mul: bool) -> list[dict]:
     rows and under: 32 or 64 columns; W8A8: 64 or 128), and from 128 rows 128 x 64 and 128 x 128 tiles (not
     for the gate/up GEMM, which holds two accumulators), each with K unsplit or split over 2 or 4 programs (up
     to SPLIT_MAX_ROWS rows: a 4,096-row projection has 32-64 tiles of 128 x 128 for 132 multiprocessors);
-    W8A8 each with its tiles loaded by pointers and through tensor descriptors (TMA)."""
+    W8A8 each with its tiles loaded by pointers and through tensor descriptors (TMA). At decode batches (up to
+    DEEP_MAX_ROWS rows), where a W8A8 call reads its weight at well under the copy rate, TMA launches also try
+    narrower 32-column tiles (twice the programs, no split's partial sums) and a deeper pipeline (DEEP_STAGES
+    tiles in flight a program) for more bytes in flight."""
     height = min(64, max(16, rows))
     tiles = [(height, 32), (height, 64)] if mode == WEIGHT_ONLY else [(height, 64), (height, 128)]
     if mode == W8A8 and rows >= 128:
         tiles += [(128, 64)] + ([] if silu_mul else [(128, 128)])
     shapes = []
     tma = (False, True) if mode == W8A8 else (False,)
-    for (block_m, block_n), split, through_tma in itertools.product(tiles, SPLITS if rows <= SPLIT_MAX_ROWS else (1,),
-                                                                    tma):
+    splits = SPLITS if rows <= SPLIT_MAX_ROWS else (1,)
+    for (block_m, block_n), split, through_tma in itertools.product(tiles, splits, tma):
         tile = block_m * block_n  # 8 warps from 64 x 128 on: with 4, its float32 sums and the scaled step spill
         shapes.append(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, num_warps=8 if tile >= 8192 else 4,
                            num_stages=3 if tile >= 128 * 128 else 4, SPLIT_K=split, TMA=through_tma))
+    if mode == W8A8 and rows <= DEEP_MAX_ROWS:
+        for (block_n, stages), split in itertools.product(((32, 4), (32, DEEP_STAGES), (64, DEEP_STAGES)), splits):
+            shapes.append(dict(BLOCK_M=height, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=stages,
+                               SPLIT_K=split, TMA=True))
     return shapes
 
 

@@ -15,6 +15,7 @@ from nanoserve_kernels.backend import select_backend
 from nanoserve_kernels.compile_watch import warn_on_compiles
 from nanoserve_kernels.fp8_reference import FP8_DTYPE
 from nanoserve_kernels.kv_quant import bytes_per_row, is_quantized, kv_cache_dtype, scales_shape
+from nanoserve_kernels.token_bitmask import TokenMasks
 from nanoserve_model.checkpoint import CONFIG_FILES, weight_files
 from nanoserve_model.config import ModelConfig, resolve_dtype
 from nanoserve_model.fp8_bf16_layers import serve_faster_layers_in_bf16
@@ -22,7 +23,7 @@ from nanoserve_model.loader import load_model
 from nanoserve_model.parallel import broadcast_from_first_rank, tp_rank, tp_world_size
 from nanoserve_model.quantization import serving_scheme
 from nanoserve_model.registry import read_model_config
-from nanoserve_model.sampler import Sampler
+from nanoserve_model.sampler import Sampler, SamplingBatch
 from nanoserve_model.step_context import step_context
 from nanoserve.checkpoint import TOKENIZER_FILE
 from nanoserve.grammar_tokenizer import GrammarTokenizer
@@ -32,7 +33,7 @@ from nanoserve.step_rows import StepEntry, num_rows, pack_step
 from nanoserve.v1 import llm_pb2, worker_pb2
 from nanoserve.wire import STEP_FORMAT
 from worker_svc.config import WorkerConfig
-from worker_svc.cuda_graphs import StepGraphs, batch_buckets
+from worker_svc.cuda_graphs import DecodeHead, StepGraphs, batch_buckets
 from worker_svc.distributed import all_ranks_agree, uses_cuda
 from worker_svc.fingerprints import kv_sizing, model_fingerprint
 from worker_svc.grammar_masks import GrammarMasks
@@ -251,8 +252,12 @@ class ModelRunner:
         (CPU, --enforce-eager, a backend that cannot be captured)."""
         if self.device.type != "cuda" or self.config.enforce_eager or not self.backend.graph_safe:
             return None
+        head = None
+        if tp_world_size() == 1:  # with more ranks the logits are a gather, left out of the graphs
+            head = DecodeHead(self.model.compute_logits, self.model_config.vocab_size, self.sampler,
+                              self.extras.grammar.device_table if self.extras.grammar is not None else None)
         return StepGraphs(self._run_model, self.model.attention_layers(), self.backend, self.buffers,
-                          self.model_config.hidden_size, self.dtype, decode_buckets, prefill_buckets)
+                          self.model_config.hidden_size, self.dtype, decode_buckets, prefill_buckets, head)
 
     def info(self) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(
@@ -374,7 +379,7 @@ class ModelRunner:
         if inputs is not None and work.sampled:
             if logits is not None:
                 processed, masks = self.extras.process(logits, work, inputs.sampled_slots)
-                tokens = self.sampler(processed, inputs.sampling, masks)
+                tokens = self._draw(processed, inputs.sampling, masks)
             else:
                 tokens = torch.empty(len(work.sampled), dtype=torch.int64, device=self.device)
             broadcast_from_first_rank(tokens)
@@ -391,9 +396,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step_logits(self, request: worker_pb2.StepRequest) -> torch.Tensor | None:
-        """Runs the step like step() but returns the logits [sampled entries, vocab] instead."""
+        """Runs the step like step() but returns the logits [sampled entries, vocab] instead: a tensor of its
+        own (a small decode's logits are a graph's static buffer, which the next step overwrites)."""
         self._bind_device()
-        return self._compute(self._apply(request))[0]
+        logits = self._compute(self._apply(request))[0]
+        return None if logits is None else logits.clone()
 
     def _apply(self, request: worker_pb2.StepRequest) -> StepWork | None:
         """Validates the step and updates the sequence table (host only); ValueError if refused."""
@@ -409,6 +416,11 @@ class ModelRunner:
         if work is not None and work.resets:
             self.extras.reset(work)
         return work
+
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch, masks: TokenMasks | None) -> torch.Tensor:
+        """The sampled tokens: replayed where the step's graph computed the logits (StepGraphs), else drawn."""
+        tokens = self.graphs.decode.draw(logits, batch, masks) if self.graphs is not None else None
+        return tokens if tokens is not None else self.sampler(logits, batch, masks)
 
     def _compute(self, work: StepWork | None) -> tuple[torch.Tensor | None, StepInputs | None]:
         """Queues the forward pass; the logits of the sampled rows on rank 0."""
@@ -427,6 +439,10 @@ class ModelRunner:
             self.extras.score_prompts(work, hidden, self.model.compute_logits)
         if not work.sampled:
             return None, inputs
+        if num_rows is not None and work.is_decode and isinstance(inputs.sample_indices, slice):
+            logits = self.graphs.decode.logits_of(len(work.slots))  # every row sampled, in order
+            if logits is not None:
+                return logits, inputs
         return self.model.compute_logits(hidden[inputs.sample_indices]), inputs
 
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

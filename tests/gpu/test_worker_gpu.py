@@ -12,10 +12,13 @@ from transformers import AutoModelForCausalLM
 from nanoserve.step_rows import StepEntry
 from nanoserve_kernels import flash_attn_backend
 from nanoserve_kernels.pdl import pdl_on
+from nanoserve_kernels.token_bitmask import TokenMasks, bitmask_words
 from nanoserve_model import row_fusion
+from nanoserve_model.sampler import Sampler, SamplingBatch, SamplingRow
 from nanoserve_cli.demo_model import SHAPE, config_json, random_weights, write_checkpoint
 from tests.worker.worker_steps import StepWriter, generate
 from worker_svc.config import WorkerConfig
+from worker_svc.draw_graphs import DrawGraphs
 from worker_svc.launched_step import MAX_STEPS_IN_FLIGHT
 from worker_svc.runner import ModelRunner
 from worker_svc.step_buffers import StepBuffers
@@ -92,17 +95,46 @@ def test_teacher_forced_bf16_logits_close_to_transformers(bf16_model_dir, backen
 
 @pytest.mark.parametrize("backend, kv_cache_dtype", GRAPH_CASES)
 @pytest.mark.parametrize("batch_size", [1, 3, 16])
-def test_cuda_graph_decode_gives_the_eager_tokens(bf16_model_dir, backend, kv_cache_dtype, batch_size):
-    """One runner, so weights and compiled kernels are shared: decode by graph replay, then the
-    same steps eagerly (batch 1 through the gemvs with the norm fused in; batch 3 pads to the bucket
-    of 4)."""
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
+def test_cuda_graph_decode_gives_the_eager_tokens(bf16_model_dir, backend, kv_cache_dtype, batch_size, temperature):
+    """One runner, so weights and compiled kernels are shared: decode by graph replay (the logits and the draw
+    in the graphs too: the argmax greedy, the race seeded), then the same steps eagerly (batch 1 through the
+    gemvs with the norm fused in; batch 3 pads to the bucket of 4)."""
     runner = gpu_runner(bf16_model_dir, backend, False, "bfloat16", num_blocks=256 if backend == "triton" else 64,
                         kv_cache_dtype=kv_cache_dtype)
     batch = prompts(batch_size, seed=2)
-    replayed = generate(runner, StepWriter(runner.config.block_size), batch, 32)
+    sampling = {seq_id: dict(temperature=temperature, seed=100 + seq_id) for seq_id in batch}
+    replayed = generate(runner, StepWriter(runner.config.block_size), batch, 32, sampling)
     graphs, runner.graphs = runner.graphs, None
-    eager = generate(runner, StepWriter(runner.config.block_size), batch, 32)
-    assert graphs is not None and replayed == eager
+    eager = generate(runner, StepWriter(runner.config.block_size), batch, 32, sampling)
+    assert graphs is not None and graphs.decode.draws is not None and replayed == eager
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, 4, 7])
+def test_draw_graphs_give_the_sampler_draws(num_rows):
+    """Each kind of replayed draw against the sampler's own launches on the same static buffers: the argmax,
+    the race at mixed temperatures (greedy rows among them), the race under grammar masks read by slot (each
+    row allowing about one token in 8); rows past num_rows pad the bucket (3 -> 4, 7 -> 8); masks uploaded
+    for a step (some rows constrained) are not a graph's."""
+    device, vocab, capacity = torch.device("cuda"), 151_936, 16
+    sampler, generator = Sampler(device, 7), torch.Generator(device).manual_seed(0)
+    logits = torch.randn(8, vocab, device=device, generator=generator).to(torch.bfloat16)
+    columns = sampler.batch([SamplingRow(0.0 if row % 3 == 0 else 0.7, row, 5) for row in range(8)])
+    slots = torch.randperm(capacity, device=device, generator=generator)[:8]
+    def bits() -> torch.Tensor:
+        return torch.randint(0, 2**31 - 1, (capacity, bitmask_words(vocab)), dtype=torch.int32, device=device,
+                             generator=generator)
+    table = bits() & bits() & bits()  # each token allowed with odds 1 in 8
+    draws = DrawGraphs(sampler, logits, columns, slots, table, [1, 2, 4, 8], torch.cuda.graph_pool_handle(),
+                       torch.cuda.Stream())
+    bucket = 1 << (num_rows - 1).bit_length()
+    rows = SamplingBatch(*(column[:num_rows] for column in columns[:3]), all_greedy=False)
+    greedy = rows._replace(all_greedy=True)
+    for batch, masks in ((greedy, None), (rows, None), (rows, TokenMasks(table, slots[:num_rows]))):
+        expected = sampler(logits[:num_rows], batch, masks)
+        assert torch.equal(draws.replay(num_rows, bucket, batch, masks), expected)
+    other_rows = TokenMasks(table, slots[:num_rows].clone())  # some rows' masks, uploaded for the step: eager
+    assert draws.replay(num_rows, bucket, rows, other_rows) is None
 
 
 def test_batch1_decode_row_fusions_keep_the_logits(bf16_model_dir, monkeypatch):
