@@ -113,6 +113,13 @@ class SteadyLoad:
                 if not ok:
                     self.failures.append(getattr(reply, "text", repr(reply))[:300])
 
+    def wait_completed(self, count: int, timeout: float = 60) -> None:
+        """Until `count` requests have been answered (a loaded machine takes seconds for the first ones)."""
+        deadline = time.monotonic() + timeout
+        while sum(self.outcomes.values()) < count and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sum(self.outcomes.values()) >= count, self.outcomes
+
     def stop(self) -> None:
         self.stopped.set()
         for thread in self.threads:
@@ -147,7 +154,7 @@ def test_a_rolling_restart_behind_the_router_fails_no_request(tiny_model_dir, tm
         try:
             wait_routing(url, 2, lambda: router.poll() is None, 60)
             load = SteadyLoad(url, tiny_model_dir.name)
-            time.sleep(3)
+            load.wait_completed(len(load.threads))  # the load is flowing: each client's next request in flight
             for proc in replicas[0]:  # SIGTERM to the whole replica at once, as Kubernetes stops a pod
                 proc.send_signal(signal.SIGTERM)
             assert [proc.wait(timeout=60) for proc in replicas[0]] == [0, 0, 0]
