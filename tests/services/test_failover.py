@@ -20,7 +20,7 @@ from tests.services.processes import (REPO, free_port, shown_on_failure, start_s
 
 FLAGS = ("--block-size", "16", "--num-kv-blocks", "512", "--max-num-seqs", "16", "--max-num-batched-tokens", "256")
 PROMPT = "The sea is calm tonight, and the"
-MAX_TOKENS = 200  # long enough that the kill lands mid-stream: it comes as the first tokens do
+MAX_TOKENS = 100  # long enough that the kill lands mid-stream: it comes as the first tokens do (~100 steps early)
 REQUESTS = [  # (name, sampling): greedy, seeded, seeded with penalties and logprobs, two seeded completions
     ("greedy", {"temperature": 0.0}),
     ("seeded", {"temperature": 0.9, "seed": 11}),

@@ -81,19 +81,21 @@ def _steps(runner) -> list[torch.Tensor | None]:
     return [runner.step_logits(prefill), runner.step_logits(decode)]
 
 
-def _run_rank(rank: int, port: int, path: str, out: str) -> None:
+def _run_rank(rank: int, port: int, paths: dict[str, str], out: str) -> None:
+    """One of two spawned ranks: the steps on each checkpoint (one pair of processes for both)."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    torch.save(_steps(cpu_runner(path, BLOCK_SIZE, NUM_KV_BLOCKS, rank=rank, tensor_parallel_size=2)),
-               Path(out) / f"rank{rank}.pt")
+    torch.save({name: _steps(cpu_runner(path, BLOCK_SIZE, NUM_KV_BLOCKS, rank=rank, tensor_parallel_size=2))
+                for name, path in paths.items()}, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("checkpoint", ["model", "fp8_model"])
-def test_two_ranks_give_one_ranks_logits(request, checkpoint, tmp_path):
-    path = request.getfixturevalue(checkpoint)[0]
-    mp.spawn(_run_rank, args=(free_port(), str(path), str(tmp_path)), nprocs=2)
+def test_two_ranks_give_one_ranks_logits(model, fp8_model, tmp_path):
+    """Of the checkpoint and of its block-FP8 copy."""
+    paths = {"model": str(model[0]), "fp8_model": str(fp8_model[0])}
+    mp.spawn(_run_rank, args=(free_port(), paths, str(tmp_path)), nprocs=2)
     two = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
-    for ours, one in zip(two[0], _steps(cpu_runner(path, BLOCK_SIZE, NUM_KV_BLOCKS))):
-        error = ((ours - one).abs().max() / one.abs().max()).item()
-        assert error < 1e-5, f"relative error {error:.2e}"
-    assert two[1] == [None, None]  # only rank 0 gathers logits
+    for name, path in paths.items():
+        for ours, one in zip(two[0][name], _steps(cpu_runner(path, BLOCK_SIZE, NUM_KV_BLOCKS))):
+            error = ((ours - one).abs().max() / one.abs().max()).item()
+            assert error < 1e-5, f"{name}: relative error {error:.2e}"
+        assert two[1][name] == [None, None], name  # only rank 0 gathers logits

@@ -122,16 +122,24 @@ def test_summary_counts_goodput_within_the_slo():
     assert summary["itl_ms"]["n"] == 30 and summary["e2e_ms"]["p99"] == pytest.approx(500)
 
 
-def test_smoke_run_through_the_grpc_api(tiny_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def service(tiny_model_dir, tmp_path_factory):
+    """A worker and its scheduler for the smoke runs: the benchmark reports each rate by the server's counters
+    before and after it, so a run's figures hold whatever an earlier run sent."""
+    log = tmp_path_factory.mktemp("serve") / "services.log"
+    with running_service(Path(tiny_model_dir), log, worker_flags=("--block-size", "16", "--num-kv-blocks", "200")) as svc:
+        yield svc, log
+
+
+def test_smoke_run_through_the_grpc_api(service, tmp_path):
     """Two rates (one all at once) against real processes: every request completes with exactly its
     drawn output length (eos ignored), the report holds each metric, and the server's counters moved."""
-    with running_service(Path(tiny_model_dir), tmp_path / "services.log",
-                         worker_flags=("--block-size", "16", "--num-kv-blocks", "200")) as svc:
-        out = tmp_path / "serve.json"
-        run = subprocess.run([sys.executable, str(REPO / "bench" / "serve.py"), "--address", svc["address"],
-                              "--num-prompts", "6", "--request-rates", "20", "inf", "--input-len", "4", "24",
-                              "--output-len", "2", "8", "--warmup", "1", "--out", str(out)],
-                             env=ENV, capture_output=True, text=True, timeout=300)
+    svc, _ = service
+    out = tmp_path / "serve.json"
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "serve.py"), "--address", svc["address"],
+                          "--num-prompts", "6", "--request-rates", "20", "inf", "--input-len", "4", "24",
+                          "--output-len", "2", "8", "--warmup", "1", "--out", str(out)],
+                         env=ENV, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert list(report["rates"]) == ["20", "inf"] and report["attention_backend"] == "torch"
@@ -148,7 +156,7 @@ def test_smoke_run_through_the_grpc_api(tiny_model_dir, tmp_path):
     assert "inf" in run.stdout and "TTFT" in run.stdout
 
 
-def test_smoke_run_through_the_gateway_beside_grpc_from_two_client_processes(tiny_model_dir, tmp_path):
+def test_smoke_run_through_the_gateway_beside_grpc_from_two_client_processes(service, tmp_path):
     """--openai URL --compare-grpc --client-processes 2 against real processes (scheduler, worker,
     gateway), at a finite rate and all at once: the two client processes' results merge into every
     request, through both APIs, with exactly its drawn output length (counted from each event's token
@@ -156,9 +164,8 @@ def test_smoke_run_through_the_gateway_beside_grpc_from_two_client_processes(tin
     and the report compares the two APIs."""
     from tests.gateway.gateway_process import running_gateway
 
-    log = tmp_path / "services.log"
-    with running_service(Path(tiny_model_dir), log, worker_flags=("--block-size", "16", "--num-kv-blocks", "200")) as svc, \
-            running_gateway(svc["address"], log) as url:
+    svc, log = service
+    with running_gateway(svc["address"], log) as url:
         out = tmp_path / "serve.json"
         run = subprocess.run([sys.executable, str(REPO / "bench" / "serve.py"), "--openai", url, "--address",
                               svc["address"], "--replicas", svc["address"], "--compare-grpc", "--num-prompts", "5",

@@ -22,6 +22,10 @@ ROWS = (1, 2, 7, 64, 300)
 # blocks the kernels take (e4m3 dots need 32 columns).
 SHAPES = ((256, 384, (128, 128)), (200, 320, (128, 128)), (96, 200, (1, 200)), (64, 64, (32, 32)))
 SMALL_LAUNCH = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=2)
+# (rows, K) quantized: one group, a row's last group cut short, a row over two programs (8 groups each) ending
+# in a short group. The interpreter runs a program a row and a half-row: 3 rows take every path 33 do.
+QUANTIZE_SIZES = ((1, 128), (7, 200), (33, 1100))
+INTERPRETED_QUANTIZE_SIZES = ((1, 128), (7, 200), (3, 1100))
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -33,10 +37,10 @@ def random_fp8(n: int, k: int, block: tuple[int, int], device: str, seed: int) -
     return tuple(t.to(device) for t in quantize_weight(torch.randn(n, k, generator=generator) * 0.05, block))
 
 
-def check_quantize(device: str, dtype: torch.dtype) -> None:
+def check_quantize(device: str, dtype: torch.dtype, sizes: tuple[tuple[int, int], ...] = QUANTIZE_SIZES) -> None:
     """Bit for bit the reference's e4m3 values and scales, in either scale layout, with padded rows."""
     from nanoserve_kernels.triton_fp8_quant import quantize_activation
-    for rows, k in ((1, 128), (7, 200), (33, 1100)):
+    for rows, k in sizes:
         x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3).to(dtype).to(device)
         x[0, :5] = 0.0  # a group with zeros in it; the row's last group is cut short (masked) where k % 128
         expected_q, expected_s = fp8_reference.quantize_activation(x)
@@ -46,12 +50,13 @@ def check_quantize(device: str, dtype: torch.dtype) -> None:
             assert s.stride(0) == (1 if token_minor else s.shape[1])
 
 
-def check_silu_mul_quantize(device: str, dtype: torch.dtype) -> None:
+def check_silu_mul_quantize(device: str, dtype: torch.dtype,
+                            sizes: tuple[tuple[int, int], ...] = QUANTIZE_SIZES) -> None:
     """The quantization pass reading the MLP's packed (gate, up): bit for bit the SiLU-and-mul pass, then the
     quantization of its output, in either scale layout, a row's last group cut short where K % 128."""
     from nanoserve_kernels.triton_activation import silu_and_mul
     from nanoserve_kernels.triton_fp8_quant import quantize_activation
-    for rows, k in ((1, 128), (7, 200), (33, 1100)):
+    for rows, k in sizes:
         gate_up = (torch.randn(rows, 2 * k, generator=torch.Generator().manual_seed(rows)) * 3).to(dtype).to(device)
         for token_minor, padded in ((False, None), (True, rows + 3)):
             expected_q, expected_s = quantize_activation(silu_and_mul(gate_up), token_minor=token_minor,
@@ -83,13 +88,13 @@ def check_norm_quantize(device: str, dtype: torch.dtype) -> None:
 
 def check_gemm(device: str, dtype: torch.dtype, launch: dict = SMALL_LAUNCH,
                quantize_activation: Callable | None = None, rows_tried: tuple[int, ...] = ROWS,
-               w8a8_modes: tuple[bool, ...] = (False, True)) -> None:
+               w8a8_modes: tuple[bool, ...] = (False, True), shapes: tuple = SHAPES) -> None:
     """W8A8 (x quantized by the kernel, or `quantize_activation`) and weight-only (`w8a8_modes`), plain and with
-    the SiLU-and-mul and a bias."""
+    the SiLU-and-mul and a bias, over `shapes` (N, K, weight scale block)."""
     from nanoserve_kernels.triton_fp8_gemm import fp8_gemm
     if quantize_activation is None:
         from nanoserve_kernels.triton_fp8_quant import quantize_activation
-    for seed, (n, k, block) in enumerate(SHAPES):
+    for seed, (n, k, block) in ((SHAPES.index(shape), shape) for shape in shapes):
         weight, scale = random_fp8(n, k, block, device, seed)
         bias = torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
         shape_launch = dict(launch, BLOCK_K=min(launch["BLOCK_K"], block[1])) if scale.shape[1] > 1 else launch
@@ -143,20 +148,28 @@ def check_gemv(device: str, dtype: torch.dtype, convert: str = "triton", sum_onc
 def run_interpreted_cases(kernel: str) -> None:
     if kernel == "gemm":  # float16 only, in tiles as large as the rows allow: the interpreter is slow
         # x quantized by the reference, which check_quantize finds equal to the kernel bit for bit: the
-        # interpreter runs the kernel a program a row (M = 300: ~3 s a shape)
-        check_gemm("cpu", torch.float16, dict(SMALL_LAUNCH, BLOCK_M=64, BLOCK_N=64), fp8_reference.quantize_activation)
-        # K split over 3 programs: a 128-column step each, or none (past K) for the narrower shapes
-        check_gemm("cpu", torch.float16, dict(SMALL_LAUNCH, BLOCK_M=64, BLOCK_N=64, SPLIT_K=3),
-                   fp8_reference.quantize_activation, rows_tried=(2, 70))
-        # W8A8 through tensor descriptors (where the rows are 16-byte aligned: not the 200-column shape); edge
-        # tiles, and a split's steps past K, read as zeros (tests/gpu: unsplit too)
-        check_gemm("cpu", torch.float16, dict(SMALL_LAUNCH, BLOCK_M=64, BLOCK_N=64, SPLIT_K=3, TMA=True),
-                   fp8_reference.quantize_activation, rows_tried=(2, 70), w8a8_modes=(True,))
-        # tiles computed transposed (SWAP_AB), both modes, and split with TMA: one row block and a masked one
+        # interpreter runs the kernel a program a row (M = 300: ~3 s a shape). Every M on the whole blocks
+        # (with the SiLU-and-mul) and on the tails; the per-channel and 32-wide blocks at one masked row block
+        # of each size (their scales' paths do not depend on M; 70 rows below take two row blocks there)
+        launch = dict(SMALL_LAUNCH, BLOCK_M=64, BLOCK_N=64)
+        check_gemm("cpu", torch.float16, launch, fp8_reference.quantize_activation, shapes=SHAPES[:2])
+        check_gemm("cpu", torch.float16, launch, fp8_reference.quantize_activation, rows_tried=(1, 7),
+                   shapes=SHAPES[2:])
+        # K split over 3 programs: a 128-column step each, or none (past K) for the narrower shapes; two row
+        # blocks, the second masked (two output tiles a column, each with its own counter)
+        check_gemm("cpu", torch.float16, dict(launch, SPLIT_K=3), fp8_reference.quantize_activation,
+                   rows_tried=(70,))
+        # W8A8 through tensor descriptors (where the rows are 16-byte aligned: the 200-column shape would rerun
+        # the pointer path); edge tiles, and a split's steps past K, read as zeros (tests/gpu: unsplit too)
+        check_gemm("cpu", torch.float16, dict(launch, SPLIT_K=3, TMA=True), fp8_reference.quantize_activation,
+                   rows_tried=(70,), w8a8_modes=(True,), shapes=tuple(shape for shape in SHAPES if shape[1] % 16 == 0))
+        # tiles computed transposed (SWAP_AB), both modes, at one row block and a masked one (the tile scale and
+        # the per-column scales); then split, through tensor descriptors
         check_gemm("cpu", torch.float16, dict(SMALL_LAUNCH, BLOCK_M=16, BLOCK_N=64, SWAP_AB=True),
                    fp8_reference.quantize_activation, rows_tried=(20,))
         check_gemm("cpu", torch.float16, dict(SMALL_LAUNCH, BLOCK_M=32, BLOCK_N=64, SPLIT_K=3, SWAP_AB=True, TMA=True),
-                   fp8_reference.quantize_activation, rows_tried=(40,), w8a8_modes=(True,))
+                   fp8_reference.quantize_activation, rows_tried=(40,), w8a8_modes=(True,),
+                   shapes=tuple(shape for shape in SHAPES if shape[1] % 16 == 0))
         return
     if kernel == "gemv":  # Triton's conversion, then the integer one summing once a row, a dtype each (the PTX
         check_gemv("cpu", torch.float32)  # conversion runs on CUDA only: tests/gpu)
@@ -167,9 +180,9 @@ def run_interpreted_cases(kernel: str) -> None:
         check_gemv("cpu", torch.float16, convert="bits", sum_once=True, x_by_thread=True)
         return
     for dtype in (torch.float32, torch.float16):
-        check_quantize("cpu", dtype)
+        check_quantize("cpu", dtype, INTERPRETED_QUANTIZE_SIZES)
         check_norm_quantize("cpu", dtype)
-        check_silu_mul_quantize("cpu", dtype)
+        check_silu_mul_quantize("cpu", dtype, INTERPRETED_QUANTIZE_SIZES)
 
 
 @pytest.mark.parametrize("kernel", each_in_its_own_group("fp8-interpreter",
