@@ -47,6 +47,7 @@ BUCKETS = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 WEIGHT_ONLY_MAX = 32  # measured: from 64 rows on, W8A8 won every shape
 SPLITS, SPLIT_MAX_ROWS = (1, 2, 4), 256
 DEEP_MAX_ROWS, DEEP_STAGES = 128, 6
+SWAP_MAX_ROWS = 64
 
 
 def launches(mode: str, rows: int, silu_mul: bool) -> list[dict]:
@@ -57,7 +58,8 @@ def launches(mode: str, rows: int, silu_mul: bool) -> list[dict]:
     W8A8 each with its tiles loaded by pointers and through tensor descriptors (TMA). At decode batches (up to
     DEEP_MAX_ROWS rows), where a W8A8 call reads its weight at well under the copy rate, TMA launches also try
     narrower 32-column tiles (twice the programs, no split's partial sums) and a deeper pipeline (DEEP_STAGES
-    tiles in flight a program) for more bytes in flight."""
+    tiles in flight a program) for more bytes in flight. Up to SWAP_MAX_ROWS rows, both modes also try tiles
+    computed transposed (SWAP_AB: 64 or 128 weight rows on the tensor cores' M side, the batch on N)."""
     height = min(64, max(16, rows))
     tiles = [(height, 32), (height, 64)] if mode == WEIGHT_ONLY else [(height, 64), (height, 128)]
     if mode == W8A8 and rows >= 128:
@@ -69,6 +71,11 @@ def launches(mode: str, rows: int, silu_mul: bool) -> list[dict]:
         tile = block_m * block_n  # 8 warps from 64 x 128 on: with 4, its float32 sums and the scaled step spill
         shapes.append(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, num_warps=8 if tile >= 8192 else 4,
                            num_stages=3 if tile >= 128 * 128 else 4, SPLIT_K=split, TMA=through_tma))
+    if rows <= SWAP_MAX_ROWS:
+        for block_n, split in itertools.product((64, 128), splits):
+            shapes.append(dict(BLOCK_M=height, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, num_warps=4,
+                               num_stages=DEEP_STAGES if mode == W8A8 else 4, SPLIT_K=split, TMA=mode == W8A8,
+                               SWAP_AB=True))
     if mode == W8A8 and rows <= DEEP_MAX_ROWS:
         for (block_n, stages), split in itertools.product(((32, 4), (32, DEEP_STAGES), (64, DEEP_STAGES)), splits):
             shapes.append(dict(BLOCK_M=height, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=stages,

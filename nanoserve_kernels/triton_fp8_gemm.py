@@ -24,6 +24,11 @@ itself in the tile's counter; the last to arrive adds the partials in split orde
 the arrival order), runs the epilogue and sets the counter back to zero for the next call (CUTLASS's
 serial split-K), so no second kernel and no memset.
 
+SWAP_AB computes each tile transposed, weight rows by batch rows, then turns the sums around once before the
+epilogue: Hopper's tensor-core instructions (wgmma) take 64 or more rows on their M side, so a batch of 16-32
+rows on that side leaves them to the older, narrower instructions, where on the N side (any multiple of 8) it
+fits; the weight's rows fill M instead (as CUTLASS's and TensorRT-LLM's small-batch FP8 kernels swap A and B).
+
 TMA (W8A8 only) loads the a and weight tiles through tensor descriptors: Hopper's tensor-memory accelerator
 copies each 128-byte-wide e4m3 tile into shared memory, with no address arithmetic in the threads and edges
 read as zeros. The tuner offers every W8A8 launch both ways; on an H100 it served the 8B shape's o projection at
@@ -58,6 +63,19 @@ def _scaled_step(a, w, w_scale, a_scale, W8A8: tl.constexpr, TILE_SCALE: tl.cons
 
 
 @triton.jit
+def _scaled_step_swapped(a, w, w_scale, a_scale, W8A8: tl.constexpr, TILE_SCALE: tl.constexpr):
+    """_scaled_step transposed: the product [BLOCK_N, BLOCK_M] of the weight tile with the a tile, so that the
+    weight's rows fill the tensor cores' M side (64 or 128 of them) and the batch's few rows their N side."""
+    if TILE_SCALE:
+        if W8A8:
+            return tl.dot(w, tl.trans(a)) * (a_scale * w_scale)[None, :]
+        return tl.dot(w.to(a.dtype), tl.trans(a)) * w_scale
+    if W8A8:
+        return tl.dot(w, tl.trans(a)) * (w_scale[:, None] * a_scale[None, :])
+    return tl.dot(w.to(a.dtype), tl.trans(a)) * w_scale[:, None]
+
+
+@triton.jit
 def _partial_offsets(tile, split, tiles, part: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Where split `split` of `tile` keeps its partial sums `part` (0: the product, 1: SILU_MUL's up half) in
     the workspace [SPLIT_K, tiles, 2, BLOCK_M, BLOCK_N] (float32)."""
@@ -83,7 +101,7 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, 
                      SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ACT_GROUP: tl.constexpr, W8A8: tl.constexpr,
                      SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr = 1,
-                     TILE_SCALE: tl.constexpr = False, TMA: tl.constexpr = False):
+                     TILE_SCALE: tl.constexpr = False, TMA: tl.constexpr = False, SWAP_AB: tl.constexpr = False):
     # Programs in groups of GROUP_M row blocks over each column block: the weight tiles they share
     # are read from memory once and from L2 after. With SPLIT_K, axis 1 is the program's share of K.
     # TILE_SCALE: the tile's columns, and their up rows, lie in one row of weight scales. TMA: a_ptr and w_ptr
@@ -111,6 +129,8 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, 
     up_scale_offset = (n_size // SCALE_BN) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # SWAP_AB: the sums transposed, until the epilogue
+    up_acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     a_scale = tl.zeros([BLOCK_M], tl.float32)
     # split_steps BLOCK_K steps a split; the last split's may pass K: masked (TMA: read as zeros), adding zeros
     k_first = tl.program_id(1) * split_steps * BLOCK_K
@@ -133,14 +153,24 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, 
             scale_ok = col_ok & (start < k_size)
         scale_step = (start // SCALE_BK) * stride_wsk
         w_scale = tl.load(w_scale_ptrs + scale_step, mask=scale_ok, other=0.0)
-        acc += _scaled_step(a, w, w_scale, a_scale, W8A8, TILE_SCALE)
+        if SWAP_AB:
+            acc_t += _scaled_step_swapped(a, w, w_scale, a_scale, W8A8, TILE_SCALE)
+        else:
+            acc += _scaled_step(a, w, w_scale, a_scale, W8A8, TILE_SCALE)
         if SILU_MUL:
             if TMA:
                 w_up = w_ptr.load([n_size + col_block * BLOCK_N, start])
             else:
                 w_up = tl.load(w_ptrs + up_offset + start, mask=mask_w, other=0.0)
             up_scale = tl.load(w_scale_ptrs + up_scale_offset + scale_step, mask=scale_ok, other=0.0)
-            up_acc += _scaled_step(a, w_up, up_scale, a_scale, W8A8, TILE_SCALE)
+            if SWAP_AB:
+                up_acc_t += _scaled_step_swapped(a, w_up, up_scale, a_scale, W8A8, TILE_SCALE)
+            else:
+                up_acc += _scaled_step(a, w_up, up_scale, a_scale, W8A8, TILE_SCALE)
+    if SWAP_AB:  # one transpose of the sums (through shared memory), then the epilogue as unswapped
+        acc = tl.trans(acc_t)
+        if SILU_MUL:
+            up_acc = tl.trans(up_acc_t)
     store_ok = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K > 1:
         tiles = row_blocks * col_blocks

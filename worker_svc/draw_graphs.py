@@ -34,7 +34,8 @@ class DrawGraphs:
         kinds = [kind for kind in DrawKind if kind is not DrawKind.MASKED or mask_table is not None]
         for bucket in sorted(buckets, reverse=True):
             for kind in kinds:
-                batch = SamplingBatch(*(column[:bucket] for column in sampling[:3]), all_greedy=kind is DrawKind.ARGMAX)
+                batch = SamplingBatch(sampling.temperatures[:bucket], sampling.keys[:bucket],
+                                      sampling.counters[:bucket], all_greedy=kind is DrawKind.ARGMAX)
                 masks = TokenMasks(mask_table, slots[:bucket]) if kind is DrawKind.MASKED else None
                 self._draw(sampler, bucket, batch, masks)  # compiles what a first call does, outside the capture
                 graph = torch.cuda.CUDAGraph()

@@ -61,6 +61,9 @@ def test_quantize_gemm_and_gemv_match_the_reference_in_bfloat16():
     for split_k in (1, 3):  # the tiles copied by the tensor-memory accelerator, in the tuner's 128 x 128 tiles too
         for launch in (fp8_configs.default_choice(64).launch, fp8_configs.default_choice(512).launch):
             check_gemm("cuda", torch.bfloat16, dict(launch, SPLIT_K=split_k, TMA=True))
+    for launch in (dict(BLOCK_M=16, BLOCK_N=64), dict(BLOCK_M=64, BLOCK_N=128, SPLIT_K=2, TMA=True)):  # transposed
+        check_gemm("cuda", torch.bfloat16, dict(fp8_configs.default_choice(64).launch, **launch, SWAP_AB=True),
+                   w8a8_modes=(False, True) if "TMA" not in launch else (True,))
 
 
 @pytest.mark.parametrize("block", [(128, 128), (1, 4096)])

@@ -163,6 +163,13 @@ def run_interpreted_cases(kernel: str) -> None:
         # the pointer path); edge tiles, and a split's steps past K, read as zeros (tests/gpu: unsplit too)
         check_gemm("cpu", torch.float16, dict(launch, SPLIT_K=3, TMA=True), fp8_reference.quantize_activation,
                    rows_tried=(70,), w8a8_modes=(True,), shapes=tuple(shape for shape in SHAPES if shape[1] % 16 == 0))
+        # tiles computed transposed (SWAP_AB), both modes, at one row block and a masked one (the tile scale and
+        # the per-column scales); then split, through tensor descriptors
+        check_gemm("cpu", torch.float16, dict(SMALL_LAUNCH, BLOCK_M=16, BLOCK_N=64, SWAP_AB=True),
+                   fp8_reference.quantize_activation, rows_tried=(20,))
+        check_gemm("cpu", torch.float16, dict(SMALL_LAUNCH, BLOCK_M=32, BLOCK_N=64, SPLIT_K=3, SWAP_AB=True, TMA=True),
+                   fp8_reference.quantize_activation, rows_tried=(40,), w8a8_modes=(True,),
+                   shapes=tuple(shape for shape in SHAPES if shape[1] % 16 == 0))
         return
     if kernel == "gemv":  # Triton's conversion, then the integer one summing once a row, a dtype each (the PTX
         check_gemv("cpu", torch.float32)  # conversion runs on CUDA only: tests/gpu)
@@ -218,11 +225,18 @@ def _loop_bodies(ptx: str) -> list[str]:
     (True, False, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3, TMA=True)),
     (False, False, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)),
     (False, True, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)),
+    (True, False, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)),
+    (True, True, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4, TMA=True,
+                      SWAP_AB=True)),
+    (True, False, dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=6, SPLIT_K=2,
+                       SWAP_AB=True)),
 ])
 def test_fp8_gemm_compiles_for_hopper(w8a8: bool, silu_mul: bool, launch: dict) -> None:
     """sm_90 in bfloat16: W8A8 runs e4m3 tensor-core dots (the interpreter multiplies in numpy); the SiLU-and-mul
     variants with a bias; with K split, one thread a program counts it in its tile's counter (acquire-release);
-    with TMA, x and the weight are tensor descriptors whose tiles the tensor-memory accelerator copies."""
+    with TMA, x and the weight are tensor descriptors whose tiles the tensor-memory accelerator copies. W8A8 dots
+    run on Hopper's warpgroup instructions (wgmma) where their M side is 64 rows or more: a tile of 64 batch rows,
+    or any SWAP_AB tile (the weight's rows on that side); a 32-row tile unswapped takes the older mma.sync."""
     from nanoserve_kernels import triton_fp8_gemm
     tma = launch.get("TMA", False)
     tile = lambda rows: f"tensordesc<fp8e4nv[{rows}, {launch['BLOCK_K']}]>"  # noqa: E731
@@ -231,12 +245,15 @@ def test_fp8_gemm_compiles_for_hopper(w8a8: bool, silu_mul: bool, launch: dict) 
              "out_ptr": "*bf16", "partial_ptr": "*fp32", "counter_ptr": "*i32"}
     constexprs = dict(SCALE_BN=128, SCALE_BK=128, ACT_GROUP=128, W8A8=w8a8, SILU_MUL=silu_mul, HAS_BIAS=silu_mul,
                       **{name: launch[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")},
-                      SPLIT_K=launch.get("SPLIT_K", 1), TILE_SCALE=w8a8, TMA=tma)  # a weight scale a tile, or a column
+                      SPLIT_K=launch.get("SPLIT_K", 1), TILE_SCALE=w8a8, TMA=tma,  # a weight scale a tile, or a column
+                      SWAP_AB=launch.get("SWAP_AB", False))
     ptx = _compile_for_hopper(triton_fp8_gemm._fp8_gemm_kernel, types, constexprs, num_warps=launch["num_warps"],
                               num_stages=launch["num_stages"])
     assert "e4m3" in ptx
     assert ptx.count("atom.global.gpu.acq_rel.add") == (launch.get("SPLIT_K", 1) > 1)
     assert ("cp.async.bulk.tensor.2d" in ptx) == tma
+    if w8a8:
+        assert ("wgmma.mma_async" in ptx) == (launch["BLOCK_M"] >= 64 or launch.get("SWAP_AB", False))
 
 
 @pytest.mark.parametrize("mode, silu_mul, convert, sum_once, stream", [
