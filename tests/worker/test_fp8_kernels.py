@@ -23,7 +23,8 @@ ROWS = (1, 2, 7, 64, 300)
 SHAPES = ((256, 384, (128, 128)), (200, 320, (128, 128)), (96, 200, (1, 200)), (64, 64, (32, 32)))
 SMALL_LAUNCH = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=2)
 # (rows, K) quantized: one group, a row's last group cut short, a row over two programs (8 groups each) ending
-# in a short group. The interpreter runs a program a row and a half-row: 3 rows take every path 33 do.
+# in a short group. A program quantizes 8 groups of one row, so 3 rows take every path that 33 take, in a
+# tenth of the interpreter's programs.
 QUANTIZE_SIZES = ((1, 128), (7, 200), (33, 1100))
 INTERPRETED_QUANTIZE_SIZES = ((1, 128), (7, 200), (3, 1100))
 
@@ -149,8 +150,8 @@ def run_interpreted_cases(kernel: str) -> None:
     if kernel == "gemm":  # float16 only, in tiles as large as the rows allow: the interpreter is slow
         # x quantized by the reference, which check_quantize finds equal to the kernel bit for bit: the
         # interpreter runs the kernel a program a row (M = 300: ~3 s a shape). Every M on the whole blocks
-        # (with the SiLU-and-mul) and on the tails; the per-channel and 32-wide blocks at one masked row block
-        # of each size (their scales' paths do not depend on M; 70 rows below take two row blocks there)
+        # (with the SiLU-and-mul) and on the tails; the per-channel and 32-wide blocks at M = 1 and 7, one
+        # masked row block (their scales' paths do not depend on M; 70 rows below take two row blocks there)
         launch = dict(SMALL_LAUNCH, BLOCK_M=64, BLOCK_N=64)
         check_gemm("cpu", torch.float16, launch, fp8_reference.quantize_activation, shapes=SHAPES[:2])
         check_gemm("cpu", torch.float16, launch, fp8_reference.quantize_activation, rows_tried=(1, 7),
