@@ -16,7 +16,7 @@ import pytest
 from tests.deploy.chart_model import FULLNAME, NAMESPACE, PROFILES, REPO, expand, of_kind, pods, render
 from tests.services.processes import ENV
 
-MAX_TOKENS = 200  # still in flight when SIGTERM comes, done well within the drain on a loaded machine
+MAX_TOKENS = 100  # in flight when SIGTERM comes (at its first event), done well within the drain on a loaded machine
 FINISHED = {"done": True, "error": "", "finish_reason": "length"}
 # The downward API's answers for the second group (the LeaderWorkerSet's group-index label).
 DOWNWARD_API = {"metadata.labels['leaderworkerset.sigs.k8s.io/group-index']": "1", "metadata.namespace": NAMESPACE}
