@@ -114,7 +114,7 @@ def assert_draining(address: str, url: str) -> None:
 
 def test_ctrl_c_drains_then_ends_what_is_left(tiny_model_dir, tmp_path):
     log = tmp_path / "up.log"
-    with shown_on_failure(log), started_up(tiny_model_dir, log, "--shutdown-timeout", "8") as (launcher, address, url):
+    with shown_on_failure(log), started_up(tiny_model_dir, log, "--shutdown-timeout", "5") as (launcher, address, url):
         short, long_grpc, long_sse = grpc_stream(address, 24), grpc_stream(address, LONG), sse_stream(url, LONG)
         for outcome in (short, long_grpc, long_sse):
             outcome.wait_started()
