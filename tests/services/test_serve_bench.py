@@ -127,7 +127,8 @@ def service(tiny_model_dir, tmp_path_factory):
     """A worker and its scheduler for the smoke runs: the benchmark reports each rate by the server's counters
     before and after it, so a run's figures hold whatever an earlier run sent."""
     log = tmp_path_factory.mktemp("serve") / "services.log"
-    with running_service(Path(tiny_model_dir), log, worker_flags=("--block-size", "16", "--num-kv-blocks", "200")) as svc:
+    flags = ("--block-size", "16", "--num-kv-blocks", "200")
+    with running_service(Path(tiny_model_dir), log, worker_flags=flags) as svc:
         yield svc, log
 
 
