@@ -218,15 +218,19 @@ class WorkerGroup:
         return reads[0].result()
 
     async def ping(self, timeout: float = 10.0) -> None:
-        """Raises WorkerUnavailable when a rank no longer answers (checked while idle). A dead rank
-        fails at once (its connection is refused); the timeout only bounds a rank that is connected
-        but silent, and is generous: on a loaded machine an idle worker can take seconds to be
-        scheduled, and a 2 s bound sent healthy groups through recovery."""
+        """Raises WorkerUnavailable when a rank no longer answers (checked while idle), or answers from
+        another process than the one this group connected to: a rank that died and came back between two
+        pings (its channel reconnects by itself) holds none of this group's state, not even its KV cache,
+        and may serve another model. A dead rank fails at once (its connection is refused); the timeout
+        only bounds a rank that is connected but silent, and is generous: on a loaded machine an idle
+        worker can take seconds to be scheduled, and a 2 s bound sent healthy groups through recovery."""
         for rank, stub in enumerate(self.stubs):
             try:
-                await stub.Describe(worker_pb2.DescribeRequest(), timeout=timeout, metadata=self.metadata)
+                info = await stub.Describe(worker_pb2.DescribeRequest(), timeout=timeout, metadata=self.metadata)
             except grpc.aio.AioRpcError as err:
                 raise WorkerUnavailable(f"{self.name(rank)} is unavailable: {err.code().name}") from err
+            if info.instance_id != self.infos[rank].instance_id:
+                raise WorkerUnavailable(f"{self.name(rank)} restarted: another process answers at its address")
 
     async def _stream_failed(self, rank: int, error: BaseException) -> WorkerUnavailable:
         """The rank's step stream failed. Every way a call can end is a failure of the rank, not of

@@ -189,3 +189,30 @@ def test_a_renewed_group_whose_processes_all_stayed_takes_them_again():
     """No rank went down (a step outlived --step-timeout, say): the failed group's processes serve on."""
     ranks = [RestartingRank(0, "old-0", [(0.0, "old-0")]), RestartingRank(1, "old-1", [(0.0, "old-1")])]
     assert renewed_group_instances(ranks) == ["old-0", "old-1"]
+
+
+def test_an_idle_ping_finds_a_rank_restarted_since_the_last_one():
+    """Between two pings rank 1 died and came back (its channel reconnects by itself): the ping names it
+    restarted, for recovery to take the new process through the handshake, where before the group served
+    on with a rank that holds none of its state."""
+    ranks = [RestartingRank(0, "a-0", [(0.0, "a-0")]), RestartingRank(1, "a-1", [(0.0, "b-1")])]
+    servers, addresses = serve(ranks)
+
+    async def ping_twice() -> str:
+        group = WorkerGroup(addresses)
+        await group.connect(timeout=10)
+        try:
+            await group.ping()  # the same processes: nothing to say
+            ranks[1].restart()
+            with pytest.raises(WorkerUnavailable) as info:
+                await group.ping()
+            return str(info.value)
+        finally:
+            await group.close()
+
+    try:
+        restarted = f"worker rank 1 at {addresses[1]} restarted: another process answers at its address"
+        assert asyncio.run(ping_twice()) == restarted
+    finally:
+        for server in servers:
+            server.stop(0)
