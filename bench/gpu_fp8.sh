@@ -20,7 +20,7 @@
 #   table to commit; $OUT/summary.log the results.
 # perf (< 9 minutes, each step cut to what is left; FP8_PERF_BUDGET_S, default 530): self-tuning, for the 8B
 #   targets: the kernels' test; the batch-1 e4m3 gemv sweep on the 8B shapes (a grid around the stored tiles);
-#   bench/tune_fp8.py --shapes 8b with every candidate (tiles, K split 1/2/4, scaled_mm) at the decode buckets
+#   bench/tune_fp8.py --shapes 8b with every candidate (tiles, K split 1/2/4, TMA, SWAP_AB, scaled_mm) at the buckets
 #   256 to 32 (the most served first), then 512 and 2048 rows while its time lasts, which writes
 #   nanoserve_kernels/fp8_configs.json; bench/fp8_pairs.py 8B bf16 / FP8 / FP8 + FP8 KV served with that table;
 #   the file's other tests last. $OUT: fp8_configs.json (commit it), tune_fp8.log and gemv_fp8_block.json (every
@@ -36,8 +36,8 @@ if [ "$mode" = tune ]; then
 fi
 if [ "$mode" = speed ] || [ "$mode" = perf ]; then
   if [ "$mode" = perf ]; then
-    end=$((SECONDS + ${FP8_PERF_BUDGET_S:-530})) shapes=qwen3-8b gemv_s=95 tune_s=110 pairs_s=200 pairs_after=90
-    gemv=(--models 8b --budget-s 20) tune=(--shapes 8b --buckets 256 128 64 32 512 2048 --budget-s 95)
+    end=$((SECONDS + ${FP8_PERF_BUDGET_S:-530})) shapes=qwen3-8b gemv_s=95 tune_s=170 pairs_s=200 pairs_after=90
+    gemv=(--models 8b --budget-s 20) tune=(--shapes 8b --buckets 256 128 64 32 512 2048 --budget-s 150)
     pairs=(--only 8b_bf16 8b_fp8 8b_fp8_kvfp8)
   else
     end=$((SECONDS + ${FP8_SPEED_BUDGET_S:-470})) shapes="qwen3-8b qwen3-0.6b" gemv_s=120 tune_s=75 pairs_s=300
