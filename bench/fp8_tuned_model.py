@@ -1,4 +1,4 @@
-"""The DESIGN throughput workload on the 8B shape, bf16 against FP8 weights, from the projections' times the
+"""The throughput workload (bench/throughput.py) on the 8B shape, bf16 against FP8 weights, from the projections' times the
 tuner measured (nanoserve_kernels/fp8_configs.json: each shape's FP8 call and its bf16 call at each batch
 bucket) rather than from rates: what the table as tuned predicts, checked against a measured pair, and what
 faster FP8 calls at decode batches would give.
