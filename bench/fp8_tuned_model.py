@@ -1,7 +1,8 @@
-"""The throughput workload (bench/throughput.py) on the 8B shape, bf16 against FP8 weights, from the projections' times the
-tuner measured (nanoserve_kernels/fp8_configs.json: each shape's FP8 call and its bf16 call at each batch
-bucket) rather than from rates: what the table as tuned predicts, checked against a measured pair, and what
-faster FP8 calls at decode batches would give.
+"""The 8B shape's throughput workload (bench/throughput.py), bf16 against FP8 weights, costed from the tuned table.
+
+The projections' times are the ones the tuner measured (nanoserve_kernels/fp8_configs.json: each shape's FP8
+call and its bf16 call at each batch bucket) rather than rates: what the table as tuned predicts, checked
+against a measured pair, and what faster FP8 calls at decode batches would give.
 
 The decode steps are bench/fp8_roofline.py's schedule. A step of r rows costs 36 layers of its bucket's four
 projections, the bf16 LM head (max of its weight read and its FLOPs), its attention (the KV bytes of every
