@@ -188,9 +188,9 @@ def or_error(fn, *args):
 def write_gemv_table(report: list[dict], table_file: Path) -> None:
     """Each shape's fastest e4m3 launch, with its time and the 16-bit call's, as bucket 1 of this device's
     FP8 table (nanoserve_kernels/fp8_configs.py)."""
-    from nanoserve_kernels.fp8_configs import WEIGHT_ONLY, shape_key
+    from nanoserve_kernels.fp8_configs import WEIGHT_ONLY, shape_key, this_device_table
     tables = json.loads(table_file.read_text()) if table_file.exists() else {}
-    table = tables.setdefault(torch.cuda.get_device_name(), {})
+    table = this_device_table(tables)
     for entry in report:
         key = shape_key(entry["n"], entry["k"], entry["layer"] == "gate_up")
         table.setdefault(key, {})["1"] = dict(mode=WEIGHT_ONLY, backend=GEMV, launch=entry["best_launch"],

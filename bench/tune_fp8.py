@@ -222,7 +222,7 @@ def main() -> None:
     deadline = time.monotonic() + args.budget_s
     device = torch.cuda.get_device_name()
     tables = json.loads(args.out.read_text()) if args.out.exists() else {}
-    table = tables.setdefault(device, {})
+    table = fp8_configs.this_device_table(tables)
     print(f"tuning FP8 linears on {device}, torch {torch.__version__}")
     shapes = [ShapeTuner(*shape) for name in args.shapes for shape in SHAPES[name]]
     for rows, shape in itertools.product(args.buckets, shapes):

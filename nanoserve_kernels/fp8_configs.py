@@ -1,7 +1,9 @@
 """How each FP8 linear runs, by weight shape and batch-size bucket: weight-only or W8A8, through our
 Triton GEMM or torch's blockwise scaled_mm, and the Triton launch shape. bench/tune_fp8.py measures
 every candidate on the GPU and writes the fastest per (N, K, M bucket) into fp8_configs.json (beside
-this file), one table per device name; shapes or devices it has not seen take DEFAULT's choice. Bucket
+this file), one table per device name, with the device's architecture under ARCHITECTURES. A bucket its
+device's table lacks takes the entry of another device of the same architecture (the same multiprocessors
+and shared memory run the same launches: an H200 with the H100's choices), else the default's. Bucket
 1 is the matrix-vector kernel's (backend GEMV: its tiles and e4m3 conversion), written by bench/gemv.py.
 
 Beside each choice the tuners record its time ("us") and that of the same layer in bf16 ("bf16_us": the
@@ -14,6 +16,7 @@ from pathlib import Path
 
 CONFIG_FILE = Path(__file__).with_name("fp8_configs.json")
 MAX_BUCKET = 8192  # larger batches take this bucket's choice
+ARCHITECTURES = "architectures"  # the file's {device name: "sm_XY"} beside the device tables
 WEIGHT_ONLY = "weight_only"
 W8A8 = "w8a8"
 TRITON, SCALED_MM, GEMV = "triton", "scaled_mm", "gemv"
@@ -57,12 +60,46 @@ def _tables() -> dict:
     return json.loads(CONFIG_FILE.read_text()) if CONFIG_FILE.exists() else {}
 
 
+def architecture() -> str:
+    """The current CUDA device's architecture, as ARCHITECTURES records it."""
+    import torch
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
+
+
+def this_device_table(tables: dict) -> dict:
+    """The current CUDA device's table in `tables` (for a tuner to fill), its architecture recorded."""
+    import torch
+    name = torch.cuda.get_device_name()
+    tables.setdefault(ARCHITECTURES, {})[name] = architecture()
+    return tables.setdefault(name, {})
+
+
+@functools.cache
+def _current_device() -> tuple[str, str] | None:
+    import torch
+    return (torch.cuda.get_device_name(), architecture()) if torch.cuda.is_available() else None
+
+
+def _table_names(device_name: str, tables: dict) -> list[str]:
+    """The tables a choice for `device_name` is looked up in: its own, then those of the devices of its
+    architecture (recorded in the file, or the current device's), by name."""
+    recorded = tables.get(ARCHITECTURES, {})
+    arch = recorded.get(device_name)
+    if arch is None and _current_device() is not None and _current_device()[0] == device_name:
+        arch = _current_device()[1]
+    return [device_name] + sorted(name for name, other in recorded.items() if other == arch and name != device_name)
+
+
 def tuned(device_name: str, n: int, k: int, rows_bucket: int, silu_mul: bool = False,
           tables: dict | None = None) -> Fp8Choice | None:
-    """The measured choice for this device, shape and bucket, if any."""
-    entry = (_tables() if tables is None else tables).get(device_name, {}).get(shape_key(n, k, silu_mul), {}).get(
-        str(rows_bucket))
-    return Fp8Choice(**entry) if entry else None
+    """The measured choice for this shape and bucket on this device, else on one of its architecture, if any."""
+    tables = _tables() if tables is None else tables
+    for name in _table_names(device_name, tables):
+        entry = tables.get(name, {}).get(shape_key(n, k, silu_mul), {}).get(str(rows_bucket))
+        if entry:
+            return Fp8Choice(**entry)
+    return None
 
 
 def choose(device_name: str, n: int, k: int, rows: int, silu_mul: bool = False) -> Fp8Choice:
