@@ -91,11 +91,18 @@ def _table_names(device_name: str, tables: dict) -> list[str]:
     return [device_name] + sorted(name for name, other in recorded.items() if other == arch and name != device_name)
 
 
+@functools.cache
+def _committed_table_names(device_name: str) -> tuple[str, ...]:
+    """_table_names in the committed file, once a device (an eager step asks for every projection)."""
+    return tuple(_table_names(device_name, _tables()))
+
+
 def tuned(device_name: str, n: int, k: int, rows_bucket: int, silu_mul: bool = False,
           tables: dict | None = None) -> Fp8Choice | None:
     """The measured choice for this shape and bucket on this device, else on one of its architecture, if any."""
+    names = _committed_table_names(device_name) if tables is None else _table_names(device_name, tables)
     tables = _tables() if tables is None else tables
-    for name in _table_names(device_name, tables):
+    for name in names:
         entry = tables.get(name, {}).get(shape_key(n, k, silu_mul), {}).get(str(rows_bucket))
         if entry:
             return Fp8Choice(**entry)
