@@ -60,34 +60,30 @@ def _tables() -> dict:
     return json.loads(CONFIG_FILE.read_text()) if CONFIG_FILE.exists() else {}
 
 
-def architecture() -> str:
-    """The current CUDA device's architecture, as ARCHITECTURES records it."""
+@functools.cache
+def _current_device() -> tuple[str, str] | None:
+    """The current CUDA device's name and architecture (as ARCHITECTURES records it); None without CUDA."""
     import torch
+    if not torch.cuda.is_available():
+        return None
     major, minor = torch.cuda.get_device_capability()
-    return f"sm_{major}{minor}"
+    return torch.cuda.get_device_name(), f"sm_{major}{minor}"
 
 
 def this_device_table(tables: dict) -> dict:
     """The current CUDA device's table in `tables` (for a tuner to fill), its architecture recorded."""
-    import torch
-    name = torch.cuda.get_device_name()
-    tables.setdefault(ARCHITECTURES, {})[name] = architecture()
+    name, arch = _current_device()
+    tables.setdefault(ARCHITECTURES, {})[name] = arch
     return tables.setdefault(name, {})
-
-
-@functools.cache
-def _current_device() -> tuple[str, str] | None:
-    import torch
-    return (torch.cuda.get_device_name(), architecture()) if torch.cuda.is_available() else None
 
 
 def _table_names(device_name: str, tables: dict) -> list[str]:
     """The tables a choice for `device_name` is looked up in: its own, then those of the devices of its
     architecture (recorded in the file, or the current device's), by name."""
-    recorded = tables.get(ARCHITECTURES, {})
+    recorded, current = tables.get(ARCHITECTURES, {}), _current_device()
     arch = recorded.get(device_name)
-    if arch is None and _current_device() is not None and _current_device()[0] == device_name:
-        arch = _current_device()[1]
+    if arch is None and current is not None and current[0] == device_name:
+        arch = current[1]
     return [device_name] + sorted(name for name, other in recorded.items() if other == arch and name != device_name)
 
 
