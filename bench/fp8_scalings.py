@@ -20,18 +20,9 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "proto"), str(REPO / "bench")]
 from gemv import time_per_call, weight_copies  # noqa: E402  (bench/, this script's folder)
+from nanoserve_kernels.fp8_reference import dequantize_weight, quantize_weight  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = torch.finfo(E4M3).max
-
-
-def quantize(x: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x in e4m3 with one float32 scale per `rows` x `cols` block (scale = amax / 448)."""
-    m, k = x.shape
-    blocks = x.float().reshape(m // rows, rows, k // cols, cols)
-    scale = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp(min=1e-12) / E4M3_MAX
-    return (blocks / scale).to(E4M3).reshape(m, k), scale.reshape(m // rows, k // cols)
 
 
 def block_mm(x_q, x_s, w_q, w_s):
@@ -58,17 +49,14 @@ def measure(name: str, n: int, k: int, rows: int) -> dict:
     x_pad = F.pad(x, (0, 0, 0, -rows % 4))  # blockwise scaled_mm takes rows in fours
     for scaling, (x_block, w_block, mm) in {"block": ((1, 128), (128, 128), block_mm),
                                            "rowwise": ((1, k), (1, k), rowwise_mm)}.items():
-        x_q, x_s = quantize(x_pad if scaling == "block" else x, *x_block)
-        w_q, w_s = quantize(w, *w_block)
+        x_q, x_s = quantize_weight(x_pad if scaling == "block" else x, x_block)
+        w_q, w_s = quantize_weight(w, w_block)
+        reference = dequantize_weight(x_q, x_s, x_block)[:rows] @ dequantize_weight(w_q, w_s, w_block).t()
         if scaling == "block":
             x_s = x_s.t().contiguous().t()  # token-minor, as cuBLAS wants
         try:
             y = mm(x_q, x_s, w_q, w_s)[:rows]
-            w_deq = (w_q.float().reshape(n // w_block[0], w_block[0], k // w_block[1], w_block[1])
-                     * w_s[:, None, :, None]).reshape(n, k)
-            x_deq = (x_q.float().reshape(-1, x_block[0], k // x_block[1], x_block[1])
-                     * x_s.reshape(-1, k // x_block[1])[:, None, :, None]).reshape(-1, k)[:rows]
-            result[f"{scaling}_error"] = rel_error(y, x_deq @ w_deq.t())
+            result[f"{scaling}_error"] = rel_error(y, reference)
             result[f"{scaling}_us"] = time_per_call(lambda weight: mm(x_q, x_s, weight, w_s), weight_copies(w_q)) * 1e6
         except RuntimeError as error:  # not on this torch or device
             result[f"{scaling}_error"] = str(error).splitlines()[0][:200]
