@@ -8,14 +8,16 @@ checked against the plain-torch reference first:
   - the W8A8 Triton GEMM, in a few launch shapes, K split or not, with the activations' quantization pass
     (not timed after a norm, which quantizes them itself when serving);
   - torch's blockwise scaled_mm (sm90), likewise; for gate/up followed by the SiLU-and-mul pass (it cannot
-    fuse it), against the Triton GEMM's fused epilogue.
+    fuse it), against the Triton GEMM's fused epilogue;
+  - DeepGEMM's GEMM (nanoserve_kernels/deepgemm_fp8.py, where installed: bench/deepgemm.sh), likewise, at
+    decode buckets.
 The fastest per (N, K, bucket) is kept, with its time ("us") and that of the same layer in bf16 ("bf16_us":
 the weight dequantized, run as the unquantized model runs it), from which fp8_configs.served_in_bf16 decides
 where FP8 does not pay. Times are CUDA-graph replays of 20 calls or more (what serving runs), cycling
 through copies of the weight that together exceed the L2 cache, so that every call reads from memory;
 each bucket's candidates compile first, several at a time.
---recheck re-times only the table's stored choice, torch's scaled_mm (no compile) and bf16 at the buckets it
-has.
+--recheck re-times only the table's stored choice, torch's scaled_mm (no compile), DeepGEMM and bf16 at the
+buckets it has.
 
     python3 bench/tune_fp8.py [--shapes 0.6b 8b] [--buckets 2 4 ... 8192] [--budget-s 240] [--recheck] [--out FILE]
 """
@@ -33,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "proto")]
 
 from nanoserve_kernels import fp8_configs, fp8_reference  # noqa: E402
-from nanoserve_kernels.fp8_configs import SCALED_MM, TRITON, W8A8, WEIGHT_ONLY, Fp8Choice  # noqa: E402
+from nanoserve_kernels.fp8_configs import DEEPGEMM, SCALED_MM, TRITON, W8A8, WEIGHT_ONLY, Fp8Choice  # noqa: E402
 from gemv import or_error, copies_past_l2  # noqa: E402  (bench/, this script's folder)
 
 BLOCK = (128, 128)
@@ -106,11 +108,11 @@ def graph_time(fn, copies: list[tuple], calls: int = 20) -> float:
 
 
 def candidates(x, weight, silu_mul: bool, after_norm: bool, stored: Fp8Choice | None):
-    """(choice, fn(weight, scale)) pairs for x and this weight's shape; only the stored choice (and scaled_mm)
-    when given. A W8A8 call quantizes x first, in the layout its GEMM takes, except after a norm (q/k/v,
+    """(choice, fn(weight, scale)) pairs for x and this weight's shape; only the stored choice (and scaled_mm,
+    DeepGEMM) when given. A W8A8 call quantizes x first, in the layout its GEMM takes, except after a norm (q/k/v,
     gate/up), where serving has the norm quantize it (nanoserve_model/row_fusion.py): there x is quantized
     once, outside the timed call."""
-    from nanoserve_kernels.fp8_linear import input_layout, quantized_linear, takes_scaled_mm
+    from nanoserve_kernels.fp8_linear import input_layout, quantized_linear, takes_deepgemm, takes_scaled_mm
     from nanoserve_kernels.triton_fp8_gemm import fp8_gemm
     from nanoserve_kernels.triton_fp8_quant import quantize_activation
     rows = x.shape[0]
@@ -128,10 +130,12 @@ def candidates(x, weight, silu_mul: bool, after_norm: bool, stored: Fp8Choice | 
         return run
 
     scaled_mm = Fp8Choice(W8A8, SCALED_MM, fp8_configs.default_choice(fp8_configs.bucket(rows)).launch)
-    if stored is not None:  # and torch's scaled_mm beside it: no compile, and the stored choice may predate it
+    deepgemm = Fp8Choice(W8A8, DEEPGEMM, scaled_mm.launch)
+    libraries = [(scaled_mm, takes_scaled_mm(x.shape[1], weight, BLOCK)),
+                 (deepgemm, takes_deepgemm(rows, weight, BLOCK))]
+    if stored is not None:  # and the libraries' GEMMs beside it (no tuning; the stored choice may predate them)
         yield stored, weight_only(stored.launch) if stored.mode == WEIGHT_ONLY else w8a8(stored)
-        if stored.backend != SCALED_MM and takes_scaled_mm(x.shape[1], weight, BLOCK):
-            yield scaled_mm, w8a8(scaled_mm)
+        yield from ((chosen, w8a8(chosen)) for chosen, takes in libraries if takes and chosen.backend != stored.backend)
         return
     if rows <= WEIGHT_ONLY_MAX:
         for launch in launches(WEIGHT_ONLY, rows, silu_mul):
@@ -139,8 +143,7 @@ def candidates(x, weight, silu_mul: bool, after_norm: bool, stored: Fp8Choice | 
     for launch in launches(W8A8, rows, silu_mul):
         chosen = Fp8Choice(W8A8, TRITON, launch)
         yield chosen, w8a8(chosen)
-    if takes_scaled_mm(x.shape[1], weight, BLOCK):
-        yield scaled_mm, w8a8(scaled_mm)
+    yield from ((chosen, w8a8(chosen)) for chosen, takes in libraries if takes)
 
 
 def bf16_call(x, silu_mul: bool):
@@ -180,8 +183,11 @@ class ShapeTuner:
         expected = {mode: reference(x, weight, scale, mode, silu_mul) for mode in (WEIGHT_ONLY, W8A8)}
         best, best_time = None, float("inf")
         tried = list(candidates(x, weight, silu_mul, self.after_norm, Fp8Choice(**kept) if kept else None))
+        def first_call(item):  # on a pool thread, whose driver calls (DeepGEMM's) need the device's context current
+            torch.cuda.set_device(weight.device)
+            return or_error(item[1], weight, scale)
         with concurrent.futures.ThreadPoolExecutor(8) as pool:  # compiles, several at a time (ptxas outside the GIL)
-            outputs = list(pool.map(lambda item: or_error(item[1], weight, scale), tried))
+            outputs = list(pool.map(first_call, tried))
         for (chosen, fn), got in zip(tried, outputs):
             try:
                 if isinstance(got, Exception):

@@ -19,7 +19,7 @@ MAX_BUCKET = 8192  # larger batches take this bucket's choice
 ARCHITECTURES = "architectures"  # the file's {device name: "sm_XY"} beside the device tables
 WEIGHT_ONLY = "weight_only"
 W8A8 = "w8a8"
-TRITON, SCALED_MM, GEMV = "triton", "scaled_mm", "gemv"
+TRITON, SCALED_MM, DEEPGEMM, GEMV = "triton", "scaled_mm", "deepgemm", "gemv"
 # The batch sizes a decode step runs (--max-num-seqs defaults to 256), over which served_in_bf16 compares.
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -27,7 +27,7 @@ DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 @dataclass(frozen=True)
 class Fp8Choice:
     mode: str        # WEIGHT_ONLY or W8A8
-    backend: str     # TRITON or SCALED_MM (W8A8 with 128 x 128 weight blocks only)
+    backend: str     # TRITON, or SCALED_MM or DEEPGEMM (W8A8 with 128 x 128 weight blocks only)
     launch: dict = field(default_factory=dict)  # the Triton kernel's BLOCK_M/N/K, GROUP_M, num_warps/stages
     us: float | None = None       # its measured time, microseconds a call
     bf16_us: float | None = None  # the same layer's in bf16, measured beside it

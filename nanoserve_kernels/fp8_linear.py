@@ -2,8 +2,9 @@
 batch size: one row reads W through the matrix-vector kernel, dequantizing in registers
 (triton_gemv.py); larger batches take what fp8_configs.py chose for the shape and bucket: the
 weight-only GEMM against the 16-bit activations (small decode batches), or the activations quantized
-per token and 128 columns (triton_fp8_quant.py) and the W8A8 GEMM, ours (triton_fp8_gemm.py) or torch's
-blockwise scaled_mm (for gate/up followed by the SiLU-and-mul pass, where cuBLAS's rate repays it).
+per token and 128 columns (triton_fp8_quant.py) and the W8A8 GEMM, ours (triton_fp8_gemm.py), torch's
+blockwise scaled_mm or DeepGEMM's (deepgemm_fp8.py; both for gate/up followed by the SiLU-and-mul pass,
+where their rate repays it).
 Off CUDA, and for scale blocks the kernels do not tile, the plain-torch reference. Every path has
 fixed shapes for a given row count, so the step graphs capture it.
 
@@ -11,17 +12,18 @@ The projections' fusions take the same kernels: the RMSNorm before q/k/v and gat
 the matrix-vector kernel's prologue (triton_gemv.rms_norm_gemv with the weight's scales), and the
 SiLU-and-mul after gate/up the GEMM's epilogue (fp8_gate_up_silu). Before a W8A8 GEMM the RMSNorm
 quantizes its own output (input_quantization says in which layout, quantized_linear takes it:
-nanoserve_model/row_fusion.py); so does the SiLU-and-mul pass after torch's scaled_mm for the down
+nanoserve_model/row_fusion.py); so does the SiLU-and-mul pass after scaled_mm or DeepGEMM for the down
 projection (`output_layout`); the o projection's activations, and the down projection's after the Triton
 GEMM's epilogue, take a quantization pass.
 """
+import dataclasses
 import functools
 
 import torch
 import torch.nn.functional as F
 
-from nanoserve_kernels import fp8_configs, fp8_reference
-from nanoserve_kernels.fp8_configs import SCALED_MM, W8A8, Fp8Choice
+from nanoserve_kernels import deepgemm_fp8, fp8_configs, fp8_reference
+from nanoserve_kernels.fp8_configs import DEEPGEMM, SCALED_MM, W8A8, Fp8Choice
 
 # A projection's output: in the model dtype, or quantized for the next W8A8 GEMM (e4m3 values, their scales).
 Activation = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -42,8 +44,12 @@ def on_kernels(x: torch.Tensor, block: tuple[int, int]) -> bool:
 
 
 def choice(rows: int, weight: torch.Tensor, silu_mul: bool = False) -> Fp8Choice:
-    """The table's choice for `rows` rows through this weight on its device."""
-    return fp8_configs.choose(_device_name(weight.device), weight.shape[0], weight.shape[1], rows, silu_mul)
+    """The table's choice for `rows` rows through this weight on its device (DeepGEMM's, where it is not
+    installed, goes to torch's scaled_mm, which takes the same inputs)."""
+    chosen = fp8_configs.choose(_device_name(weight.device), weight.shape[0], weight.shape[1], rows, silu_mul)
+    if chosen.backend == DEEPGEMM and not deepgemm_fp8.available():
+        return dataclasses.replace(chosen, backend=SCALED_MM)
+    return chosen
 
 
 def _gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
@@ -66,8 +72,10 @@ def _launch(chosen: Fp8Choice, scale: torch.Tensor, block: tuple[int, int]) -> d
 
 def input_layout(chosen: Fp8Choice, x_shape: torch.Size, weight: torch.Tensor, block: tuple[int, int]) -> dict:
     """quantize_activation's layout for the W8A8 GEMM chosen: torch's scaled_mm wants the scales token-minor
-    and the rows a multiple of 4."""
-    if chosen.backend == SCALED_MM and takes_scaled_mm(x_shape[1], weight, block):
+    and the rows a multiple of 4; DeepGEMM the same, the rows padded to their bucket."""
+    if chosen.backend == DEEPGEMM and takes_deepgemm(x_shape[0], weight, block):
+        return dict(token_minor=True, padded_rows=deepgemm_fp8.padded_rows(x_shape[0]))
+    if chosen.backend in (SCALED_MM, DEEPGEMM) and takes_scaled_mm(x_shape[1], weight, block):
         return dict(token_minor=True, padded_rows=-(-x_shape[0] // 4) * 4)
     return dict(token_minor=False, padded_rows=None)
 
@@ -76,19 +84,22 @@ def _w8a8(quantized: tuple[torch.Tensor, torch.Tensor], rows: int, dtype: torch.
           scale: torch.Tensor, block: tuple[int, int], bias: torch.Tensor | None, silu_mul: bool,
           chosen: Fp8Choice, output_layout: dict | None = None) -> Activation:
     """The W8A8 GEMM of `rows` rows quantized in input_layout's layout, output in `dtype`; with `silu_mul` and
-    `output_layout`, the SiLU-and-mul quantized in that layout where it is a pass of its own (scaled_mm)."""
+    `output_layout`, the SiLU-and-mul quantized in that layout where it is a pass of its own (scaled_mm, DeepGEMM)."""
     from nanoserve_kernels.triton_activation import silu_and_mul
     from nanoserve_kernels.triton_fp8_gemm import fp8_gemm
     from nanoserve_kernels.triton_fp8_quant import quantize_activation
     x_quantized, x_scale = quantized
-    if chosen.backend == SCALED_MM and takes_scaled_mm(x_quantized.shape[1], weight, block):
+    if chosen.backend == DEEPGEMM and takes_deepgemm(rows, weight, block, scale, dtype):
+        y = deepgemm_fp8.gemm(x_quantized, x_scale, weight, scale)[:rows]
+    elif chosen.backend in (SCALED_MM, DEEPGEMM) and takes_scaled_mm(x_quantized.shape[1], weight, block):
         y = _scaled_mm_quantized(x_quantized, x_scale, weight, scale, dtype)[:rows]
-        y = y if bias is None else y + bias
-        if silu_mul and output_layout is not None:
-            return quantize_activation(y, silu_mul=True, **output_layout)
-        return silu_and_mul(y) if silu_mul else y  # each half rounded first, as the fused epilogue
-    return fp8_gemm(x_quantized, weight, scale, block, _launch(chosen, scale, block), x_scale=x_scale, bias=bias,
-                    silu_mul=silu_mul, out_dtype=dtype)
+    else:
+        return fp8_gemm(x_quantized, weight, scale, block, _launch(chosen, scale, block), x_scale=x_scale, bias=bias,
+                        silu_mul=silu_mul, out_dtype=dtype)
+    y = y if bias is None else y + bias
+    if silu_mul and output_layout is not None:
+        return quantize_activation(y, silu_mul=True, **output_layout)
+    return silu_and_mul(y) if silu_mul else y  # each half rounded first, as the fused epilogue
 
 
 def input_quantization(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int], silu_mul: bool = False,
@@ -118,6 +129,13 @@ def quantized_linear(quantized: tuple[torch.Tensor, torch.Tensor], rows: int, dt
 def takes_scaled_mm(k: int, weight: torch.Tensor, block: tuple[int, int]) -> bool:
     """torch's blockwise scaled_mm (sm90, CUDA 12.9+) of K columns: 128 x 128 weight blocks, whole K blocks."""
     return block == (128, 128) and k % 128 == 0 and weight.shape[0] % 128 == 0
+
+
+def takes_deepgemm(rows: int, weight: torch.Tensor, block: tuple[int, int], scale: torch.Tensor | None = None,
+                   dtype: torch.dtype = torch.bfloat16) -> bool:
+    """DeepGEMM (installed) of `rows` rows: deepgemm_fp8.takes; the scales checked where given."""
+    return deepgemm_fp8.available() and deepgemm_fp8.takes(rows, weight, weight if scale is None else scale,
+                                                            block, dtype)
 
 
 def _scaled_mm_quantized(x_quantized: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,

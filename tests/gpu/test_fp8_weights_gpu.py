@@ -174,6 +174,33 @@ def test_torch_blockwise_scaled_mm_matches_the_reference_where_it_runs():
     assert relative_error(got, expected) < 2 * TOLERANCE[torch.bfloat16]
 
 
+def test_deepgemm_matches_the_reference_at_decode_batches_where_installed():
+    """The W8A8 path through DeepGEMM, as the table may choose it at decode buckets: x quantized in its layout
+    (rows padded to the bucket, the padding unwritten), q/k/v- and gate/up-shaped weights (the SiLU-and-mul
+    after it, and that pass quantizing for the down projection), rows of every bucket and between them."""
+    from nanoserve_kernels import deepgemm_fp8
+    from nanoserve_kernels.fp8_configs import DEEPGEMM
+    from nanoserve_kernels.fp8_linear import input_layout, quantized_linear, takes_deepgemm
+    from nanoserve_kernels.triton_fp8_quant import quantize_activation
+    if not deepgemm_fp8.available():
+        pytest.skip("DeepGEMM is not installed here (bench/deepgemm.sh)")
+    chosen = Fp8Choice(W8A8, DEEPGEMM)
+    for n, silu_mul in ((1536, False), (2 * 1024, True)):
+        weight, scale = random_fp8(n, 1024, (128, 128), "cuda", n)
+        for rows in (2, 7, 64, 100, 256):
+            assert takes_deepgemm(rows, weight, (128, 128), scale)
+            x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+            quantized = quantize_activation(x, **input_layout(chosen, x.shape, weight, (128, 128)))
+            assert quantized[0].shape[0] == deepgemm_fp8.padded_rows(rows)
+            got = quantized_linear(quantized, rows, x.dtype, weight, scale, (128, 128), silu_mul=silu_mul,
+                                   chosen=chosen)
+            expected = fp8_reference.fp8_linear(x, weight, scale, (128, 128), quantize_input=True)
+            if silu_mul:
+                gate, up = expected.float().chunk(2, dim=1)
+                expected = torch.nn.functional.silu(gate) * up
+            assert got.shape == expected.shape and relative_error(got, expected) < 2 * TOLERANCE[torch.bfloat16], rows
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
     """The random model as FP8 checkpoints of both formats (block: "fp8"; per channel:

@@ -1,0 +1,50 @@
+"""DeepGEMM's block-scaled W8A8 GEMM (deepseek-ai/DeepGEMM, Hopper), where bench/tune_fp8.py measured it the
+fastest: decode batches of the 8B shape's projections, 10-20% under Triton's and torch's scaled_mm on an H200
+(bench/RESULTS.md). Optional: bench/deepgemm.sh builds it; without it, its table entries run torch's
+scaled_mm, which takes the same inputs.
+
+It takes the activations as scaled_mm does (e4m3, per-token 1 x 128 scales stored token-minor) and the
+checkpoint's 128 x 128 weight scales as they are. It compiles a kernel for each row count at its first call
+(seconds, cached on disk by DeepGEMM), so the rows are padded to their bucket: the step graphs' warm-up at
+start compiles each decode bucket of each shape once, and nothing compiles while serving."""
+import functools
+
+import torch
+
+from nanoserve_kernels.fp8_configs import bucket
+
+# Decode buckets only: from 512 rows torch's scaled_mm is as fast (bench/RESULTS.md), and a prefill's
+# row counts vary step to step, which would compile while serving.
+MAX_ROWS = 256
+MIN_PADDED_ROWS = 4  # the scales' rows, 4-byte floats in 16-byte aligned runs for the tensor-memory loads
+
+
+@functools.cache
+def available() -> bool:
+    """Whether DeepGEMM is importable here (its CUDA compiles at first call)."""
+    try:
+        import deep_gemm  # noqa: F401
+    except Exception:  # not installed, or its CUDA bindings missing: serve without it
+        return False
+    return True
+
+
+def takes(rows: int, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> bool:
+    """Whether the GEMM takes `rows` rows through this weight: 128 x 128 blocks over whole K and N blocks, its
+    scales contiguous, a bf16 output, a decode batch."""
+    n, k = weight.shape
+    return (block == (128, 128) and k % 128 == 0 and n % 128 == 0 and scale.is_contiguous()
+            and dtype == torch.bfloat16 and 1 < rows <= MAX_ROWS)
+
+
+def padded_rows(rows: int) -> int:
+    return max(MIN_PADDED_ROWS, bucket(rows))
+
+
+def gemm(x_quantized: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """bf16 [padded rows, N] = dequant(x) @ dequant(W).T, x in padded_rows' layout (the padding rows' outputs
+    are whatever their unwritten inputs give: the caller slices them off)."""
+    import deep_gemm
+    out = torch.empty(x_quantized.shape[0], weight.shape[0], device=x_quantized.device, dtype=torch.bfloat16)
+    deep_gemm.gemm_fp8_fp8_bf16_nt((x_quantized, x_scale), (weight, scale), out)
+    return out

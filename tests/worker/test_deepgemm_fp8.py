@@ -1,0 +1,52 @@
+"""Where DeepGEMM's GEMM is taken (nanoserve_kernels/deepgemm_fp8.py), the layout its activations are
+quantized in, and what a table entry naming it serves where it is not installed (here: no CUDA)."""
+import torch
+
+from nanoserve_kernels import deepgemm_fp8, fp8_configs, fp8_linear
+from nanoserve_kernels.fp8_configs import DEEPGEMM, SCALED_MM, W8A8, Fp8Choice
+
+BLOCK = (128, 128)
+
+
+def fp8_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    weight = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
+    return weight, torch.ones(-(-n // 128), -(-k // 128))
+
+
+def test_it_takes_decode_batches_of_whole_128_blocks_in_bf16():
+    weight, scale = fp8_weight(512, 256)
+    assert all(deepgemm_fp8.takes(rows, weight, scale, BLOCK, torch.bfloat16) for rows in (2, 3, 100, 256))
+    assert not deepgemm_fp8.takes(1, weight, scale, BLOCK, torch.bfloat16)  # one row: the gemv's
+    assert not deepgemm_fp8.takes(257, weight, scale, BLOCK, torch.bfloat16)  # a prefill's rows: scaled_mm's
+    assert not deepgemm_fp8.takes(64, weight, scale, BLOCK, torch.float16)  # its output is bf16 only
+    assert not deepgemm_fp8.takes(64, weight, scale, (128, 64), torch.bfloat16)
+    assert not deepgemm_fp8.takes(64, *fp8_weight(512 + 64, 256), BLOCK, torch.bfloat16)  # N not whole blocks
+    assert not deepgemm_fp8.takes(64, weight, scale.t().contiguous().t(), BLOCK, torch.bfloat16)
+
+
+def test_rows_are_padded_to_their_bucket_so_each_bucket_compiles_once():
+    assert [deepgemm_fp8.padded_rows(rows) for rows in (2, 3, 4, 5, 33, 64, 65, 256)] == [4, 4, 4, 8, 64, 64, 128,
+                                                                                              256]
+
+
+def test_an_entry_naming_deepgemm_runs_scaled_mm_where_it_is_not_installed(monkeypatch):
+    weight, _ = fp8_weight(512, 256)
+    named = Fp8Choice(W8A8, DEEPGEMM, {"BLOCK_M": 64})
+    monkeypatch.setattr(fp8_linear, "_device_name", lambda device: "Tuned GPU")
+    monkeypatch.setattr(fp8_configs, "choose", lambda *args: named)
+    assert not deepgemm_fp8.available()  # no CUDA build of it on this machine
+    assert fp8_linear.choice(64, weight) == Fp8Choice(W8A8, SCALED_MM, {"BLOCK_M": 64})
+    assert fp8_linear.input_layout(named, torch.Size((7, 256)), weight, BLOCK) == dict(token_minor=True,
+                                                                                      padded_rows=8)
+
+
+def test_an_installed_deepgemm_takes_its_rows_padded_to_the_bucket(monkeypatch):
+    weight, _ = fp8_weight(512, 256)
+    monkeypatch.setattr(deepgemm_fp8, "available", lambda: True)
+    named = Fp8Choice(W8A8, DEEPGEMM)
+    assert fp8_linear.input_layout(named, torch.Size((7, 256)), weight, BLOCK) == dict(token_minor=True,
+                                                                                      padded_rows=8)
+    assert fp8_linear.input_layout(named, torch.Size((33, 256)), weight, BLOCK) == dict(token_minor=True,
+                                                                                       padded_rows=64)
+    assert fp8_linear.input_layout(named, torch.Size((300, 256)), weight, BLOCK) == dict(token_minor=True,
+                                                                                        padded_rows=300)
