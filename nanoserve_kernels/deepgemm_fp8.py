@@ -5,8 +5,9 @@ scaled_mm, which takes the same inputs.
 
 It takes the activations as scaled_mm does (e4m3, per-token 1 x 128 scales stored token-minor) and the
 checkpoint's 128 x 128 weight scales as they are. It compiles a kernel for each row count at its first call
-(seconds, cached on disk by DeepGEMM), so the rows are padded to their bucket: the step graphs' warm-up at
-start compiles each decode bucket of each shape once, and nothing compiles while serving."""
+(seconds, cached on disk by DeepGEMM), so the rows are padded: to their bucket up to 64 rows, above that to
+a multiple of 64, its row tile (a 144-row batch computes 192 rows, not 256). The step graphs' warm-up at
+start compiles each of those sizes of each shape once, and nothing compiles while serving."""
 import functools
 
 import torch
@@ -17,6 +18,7 @@ from nanoserve_kernels.fp8_configs import bucket
 # row counts vary step to step, which would compile while serving.
 MAX_ROWS = 256
 MIN_PADDED_ROWS = 4  # the scales' rows, 4-byte floats in 16-byte aligned runs for the tensor-memory loads
+ROW_TILE = 64
 
 
 @functools.cache
@@ -38,7 +40,7 @@ def takes(rows: int, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int
 
 
 def padded_rows(rows: int) -> int:
-    return max(MIN_PADDED_ROWS, bucket(rows))
+    return max(MIN_PADDED_ROWS, bucket(rows)) if rows <= ROW_TILE else -(-rows // ROW_TILE) * ROW_TILE
 
 
 def gemm(x_quantized: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -187,7 +187,7 @@ def test_deepgemm_matches_the_reference_at_decode_batches_where_installed():
     chosen = Fp8Choice(W8A8, DEEPGEMM)
     for n, silu_mul in ((1536, False), (2 * 1024, True)):
         weight, scale = random_fp8(n, 1024, (128, 128), "cuda", n)
-        for rows in (2, 7, 64, 100, 256):
+        for rows in (2, 7, 64, 100, 144, 256):
             assert takes_deepgemm(rows, weight, (128, 128), scale)
             x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
             quantized = quantize_activation(x, **input_layout(chosen, x.shape, weight, (128, 128)))

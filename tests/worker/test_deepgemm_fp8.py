@@ -24,9 +24,12 @@ def test_it_takes_decode_batches_of_whole_128_blocks_in_bf16():
     assert not deepgemm_fp8.takes(64, weight, scale.t().contiguous().t(), BLOCK, torch.bfloat16)
 
 
-def test_rows_are_padded_to_their_bucket_so_each_bucket_compiles_once():
-    assert [deepgemm_fp8.padded_rows(rows) for rows in (2, 3, 4, 5, 33, 64, 65, 256)] == [4, 4, 4, 8, 64, 64, 128,
-                                                                                              256]
+def test_rows_are_padded_to_a_few_sizes_each_compiled_once():
+    """To the bucket up to 64 rows, then to whole 64-row tiles: 8 sizes for the decode batches."""
+    padded = {rows: deepgemm_fp8.padded_rows(rows) for rows in range(2, 257)}
+    assert sorted(set(padded.values())) == [4, 8, 16, 32, 64, 128, 192, 256]
+    assert all(rows <= size < max(2 * rows, rows + 64) or size == 4 for rows, size in padded.items())
+    assert [padded[rows] for rows in (2, 5, 33, 65, 129, 144, 193)] == [4, 8, 64, 128, 192, 192, 256]
 
 
 def test_an_entry_naming_deepgemm_runs_scaled_mm_where_it_is_not_installed(monkeypatch):
@@ -40,7 +43,7 @@ def test_an_entry_naming_deepgemm_runs_scaled_mm_where_it_is_not_installed(monke
                                                                                       padded_rows=8)
 
 
-def test_an_installed_deepgemm_takes_its_rows_padded_to_the_bucket(monkeypatch):
+def test_an_installed_deepgemm_takes_its_rows_padded(monkeypatch):
     weight, _ = fp8_weight(512, 256)
     monkeypatch.setattr(deepgemm_fp8, "available", lambda: True)
     named = Fp8Choice(W8A8, DEEPGEMM)
@@ -48,5 +51,7 @@ def test_an_installed_deepgemm_takes_its_rows_padded_to_the_bucket(monkeypatch):
                                                                                       padded_rows=8)
     assert fp8_linear.input_layout(named, torch.Size((33, 256)), weight, BLOCK) == dict(token_minor=True,
                                                                                        padded_rows=64)
+    assert fp8_linear.input_layout(named, torch.Size((144, 256)), weight, BLOCK) == dict(token_minor=True,
+                                                                                        padded_rows=192)
     assert fp8_linear.input_layout(named, torch.Size((300, 256)), weight, BLOCK) == dict(token_minor=True,
                                                                                         padded_rows=300)
