@@ -20,11 +20,11 @@
 #   table to commit; $OUT/summary.log the results.
 # perf (< 9 minutes, each step cut to what is left; FP8_PERF_BUDGET_S, default 530): self-tuning, for the 8B
 #   targets: the kernels' test; the batch-1 e4m3 gemv sweep on the 8B shapes (a grid around the stored tiles);
-#   bench/tune_fp8.py --shapes 8b with every candidate (tiles, K split 1/2/4, TMA, SWAP_AB, scaled_mm) at the buckets
-#   256 to 32 (the most served first), then 512 and 2048 rows while its time lasts, which writes
-#   nanoserve_kernels/fp8_configs.json; bench/fp8_pairs.py 8B bf16 / FP8 / FP8 + FP8 KV served with that table;
-#   the file's other tests last. $OUT: fp8_configs.json (commit it), tune_fp8.log and gemv_fp8_block.json (every
-#   candidate's time), pairs.json, summary.log.
+#   bench/tune_fp8.py --shapes 8b with every candidate (tiles, K split 1/2/4, TMA, SWAP_AB, scaled_mm, DeepGEMM
+#   if .dg/ holds it) at the buckets 256 to 32 (the most served first), then 512 and 2048 rows while its time
+#   lasts, which writes nanoserve_kernels/fp8_configs.json; bench/fp8_pairs.py 8B bf16 / FP8 / FP8 + FP8 KV
+#   served with that table; the file's other tests last. $OUT: fp8_configs.json (commit it), tune_fp8.log and
+#   gemv_fp8_block.json (every candidate's time), pairs.json, summary.log.
 mode=${1:-speed}
 source bench/gpu_env.sh
 export OUT=$out

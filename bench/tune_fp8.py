@@ -183,6 +183,7 @@ class ShapeTuner:
         expected = {mode: reference(x, weight, scale, mode, silu_mul) for mode in (WEIGHT_ONLY, W8A8)}
         best, best_time = None, float("inf")
         tried = list(candidates(x, weight, silu_mul, self.after_norm, Fp8Choice(**kept) if kept else None))
+
         def first_call(item):  # on a pool thread, whose driver calls (DeepGEMM's) need the device's context current
             torch.cuda.set_device(weight.device)
             return or_error(item[1], weight, scale)

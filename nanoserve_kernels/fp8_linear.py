@@ -72,7 +72,7 @@ def _launch(chosen: Fp8Choice, scale: torch.Tensor, block: tuple[int, int]) -> d
 
 def input_layout(chosen: Fp8Choice, x_shape: torch.Size, weight: torch.Tensor, block: tuple[int, int]) -> dict:
     """quantize_activation's layout for the W8A8 GEMM chosen: torch's scaled_mm wants the scales token-minor
-    and the rows a multiple of 4; DeepGEMM the same, the rows padded to their bucket."""
+    and the rows a multiple of 4; DeepGEMM the same, the rows padded further (deepgemm_fp8.padded_rows)."""
     if chosen.backend == DEEPGEMM and takes_deepgemm(x_shape[0], weight, block):
         return dict(token_minor=True, padded_rows=deepgemm_fp8.padded_rows(x_shape[0]))
     if chosen.backend in (SCALED_MM, DEEPGEMM) and takes_scaled_mm(x_shape[1], weight, block):
