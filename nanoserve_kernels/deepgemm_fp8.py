@@ -9,6 +9,8 @@ checkpoint's 128 x 128 weight scales as they are. It compiles a kernel for each 
 a multiple of 64, its row tile (a 144-row batch computes 192 rows, not 256). The step graphs' warm-up at
 start compiles each of those sizes of each shape once, and nothing compiles while serving."""
 import functools
+import logging
+import os
 
 import torch
 
@@ -21,12 +23,22 @@ MIN_PADDED_ROWS = 4  # the scales' rows, 4-byte floats in 16-byte aligned runs f
 ROW_TILE = 64
 
 
+log = logging.getLogger("nanoserve.kernels")
+
+
 @functools.cache
 def available() -> bool:
-    """Whether DeepGEMM is importable here (its CUDA compiles at first call)."""
+    """Whether DeepGEMM is importable here with a compiler for its kernels (nvcc, unless told to use NVRTC)."""
     try:
-        import deep_gemm  # noqa: F401
-    except Exception:  # not installed, or its CUDA bindings missing: serve without it
+        import deep_gemm
+    except Exception:  # not installed, or its CUDA bindings missing: serve without it, quietly
+        return False
+    try:
+        if not int(os.environ.get("DG_JIT_USE_NVRTC", "0")):
+            deep_gemm.jit.get_nvcc_compiler()
+    except Exception as err:  # installed but unable to compile: say so once, serve with scaled_mm
+        log.warning("DeepGEMM is installed but cannot compile its kernels (%s): its table entries run torch's "
+                    "scaled_mm", err)
         return False
     return True
 

@@ -1,5 +1,10 @@
 """Where DeepGEMM's GEMM is taken (nanoserve_kernels/deepgemm_fp8.py), the layout its activations are
-quantized in, and what a table entry naming it serves where it is not installed (here: no CUDA)."""
+quantized in, and what a table entry naming it serves where it is not installed (here: no CUDA) or cannot
+compile."""
+import logging
+import sys
+import types
+
 import torch
 
 from nanoserve_kernels import deepgemm_fp8, fp8_configs, fp8_linear
@@ -55,3 +60,23 @@ def test_an_installed_deepgemm_takes_its_rows_padded(monkeypatch):
                                                                                         padded_rows=192)
     assert fp8_linear.input_layout(named, torch.Size((300, 256)), weight, BLOCK) == dict(token_minor=True,
                                                                                         padded_rows=300)
+
+
+def test_an_installed_deepgemm_with_no_compiler_is_not_used_and_says_why(monkeypatch, caplog):
+    def fake_deep_gemm(compiler) -> types.ModuleType:
+        module = types.ModuleType("deep_gemm")
+        module.jit = types.SimpleNamespace(get_nvcc_compiler=compiler)
+        return module
+
+    def no_nvcc():
+        raise RuntimeError("Cannot find any available NVCC compiler")
+    monkeypatch.delenv("DG_JIT_USE_NVRTC", raising=False)
+    for compiler, expected in ((no_nvcc, False), (lambda: ("/usr/local/cuda/bin/nvcc", "13.0"), True)):
+        monkeypatch.setitem(sys.modules, "deep_gemm", fake_deep_gemm(compiler))
+        deepgemm_fp8.available.cache_clear()
+        with caplog.at_level(logging.WARNING, logger="nanoserve.kernels"):
+            assert deepgemm_fp8.available() is expected
+    deepgemm_fp8.available.cache_clear()
+    assert [r.getMessage() for r in caplog.records] == [
+        "DeepGEMM is installed but cannot compile its kernels (Cannot find any available NVCC compiler): its table "
+        "entries run torch's scaled_mm"]
