@@ -13,16 +13,20 @@
 # installs .dg/ when it is there.
 set -euo pipefail
 COMMIT=8dfa3298274bfe6b242f6f8a3e6f3eff2707dd9f CUDA_MAJOR=${CUDA_MAJOR:-13} PYTHON=${PYTHON:-3.12}
+DEEPGEMM_REPO=${DEEPGEMM_REPO:-https://github.com/deepseek-ai/DeepGEMM}  # or a local mirror of each
+CUTLASS_REPO=${CUTLASS_REPO:-https://github.com/NVIDIA/cutlass}
 mode=${1:?fetch|install} dir=$(readlink -f "${2:?DIR}")
 mkdir -p "$dir"
 case $mode in
 fetch)
   work=$(mktemp -d)
-  git clone -q https://github.com/deepseek-ai/DeepGEMM "$work/src"
+  git clone -q "$DEEPGEMM_REPO" "$work/src"
   git -C "$work/src" checkout -q "$COMMIT"
-  git -C "$work/src" submodule update -q --init --depth 1 third-party/cutlass
-  cp -r "$work/src/third-party/cutlass/include/cute" "$work/src/third-party/cutlass/include/cutlass" \
-    "$work/src/deep_gemm/include/"
+  # CUTLASS at DeepGEMM's submodule commit: its two header trees only, the rest of its blobs left on the server
+  git clone -q --filter=blob:none --no-checkout "$CUTLASS_REPO" "$work/cutlass"
+  git -C "$work/cutlass" sparse-checkout set include/cute include/cutlass
+  git -C "$work/cutlass" checkout -q "$(git -C "$work/src" rev-parse HEAD:third-party/cutlass)"
+  cp -r "$work/cutlass/include/cute" "$work/cutlass/include/cutlass" "$work/src/deep_gemm/include/"
   tar cJf "$dir/deep_gemm.tar.xz" -C "$work/src" deep_gemm LICENSE
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYTHON" \
     --platform manylinux_2_28_x86_64 -d "$dir" "cuda-bindings==$CUDA_MAJOR.*" cuda-pathfinder
