@@ -1,7 +1,7 @@
 """DeepGEMM's block-scaled W8A8 GEMM (deepseek-ai/DeepGEMM, Hopper), where bench/tune_fp8.py measured it the
-fastest: decode batches of the 8B shape's projections, 10-20% under Triton's and torch's scaled_mm on an H200
-(bench/RESULTS.md). Optional: bench/deepgemm.sh builds it; without it, its table entries run torch's
-scaled_mm, which takes the same inputs.
+fastest: decode batches of 64-256 rows of the 8B shape's projections, up to 10-20% under Triton's and torch's
+scaled_mm on an H100 and an H200 (bench/RESULTS.md). Optional: bench/deepgemm.sh builds it; without it,
+its table entries run torch's scaled_mm, which takes the same inputs.
 
 It takes the activations as scaled_mm does (e4m3, per-token 1 x 128 scales stored token-minor) and the
 checkpoint's 128 x 128 weight scales as they are. It compiles a kernel for each row count at its first call
@@ -21,7 +21,6 @@ from nanoserve_kernels.fp8_configs import bucket
 MAX_ROWS = 256
 MIN_PADDED_ROWS = 4  # the scales' rows, 4-byte floats in 16-byte aligned runs for the tensor-memory loads
 ROW_TILE = 64
-
 
 log = logging.getLogger("nanoserve.kernels")
 
