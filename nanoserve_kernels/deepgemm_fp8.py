@@ -11,6 +11,7 @@ start compiles each of those sizes of each shape once, and nothing compiles whil
 import functools
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -61,3 +62,20 @@ def gemm(x_quantized: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
     out = torch.empty(x_quantized.shape[0], weight.shape[0], device=x_quantized.device, dtype=torch.bfloat16)
     deep_gemm.gemm_fp8_fp8_bf16_nt((x_quantized, x_scale), (weight, scale), out)
     return out
+
+
+def compile_ahead(gemms: list[tuple[int, torch.Tensor, torch.Tensor]], threads: int) -> None:
+    """Runs each (padded rows, weight, scale) once on zero activations, `threads` at a time, so that DeepGEMM
+    compiles their kernels (or loads them from its cache) in parallel."""
+    device = gemms[0][1].device
+
+    def run(gemm_args: tuple[int, torch.Tensor, torch.Tensor]) -> None:
+        rows, weight, scale = gemm_args
+        torch.cuda.set_device(device)  # a pool thread's driver calls need the device's context current
+        k = weight.shape[1]
+        x_scale = torch.ones(k // 128, rows, device=device).t()  # token-minor, as quantize_activation stores them
+        gemm(torch.zeros(rows, k, device=device, dtype=weight.dtype), x_scale, weight, scale)
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="deepgemm") as pool:
+        list(pool.map(run, gemms))  # each error surfaces here
+    torch.cuda.synchronize(device)

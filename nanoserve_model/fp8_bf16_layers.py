@@ -38,7 +38,8 @@ class Bf16Layers:
                 f"{', '.join(self.shapes)}; their weights take {self.extra_bytes / 2**20:.0f} MiB more")
 
 
-def _fp8_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def fp8_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, layer) of each linear layer holding an e4m3 weight and its scales."""
     return [(name, module) for name, module in model.named_modules()
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.weight_scale is not None]
 
@@ -47,7 +48,7 @@ def serve_faster_layers_in_bf16(model: nn.Module, device_name: str, dtype: torch
                                 tables: dict | None = None) -> Bf16Layers:
     """Dequantizes, in place, each FP8 linear layer whose shape `served_in_bf16` (of `tables`, default the
     committed fp8_configs.json) says runs faster in `dtype` on this device."""
-    layers = _fp8_linears(model)
+    layers = fp8_linears(model)
     names, shapes, extra = [], [], 0
     for name, layer in layers:
         n, k = layer.weight.shape

@@ -18,6 +18,7 @@ from nanoserve_kernels.kv_quant import bytes_per_row, is_quantized, kv_cache_dty
 from nanoserve_kernels.token_bitmask import TokenMasks
 from nanoserve_model.checkpoint import CONFIG_FILES, weight_files
 from nanoserve_model.config import ModelConfig, resolve_dtype
+from nanoserve_model.deepgemm_ahead import compile_deepgemm_ahead
 from nanoserve_model.fp8_bf16_layers import serve_faster_layers_in_bf16
 from nanoserve_model.loader import load_model
 from nanoserve_model.parallel import broadcast_from_first_rank, tp_rank, tp_world_size
@@ -108,6 +109,7 @@ class ModelRunner:
             self.bf16_layers = serve_faster_layers_in_bf16(self.model, device_name, self.dtype)
             if self.bf16_layers.names:
                 log.info("rank %d: %s", config.rank, self.bf16_layers.log_line(device_name))
+            compile_deepgemm_ahead(self.model, self.dtype, config.rank)
         self.sampler = Sampler(self.device, config.seed)
         # Rank 0's grammar engine reads the checkpoint's tokenizer, once the first constrained request comes.
         self.grammar_tokenizer = GrammarTokenizer(path / TOKENIZER_FILE, self.model_config.vocab_size,

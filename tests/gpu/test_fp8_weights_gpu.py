@@ -201,6 +201,23 @@ def test_deepgemm_matches_the_reference_at_decode_batches_where_installed():
             assert got.shape == expected.shape and relative_error(got, expected) < 2 * TOLERANCE[torch.bfloat16], rows
 
 
+def test_deepgemm_kernels_compile_ahead_on_threads_then_serve_where_installed():
+    """deepgemm_fp8.compile_ahead, as a worker's start runs it (pool threads, several kernels at once), then
+    each kernel called from this thread against the reference."""
+    from nanoserve_kernels import deepgemm_fp8
+    from nanoserve_kernels.triton_fp8_quant import quantize_activation
+    if not deepgemm_fp8.available():
+        pytest.skip("DeepGEMM is not installed here (bench/deepgemm.sh)")
+    gemms = [(rows, *random_fp8(n, 1024, (128, 128), "cuda", rows)) for rows, n in ((4, 1536), (64, 1536), (192, 2048))]
+    deepgemm_fp8.compile_ahead(gemms, threads=3)
+    for rows, weight, scale in gemms:
+        x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+        x_quantized, x_scale = quantize_activation(x, token_minor=True, padded_rows=rows)
+        got = deepgemm_fp8.gemm(x_quantized, x_scale, weight, scale)
+        expected = fp8_reference.fp8_linear(x, weight, scale, (128, 128), quantize_input=True)
+        assert relative_error(got, expected) < 2 * TOLERANCE[torch.bfloat16], rows
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
     """The random model as FP8 checkpoints of both formats (block: "fp8"; per channel:
