@@ -1,8 +1,9 @@
 """FP8 weights on CUDA: the kernels against the plain-torch reference in bfloat16 (the interpreter's
 checks of tests/worker/test_fp8_kernels.py, with the launch shapes serving uses), every batch size
 through the dispatch (fp8_linear, as the tuned or default table routes it), the RMSNorm quantizing for the
-W8A8 GEMM, torch's blockwise scaled_mm where this torch has it, and the whole model: the next-token KL of the W8A8 path over 1,024 positions
-against transformers in float32 on the dequantized weights, beside the bf16-vs-fp32 KL floor (the
+W8A8 GEMM, torch's blockwise scaled_mm where this torch has it, DeepGEMM where it is installed (alone,
+compiled ahead on threads, and serving), and the whole model: the next-token KL of the W8A8 path over 1,024
+positions against transformers in float32 on the dequantized weights, beside the bf16-vs-fp32 KL floor (the
 dequantized weights served unquantized in bfloat16); and serving with FP8 weights through the step
 graphs (decode and piecewise prefill, with and without an FP8 KV cache) gives the eager path's greedy
 tokens. Run with -s to see the numbers:
@@ -10,6 +11,7 @@ tokens. Run with -s to see the numbers:
 """
 import functools
 import json
+import logging
 import os
 import random
 from pathlib import Path
@@ -289,6 +291,34 @@ def test_the_step_graphs_replay_the_fp8_kernels_as_run_eagerly(checkpoints, kv_c
         assert (runner.graphs is None) == eager and runner.info().weight_dtype == "float8_e4m3fn"
         writer = StepWriter(BLOCK_SIZE)
         tokens[eager] = generate(runner, writer, prompts, 12), generate(runner, writer, {9: prompts[1]}, 12)
+        del runner
+        torch.cuda.empty_cache()
+    assert tokens[True] == tokens[False]
+
+
+def test_deepgemm_in_the_step_graphs_gives_the_eager_tokens_where_installed(checkpoints, monkeypatch, caplog):
+    """The same with the table stood in to give DeepGEMM every batch of 2-256 rows (the decode steps): a
+    worker's start compiles its kernels ahead (one line says so), and graphs and eager agree."""
+    from nanoserve_kernels import deepgemm_fp8, fp8_linear
+    from nanoserve_kernels.fp8_configs import DEEPGEMM
+    if not deepgemm_fp8.available():
+        pytest.skip("DeepGEMM is not installed here (bench/deepgemm.sh)")
+    table_choice = fp8_linear.choice
+
+    def deepgemm_up_to_256(rows: int, weight: torch.Tensor, silu_mul: bool = False) -> Fp8Choice:
+        return Fp8Choice(W8A8, DEEPGEMM) if 1 < rows <= 256 else table_choice(rows, weight, silu_mul)
+    monkeypatch.setattr(fp8_linear, "choice", deepgemm_up_to_256)
+    rng = random.Random(2)
+    prompts = {i: [rng.randrange(151_643) for _ in range(length)] for i, length in enumerate((5, 40, 300, 17))}
+    tokens = {}
+    for eager in (True, False):
+        with caplog.at_level(logging.INFO, logger="nanoserve.worker"):
+            runner = ModelRunner(WorkerConfig(model=str(checkpoints["fp8"]), device="cuda", dtype="bfloat16",
+                                              block_size=BLOCK_SIZE, num_kv_blocks=128, max_num_seqs=8,
+                                              max_model_len=512, attention_backend="triton", enforce_eager=eager))
+        assert "DeepGEMM: " in caplog.text and " kernels ready in " in caplog.text
+        runner.allocate_kv_cache(128)
+        tokens[eager] = generate(runner, StepWriter(BLOCK_SIZE), prompts, 12)
         del runner
         torch.cuda.empty_cache()
     assert tokens[True] == tokens[False]
