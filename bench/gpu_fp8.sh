@@ -59,7 +59,8 @@ if [ "$mode" = speed ] || [ "$mode" = perf ]; then
   wait
   timeout $(upto $gemv_s) python3 bench/gemv.py --fp8 block --sweep "${gemv[@]}" \
     --out "$out/gemv_fp8_block.json" > "$out/gemv_sweep.log" 2>&1
-  timeout $(upto $tune_s) python3 bench/tune_fp8.py "${tune[@]}" > "$out/tune_fp8.log" 2>&1
+  # DeepGEMM (where .dg/ holds it) prints the tiles it picks for each shape into the log
+  DG_PRINT_CONFIGS=1 timeout $(upto $tune_s) python3 bench/tune_fp8.py "${tune[@]}" > "$out/tune_fp8.log" 2>&1
   cp nanoserve_kernels/fp8_configs.json "$out/"
   timeout $(upto $pairs_s) python3 bench/fp8_pairs.py --budget-s $(($(left) - pairs_after)) --out-dir "$out" \
     "${pairs[@]}" > "$out/pairs.log" 2>&1
