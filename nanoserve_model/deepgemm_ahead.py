@@ -46,11 +46,11 @@ def compile_deepgemm_ahead(model: nn.Module, dtype: torch.dtype, rank: int) -> N
     started = time.perf_counter()
     try:
         gemms = deepgemm_gemms(model, dtype)
-        if gemms:
-            deepgemm_fp8.compile_ahead(gemms, max(1, min(MAX_THREADS, (os.cpu_count() or 2) // 2)))
+        if not gemms:  # the table gives DeepGEMM none of this model's layers
+            return
+        deepgemm_fp8.compile_ahead(gemms, max(1, min(MAX_THREADS, (os.cpu_count() or 2) // 2)))
     except Exception as err:  # the warm-up compiles them one by one instead
         log.warning("rank %d: DeepGEMM's kernels not compiled ahead (%s: %s); the warm-up compiles them", rank,
                     type(err).__name__, err)
         return
-    if gemms:
-        log.info("rank %d: DeepGEMM: %d kernels ready in %.1fs", rank, len(gemms), time.perf_counter() - started)
+    log.info("rank %d: DeepGEMM: %d kernels ready in %.1fs", rank, len(gemms), time.perf_counter() - started)

@@ -9,13 +9,13 @@ import torch
 
 from nanoserve_kernels import deepgemm_fp8, fp8_configs, fp8_linear
 from nanoserve_kernels.fp8_configs import DEEPGEMM, SCALED_MM, W8A8, Fp8Choice
+from tests.worker.test_fp8_kernels import random_fp8
 
 BLOCK = (128, 128)
 
 
 def fp8_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    weight = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
-    return weight, torch.ones(-(-n // 128), -(-k // 128))
+    return random_fp8(n, k, BLOCK, "cpu", n)
 
 
 def test_it_takes_decode_batches_of_whole_128_blocks_in_bf16():
