@@ -10,7 +10,8 @@ checked against the plain-torch reference first:
   - torch's blockwise scaled_mm (sm90), likewise; for gate/up followed by the SiLU-and-mul pass (it cannot
     fuse it), against the Triton GEMM's fused epilogue;
   - DeepGEMM's GEMM (nanoserve_kernels/deepgemm_fp8.py, where installed: bench/deepgemm.sh), likewise, at
-    decode buckets.
+    decode buckets: in its own tiling and in each of deepgemm_tiles.candidates (tile shapes of the fewest
+    waves, TMA multicast on either operand or none).
 The fastest per (N, K, bucket) is kept, with its time ("us") and that of the same layer in bf16 ("bf16_us":
 the weight dequantized, run as the unquantized model runs it), from which fp8_configs.served_in_bf16 decides
 where FP8 does not pay. Times are CUDA-graph replays of 20 calls or more (what serving runs), cycling
@@ -34,7 +35,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "proto")]
 
-from nanoserve_kernels import fp8_configs, fp8_reference  # noqa: E402
+from nanoserve_kernels import deepgemm_fp8, deepgemm_tiles, fp8_configs, fp8_reference  # noqa: E402
 from nanoserve_kernels.fp8_configs import DEEPGEMM, SCALED_MM, TRITON, W8A8, WEIGHT_ONLY, Fp8Choice  # noqa: E402
 from gemv import or_error, copies_past_l2  # noqa: E402  (bench/, this script's folder)
 
@@ -135,8 +136,14 @@ def candidates(x, weight, silu_mul: bool, after_norm: bool, stored: Fp8Choice | 
                  (deepgemm, takes_deepgemm(rows, weight, BLOCK))]
     if stored is not None:  # and the libraries' GEMMs beside it (no tuning; the stored choice may predate them)
         yield stored, weight_only(stored.launch) if stored.mode == WEIGHT_ONLY else w8a8(stored)
-        yield from ((chosen, w8a8(chosen)) for chosen, takes in libraries if takes and chosen.backend != stored.backend)
+        yield from ((chosen, w8a8(chosen)) for chosen, takes in libraries if takes
+                    and (chosen.backend, chosen.launch) != (stored.backend, stored.launch))
         return
+    if takes_deepgemm(rows, weight, BLOCK):  # DeepGEMM in tilings of our choosing too (deepgemm_tiles.py)
+        sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
+        for tiling in deepgemm_tiles.candidates(deepgemm_fp8.padded_rows(rows), weight.shape[0], sms):
+            chosen = Fp8Choice(W8A8, DEEPGEMM, dict(scaled_mm.launch, **{DEEPGEMM: tiling}))
+            yield chosen, w8a8(chosen)
     if rows <= WEIGHT_ONLY_MAX:
         for launch in launches(WEIGHT_ONLY, rows, silu_mul):
             yield Fp8Choice(WEIGHT_ONLY, TRITON, launch), weight_only(launch)

@@ -15,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from nanoserve_kernels import deepgemm_tiles
+from nanoserve_kernels.deepgemm_tiles import Tiling
 from nanoserve_kernels.fp8_configs import bucket
 
 # Decode buckets only: from 512 rows torch's scaled_mm is as fast (bench/RESULTS.md), and a prefill's
@@ -55,26 +57,32 @@ def padded_rows(rows: int) -> int:
     return max(MIN_PADDED_ROWS, bucket(rows)) if rows <= ROW_TILE else -(-rows // ROW_TILE) * ROW_TILE
 
 
-def gemm(x_quantized: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def gemm(x_quantized: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+         tiling: Tiling | None = None) -> torch.Tensor:
     """bf16 [padded rows, N] = dequant(x) @ dequant(W).T, x in padded_rows' layout (the padding rows' outputs
-    are whatever their unwritten inputs give: the caller slices them off)."""
+    are whatever their unwritten inputs give: the caller slices them off); in `tiling` (deepgemm_tiles.py) where
+    the table gives one, else in DeepGEMM's own."""
     import deep_gemm
     out = torch.empty(x_quantized.shape[0], weight.shape[0], device=x_quantized.device, dtype=torch.bfloat16)
-    deep_gemm.gemm_fp8_fp8_bf16_nt((x_quantized, x_scale), (weight, scale), out)
+    with deepgemm_tiles.forced(tiling):
+        deep_gemm.gemm_fp8_fp8_bf16_nt((x_quantized, x_scale), (weight, scale), out)
     return out
 
 
-def compile_ahead(gemms: list[tuple[int, torch.Tensor, torch.Tensor]], threads: int) -> None:
-    """Runs each (padded rows, weight, scale) once on zero activations, `threads` at a time, so that DeepGEMM
-    compiles their kernels (or loads them from its cache) in parallel."""
+Gemm = tuple[int, torch.Tensor, torch.Tensor, Tiling | None]  # (padded rows, weight, scale, tiling)
+
+
+def compile_ahead(gemms: list[Gemm], threads: int) -> None:
+    """Runs each GEMM once on zero activations, `threads` at a time, so that DeepGEMM compiles their kernels
+    (or loads them from its cache) in parallel."""
     device = gemms[0][1].device
 
-    def run(gemm_args: tuple[int, torch.Tensor, torch.Tensor]) -> None:
-        rows, weight, scale = gemm_args
+    def run(gemm_args: Gemm) -> None:
+        rows, weight, scale, tiling = gemm_args
         torch.cuda.set_device(device)  # a pool thread's driver calls need the device's context current
         k = weight.shape[1]
         x_scale = torch.ones(k // 128, rows, device=device).t()  # token-minor, as quantize_activation stores them
-        gemm(torch.zeros(rows, k, device=device, dtype=weight.dtype), x_scale, weight, scale)
+        gemm(torch.zeros(rows, k, device=device, dtype=weight.dtype), x_scale, weight, scale, tiling)
 
     with ThreadPoolExecutor(threads, thread_name_prefix="deepgemm") as pool:
         list(pool.map(run, gemms))  # each error surfaces here

@@ -65,9 +65,10 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tup
 
 
 def _launch(chosen: Fp8Choice, scale: torch.Tensor, block: tuple[int, int]) -> dict:
-    """The Triton launch, its K step within one scale block (any step where K is one block: per row)."""
-    per_row = scale.shape[1] == 1
-    return chosen.launch if per_row else dict(chosen.launch, BLOCK_K=min(chosen.launch["BLOCK_K"], block[1]))
+    """The Triton launch (without a DeepGEMM entry's tiling), its K step within one scale block (any step where K
+    is one block: per row)."""
+    launch = {name: value for name, value in chosen.launch.items() if name != DEEPGEMM}
+    return launch if scale.shape[1] == 1 else dict(launch, BLOCK_K=min(launch["BLOCK_K"], block[1]))
 
 
 def input_layout(chosen: Fp8Choice, x_shape: torch.Size, weight: torch.Tensor, block: tuple[int, int]) -> dict:
@@ -90,7 +91,7 @@ def _w8a8(quantized: tuple[torch.Tensor, torch.Tensor], rows: int, dtype: torch.
     from nanoserve_kernels.triton_fp8_quant import quantize_activation
     x_quantized, x_scale = quantized
     if chosen.backend == DEEPGEMM and takes_deepgemm(rows, weight, block, scale, dtype):
-        y = deepgemm_fp8.gemm(x_quantized, x_scale, weight, scale)[:rows]
+        y = deepgemm_fp8.gemm(x_quantized, x_scale, weight, scale, chosen.launch.get(DEEPGEMM))[:rows]
     elif chosen.backend in (SCALED_MM, DEEPGEMM) and takes_scaled_mm(x_quantized.shape[1], weight, block):
         y = _scaled_mm_quantized(x_quantized, x_scale, weight, scale, dtype)[:rows]
     else:

@@ -14,6 +14,7 @@ import time
 import torch
 from torch import nn
 
+from nanoserve_kernels.deepgemm_fp8 import Gemm
 from nanoserve_model.fp8_bf16_layers import GATE_UP, fp8_linears
 
 log = logging.getLogger("nanoserve.worker")
@@ -21,20 +22,22 @@ log = logging.getLogger("nanoserve.worker")
 MAX_THREADS = 8
 
 
-def deepgemm_gemms(model: nn.Module, dtype: torch.dtype) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(padded rows, weight, scale) for each distinct (padded rows, N, K) that the model's FP8 linear layers
-    run on DeepGEMM, at any row count the table gives it."""
+def deepgemm_gemms(model: nn.Module, dtype: torch.dtype) -> list[Gemm]:
+    """deepgemm_fp8.compile_ahead's (padded rows, weight, scale, tiling) for each distinct (padded rows, N, K,
+    tiling) that the model's FP8 linear layers run on DeepGEMM, at any row count the table gives it."""
     from nanoserve_kernels import deepgemm_fp8
     from nanoserve_kernels.fp8_configs import DEEPGEMM
     from nanoserve_kernels.fp8_linear import choice, takes_deepgemm
-    found: dict[tuple[int, int, int], tuple[int, torch.Tensor, torch.Tensor]] = {}
+    found: dict[tuple, Gemm] = {}
     shapes = {(tuple(layer.weight.shape), name.endswith(GATE_UP)): layer for name, layer in fp8_linears(model)}
     for (shape, silu_mul), layer in shapes.items():
         for rows in range(2, deepgemm_fp8.MAX_ROWS + 1):
-            if (choice(rows, layer.weight, silu_mul).backend == DEEPGEMM
-                    and takes_deepgemm(rows, layer.weight, layer.weight_block, layer.weight_scale, dtype)):
-                padded = deepgemm_fp8.padded_rows(rows)
-                found.setdefault((padded, *shape), (padded, layer.weight, layer.weight_scale))
+            chosen = choice(rows, layer.weight, silu_mul)
+            if chosen.backend == DEEPGEMM and takes_deepgemm(rows, layer.weight, layer.weight_block,
+                                                             layer.weight_scale, dtype):
+                padded, tiling = deepgemm_fp8.padded_rows(rows), chosen.launch.get(DEEPGEMM)
+                key = (padded, *shape, tuple(sorted(tiling.items())) if tiling else None)
+                found.setdefault(key, (padded, layer.weight, layer.weight_scale, tiling))
     return list(found.values())
 
 

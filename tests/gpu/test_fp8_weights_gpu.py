@@ -210,14 +210,39 @@ def test_deepgemm_kernels_compile_ahead_on_threads_then_serve_where_installed():
     from nanoserve_kernels.triton_fp8_quant import quantize_activation
     if not deepgemm_fp8.available():
         pytest.skip("DeepGEMM is not installed here (bench/deepgemm.sh)")
-    gemms = [(rows, *random_fp8(n, 1024, (128, 128), "cuda", rows)) for rows, n in ((4, 1536), (64, 1536), (192, 2048))]
+    gemms = [(rows, *random_fp8(n, 1024, (128, 128), "cuda", rows), None)
+             for rows, n in ((4, 1536), (64, 1536), (192, 2048))]
     deepgemm_fp8.compile_ahead(gemms, threads=3)
-    for rows, weight, scale in gemms:
+    for rows, weight, scale, _ in gemms:
         x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
         x_quantized, x_scale = quantize_activation(x, token_minor=True, padded_rows=rows)
         got = deepgemm_fp8.gemm(x_quantized, x_scale, weight, scale)
         expected = fp8_reference.fp8_linear(x, weight, scale, (128, 128), quantize_input=True)
         assert relative_error(got, expected) < 2 * TOLERANCE[torch.bfloat16], rows
+
+
+def test_deepgemm_in_the_tilings_the_tuner_may_choose_matches_the_reference_where_installed():
+    """deepgemm_tiles: DeepGEMM's kernel in tile shapes, stage counts and multicasts of our choosing (each
+    operand shared, none, tiles that end past the rows and N) gives the reference's product, compiled ahead
+    on threads as a worker's start compiles them."""
+    from nanoserve_kernels import deepgemm_fp8
+    from nanoserve_kernels.triton_fp8_quant import quantize_activation
+    if not deepgemm_fp8.available():
+        pytest.skip("DeepGEMM is not installed here (bench/deepgemm.sh)")
+    weight, scale = random_fp8(2048 + 128, 1024, (128, 128), "cuda", 5)
+    tilings = [(64, {"block_m": 64, "block_n": 48, "multicast": "a"}),
+               (128, {"block_m": 64, "block_n": 144, "multicast": "b"}),
+               (128, {"block_m": 128, "block_n": 96, "multicast": ""}),
+               (192, {"block_m": 128, "block_n": 64, "multicast": "b"}),
+               (256, {"block_m": 256, "block_n": 32, "multicast": "a"}),
+               (256, {"block_m": 256, "block_n": 160, "multicast": ""})]
+    deepgemm_fp8.compile_ahead([(rows, weight, scale, tiling) for rows, tiling in tilings], threads=6)
+    for rows, tiling in tilings:
+        x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+        x_quantized, x_scale = quantize_activation(x, token_minor=True, padded_rows=rows)
+        got = deepgemm_fp8.gemm(x_quantized, x_scale, weight, scale, tiling)
+        expected = fp8_reference.fp8_linear(x, weight, scale, (128, 128), quantize_input=True)
+        assert relative_error(got, expected) < 2 * TOLERANCE[torch.bfloat16], (rows, tiling)
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,15 @@ from tests.worker.fp8_models import tiny_fp8_dir
 from tests.worker.test_fp8_weights import load
 
 
+TILING = {"block_m": 128, "block_n": 64, "multicast": "b"}
+
+
 def gate_up_on_deepgemm_from_64_rows(monkeypatch) -> None:
+    """The gate/up projections on DeepGEMM from 64 rows: in its own tiling at 64, in TILING from 128."""
     def choice(rows: int, weight: torch.Tensor, silu_mul: bool = False) -> Fp8Choice:
-        return Fp8Choice(W8A8, DEEPGEMM if silu_mul and bucket(rows) >= 64 else TRITON)
+        if not silu_mul or bucket(rows) < 64:
+            return Fp8Choice(W8A8, TRITON)
+        return Fp8Choice(W8A8, DEEPGEMM, {DEEPGEMM: TILING} if bucket(rows) >= 128 else {})
     monkeypatch.setattr(fp8_linear, "choice", choice)
     monkeypatch.setattr(fp8_linear, "takes_deepgemm", lambda *args: True)  # the tiny model's blocks are 16 x 16
     monkeypatch.setattr(deepgemm_fp8, "available", lambda: True)
@@ -24,9 +30,11 @@ def test_one_kernel_for_each_padded_row_count_and_shape_deepgemm_serves(monkeypa
     gate_up_on_deepgemm_from_64_rows(monkeypatch)
     model = load(tiny_fp8_dir("fp8"), fp8_weights=True)
     gemms = deepgemm_gemms(model, torch.float32)
-    assert sorted(rows for rows, _, _ in gemms) == [64, 128, 192, 256]  # rows 33-256, padded: four kernels
+    # rows 33-256, padded: four kernels, each in the tiling its bucket gives
+    assert sorted((rows, tiling == TILING) for rows, _, _, tiling in gemms) == [
+        (64, False), (128, True), (192, True), (256, True)]
     gate_ups = [layer.mlp.gate_up_proj for layer in model.model.layers]
-    for _, weight, scale in gemms:  # of a gate/up layer (every layer's is the same shape: one is enough)
+    for _, weight, scale, _ in gemms:  # of a gate/up layer (every layer's is the same shape: one is enough)
         assert any(weight is proj.weight and scale is proj.weight_scale for proj in gate_ups)
 
 
