@@ -21,6 +21,7 @@ BLOCK_NS = (16, 24, 32, 48, 64, 96, 128, 144, 160)  # DeepGEMM's widths, less so
 MULTICASTS = ("", "a", "b")
 SMEM_BYTES = 232448  # an sm90 multiprocessor's shared memory for one program, DeepGEMM's figure
 LAST_WAVE_FULL = 0.45
+EXTRA_WAVES = 1  # a wave more than the fewest: taller tiles sharing their weight tile can repay it (measured)
 
 Tiling = dict  # {"block_m": int, "block_n": int, "multicast": str}
 _forced = threading.local()
@@ -28,16 +29,17 @@ _forced = threading.local()
 
 def candidates(rows: int, n: int, num_sms: int) -> list[Tiling]:
     """The tilings the tuner times for a GEMM of `rows` (padded) rows and N columns: every tile shape that
-    takes the fewest waves of tiles any shape takes, its last wave at least LAST_WAVE_FULL full, with and
-    without each multicast that has a neighbour (a memory-bound GEMM gains nothing from more waves)."""
+    takes at most EXTRA_WAVES more waves of tiles than the fewest any shape takes, its last wave at least
+    LAST_WAVE_FULL full, with and without each multicast that has a neighbour."""
     shapes = {}
     for block_m, block_n in itertools.product(BLOCK_MS, BLOCK_NS):
         if block_m < 2 * max(64, rows) and (block_m <= 128 or block_n <= 128):  # no tile half past the rows
             shapes[block_m, block_n] = -(-rows // block_m), -(-n // block_n)
-    waves = min(-(-m_blocks * n_blocks // num_sms) for m_blocks, n_blocks in shapes.values())
+    fewest = min(-(-m_blocks * n_blocks // num_sms) for m_blocks, n_blocks in shapes.values())
     found = []
     for (block_m, block_n), (m_blocks, n_blocks) in shapes.items():
-        if (waves - 1 + LAST_WAVE_FULL) * num_sms <= m_blocks * n_blocks <= waves * num_sms:
+        waves = -(-m_blocks * n_blocks // num_sms)
+        if waves <= fewest + EXTRA_WAVES and m_blocks * n_blocks >= (waves - 1 + LAST_WAVE_FULL) * num_sms:
             found += [{"block_m": block_m, "block_n": block_n, "multicast": multicast} for multicast in MULTICASTS
                       if multicast == "" or (n_blocks if multicast == "a" else m_blocks) >= 2]
     return found

@@ -16,10 +16,11 @@ def waves(rows: int, n: int, tiling: dict) -> int:
     return -(-(-(-rows // tiling["block_m"]) * -(-n // tiling["block_n"])) // SMS)
 
 
-def test_candidates_take_the_fewest_waves_and_a_multicast_only_where_there_is_a_neighbour():
+def test_candidates_take_few_waves_and_a_multicast_only_where_there_is_a_neighbour():
     for rows, n in ((64, 4096), (128, 6144), (256, 4096), (128, 24576), (192, 4096)):
         tried = deepgemm_tiles.candidates(rows, n, SMS)
-        assert tried and len({waves(rows, n, t) for t in tried}) == 1
+        counts = {waves(rows, n, t) for t in tried}
+        assert tried and max(counts) - min(counts) <= deepgemm_tiles.EXTRA_WAVES
         assert all(t["block_m"] < 2 * max(64, rows) for t in tried)  # no tile as tall as twice the rows
         for t in tried:
             m_blocks, n_blocks = -(-rows // t["block_m"]), -(-n // t["block_n"])
@@ -27,8 +28,9 @@ def test_candidates_take_the_fewest_waves_and_a_multicast_only_where_there_is_a_
             assert t["multicast"] != "b" or m_blocks >= 2
             assert t["multicast"] != "a" or n_blocks >= 2
     assert {t["multicast"] for t in deepgemm_tiles.candidates(64, 4096, SMS)} == {"", "a"}  # one row block
-    assert deepgemm_tiles.candidates(128, 24576, SMS)[0]["block_m"] == 128  # 192 gate/up tiles of 128 x 128
-    assert max(waves(128, 24576, t) for t in deepgemm_tiles.candidates(128, 24576, SMS)) == 2
+    gate_up = deepgemm_tiles.candidates(256, 24576, SMS)  # 1 x 192 tiles of 256 x 128 take two waves, the fewest
+    assert {waves(256, 24576, t) for t in gate_up} == {2, 3}
+    assert {"block_m": 128, "block_n": 128, "multicast": "b"} in gate_up
 
 
 def smem_config(stages: int, k: int, block_m: int, block_n: int) -> tuple[int, int, int]:
