@@ -37,6 +37,12 @@ class AttentionBackend:
         return self.name != "torch"
 
     @property
+    def decode_quantizes(self) -> bool:
+        """Whether its decode can write its output quantized for the o projection's W8A8 GEMM (the Triton
+        kernel's `quantized_out`): one activation pass fewer a layer."""
+        return self.name == "triton"
+
+    @property
     def stores_with_triton(self) -> bool:
         """Whether its store is the Triton kernel, whose work the rotary kernel can do instead as it
         makes k (CacheWrite): one launch fewer a layer."""

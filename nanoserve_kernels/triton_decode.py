@@ -17,7 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve_kernels.fp8_reference import ACT_GROUP, AMAX_FLOOR, FP8_MAX
 from nanoserve_kernels.pdl import pdl_launch, wait_for_previous_kernel
+from nanoserve_kernels.triton_fp8_quant import quantize_groups
 from nanoserve_kernels.triton_prefill import LOG2_E, attend_block, dot_precision, scale_block_stride
 
 # Key tile and pipelining (bench/NOTES-kernels.md); an FP8 cache's rows are half the bytes, so its
@@ -27,6 +29,9 @@ FP8_LAUNCH = dict(BLOCK_N=128, num_warps=4, num_stages=3)
 # Programs wanted in flight per multiprocessor before splitting stops paying for its merge.
 PROGRAMS_PER_SM = 2
 MAX_SPLITS = 32
+# The activation quantization's constants (fp8_reference), as a kernel reads globals.
+E4M3_MAX, SCALE_FLOOR = tl.constexpr(FP8_MAX), tl.constexpr(AMAX_FLOOR)
+TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
@@ -41,11 +46,11 @@ def _split_range(length, split, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 # one compiled variant whatever their alignment, none compiled while serving.
 @triton.jit(do_not_specialize_on_alignment=["context_lens", "block_tables", "order"])
 def _decode_kernel(q_ptr, k_cache, v_cache, k_scale, v_scale, context_lens, block_tables, order, out_ptr,
-                   part_out, part_max, part_sum, qk_scale, stride_q_seq, stride_q_head, stride_o_seq,
-                   stride_o_head, stride_slot, stride_scale_block, stride_table, GROUP: tl.constexpr,
-                   GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   out_scale, part_out, part_max, part_sum, qk_scale, stride_q_seq, stride_q_head, stride_o_seq,
+                   stride_o_head, stride_os_seq, stride_os_head, stride_slot, stride_scale_block, stride_table,
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-                   QUANTIZED: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr):
+                   QUANTIZED: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr, QUANTIZE_OUT: tl.constexpr):
     wait_for_previous_kernel(PDL)  # before the early return: a kernel must not end before its predecessor
     kv_head = tl.program_id(0)
     seq = tl.load(order + tl.program_id(1)) if ORDERED else tl.program_id(1)
@@ -76,8 +81,8 @@ def _decode_kernel(q_ptr, k_cache, v_cache, k_scale, v_scale, context_lens, bloc
                                      PRECISION, QUANTIZED)
     if SPLITS == 1:
         out = acc / tl.maximum(l_i, 1e-30)[:, None]  # an empty row (length 0) gives zeros
-        tl.store(out_ptr + seq * stride_o_seq + heads * stride_o_head + dims,
-                 out.to(out_ptr.dtype.element_ty), mask=head_valid)
+        _store_out(out, out_ptr, out_scale, seq, heads, dims, head_valid, stride_o_seq, stride_o_head,
+                   stride_os_seq, stride_os_head, q_ptr.dtype.element_ty, QUANTIZE_OUT)
     else:
         rows = (seq * tl.num_programs(0) * GROUP + heads) * SPLITS + split
         tl.store(part_out + rows * HEAD_DIM + dims, acc, mask=head_valid)
@@ -85,9 +90,26 @@ def _decode_kernel(q_ptr, k_cache, v_cache, k_scale, v_scale, context_lens, bloc
         tl.store(part_sum + rows, l_i[:, None], mask=head_valid)
 
 
+@triton.jit
+def _store_out(out, out_ptr, out_scale, seq, heads, dims, mask, stride_o_seq, stride_o_head, stride_os_seq,
+               stride_os_head, DTYPE: tl.constexpr, QUANTIZE_OUT: tl.constexpr):
+    """Stores out [heads, HEAD_DIM] (float32) in DTYPE; with QUANTIZE_OUT, rounded to DTYPE as stored, then
+    quantized per head (one ACT_GROUP of the o projection's input) as quantize_activation would: e4m3 values
+    at out_ptr, each head's scale at out_scale."""
+    if QUANTIZE_OUT:
+        values, scale = quantize_groups(out.to(DTYPE).to(tl.float32), E4M3_MAX, SCALE_FLOOR)
+        tl.store(out_ptr + seq * stride_o_seq + heads * stride_o_head + dims,
+                 values.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_scale + seq * stride_os_seq + heads * stride_os_head, scale[:, None], mask=mask)
+    else:
+        tl.store(out_ptr + seq * stride_o_seq + heads * stride_o_head + dims, out.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+
 @triton.jit(do_not_specialize_on_alignment=["context_lens"])
-def _merge_kernel(context_lens, part_out, part_max, part_sum, out_ptr, stride_o_seq, stride_o_head,
-                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+def _merge_kernel(context_lens, part_out, part_max, part_sum, out_ptr, out_scale, stride_o_seq, stride_o_head,
+                  stride_os_seq, stride_os_head, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SPLITS: tl.constexpr, PDL: tl.constexpr, DTYPE: tl.constexpr, QUANTIZE_OUT: tl.constexpr):
     wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -104,7 +126,9 @@ def _merge_kernel(context_lens, part_out, part_max, part_sum, out_ptr, stride_o_
     parts = tl.load(part_out + rows[:, None] * HEAD_DIM + dims[None, :], mask=(splits < used)[:, None],
                     other=0.0)
     out = tl.sum(parts * weights[:, None], 0) / tl.maximum(total, 1e-30)  # no splits: zeros
-    tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty))
+    _store_out(tl.reshape(out, [1, HEAD_DIM]), out_ptr, out_scale, seq, tl.full([1, 1], 0, tl.int32) + head,
+               dims[None, :], tl.full([1, 1], 1, tl.int1), stride_o_seq, stride_o_head, stride_os_seq,
+               stride_os_head, DTYPE, QUANTIZE_OUT)
 
 
 @functools.cache
@@ -123,11 +147,15 @@ def num_splits(num_seqs: int, kv_heads: int, device: torch.device) -> int:
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                 order: torch.Tensor | None = None) -> torch.Tensor:
+                 order: torch.Tensor | None = None, quantized_out: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One query per sequence (q: [num_seqs, heads, head_dim]) over its whole cache (an FP8 one
     with its scales). A row with context length 0 (padding) gives zeros. `order` (int32 [num_seqs],
     a permutation of the rows): the order to start the sequences in, longest context first; the
-    output does not depend on it."""
+    output does not depend on it. `quantized_out` (e4m3 [num_seqs or more, heads * head_dim], float32 scales
+    [num_seqs or more, heads], any strides): where the output goes instead, quantized per token and head as
+    quantize_activation would quantize the 16-bit output (head_dim must be ACT_GROUP: a head is one group), for
+    the o projection's W8A8 GEMM; returned."""
     num_seqs, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -136,18 +164,27 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     splits = num_splits(num_seqs, kv_heads, q.device)
     launch = FP8_LAUNCH if k_scale is not None else LAUNCH
     pdl = pdl_launch(q.device)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous for o_proj (see triton_prefill)
+    if quantized_out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous for o_proj (see triton_prefill)
+        out_scale, scale_strides = out, (0, 0)  # not read: QUANTIZE_OUT is off
+    else:
+        assert head_dim == ACT_GROUP and quantized_out[0].stride(1) == 1, (head_dim, quantized_out[0].stride())
+        out, out_scale = quantized_out[0].view(-1, heads, head_dim), quantized_out[1]
+        scale_strides = out_scale.stride()
     part_out = torch.empty(num_seqs, heads, splits, head_dim, dtype=torch.float32, device=q.device)
     part_max = torch.empty(num_seqs, heads, splits, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
+    quantize_out = quantized_out is not None
     _decode_kernel[(kv_heads, num_seqs, splits)](
-        q, k_cache, v_cache, k_scale, v_scale, context_lens, block_tables, order, out, part_out, part_max, part_sum,
-        scale * LOG2_E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        q, k_cache, v_cache, k_scale, v_scale, context_lens, block_tables, order, out, out_scale, part_out, part_max,
+        part_sum, scale * LOG2_E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *scale_strides,
         k_cache.stride(1), scale_block_stride(k_scale, v_scale), block_tables.stride(0), GROUP=group,
         GROUP_PAD=group_pad, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, SPLITS=splits,
-        PRECISION=dot_precision(q.dtype), QUANTIZED=k_scale is not None, ORDERED=order is not None, **launch, **pdl)
+        PRECISION=dot_precision(q.dtype), QUANTIZED=k_scale is not None, ORDERED=order is not None, **launch, **pdl,
+        QUANTIZE_OUT=quantize_out)
     if splits > 1:
         _merge_kernel[(num_seqs, heads)](
-            context_lens, part_out, part_max, part_sum, out, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_N=launch["BLOCK_N"], SPLITS=splits, **pdl)
-    return out
+            context_lens, part_out, part_max, part_sum, out, out_scale, out.stride(0), out.stride(1), *scale_strides,
+            HEAD_DIM=head_dim, BLOCK_N=launch["BLOCK_N"], SPLITS=splits, **pdl, DTYPE=TRITON_DTYPES[q.dtype],
+            QUANTIZE_OUT=quantize_out)
+    return quantized_out if quantize_out else out

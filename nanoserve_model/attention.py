@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from nanoserve_kernels.backend import CacheWrite
+from nanoserve_kernels.fp8_reference import ACT_GROUP
 from nanoserve_model.step_context import StepContext, get_step_context
 
 
@@ -42,9 +43,12 @@ class Attention(nn.Module):
             return None
         return CacheWrite(v, self.k_cache, self.v_cache, ctx.slot_mapping, **self.kv_scales)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stored: bool = False) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stored: bool = False,
+                quantization: dict | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """q [N, heads, head_dim], k/v [N, kv_heads, head_dim] -> [N, heads, head_dim]; `stored`: k and v
-        are in the cache already (cache_write's store ran)."""
+        are in the cache already (cache_write's store ran). `quantization`: the o projection's W8A8 input
+        layout (fp8_linear.input_quantization), in which a decode step whose backend can returns its output
+        quantized instead, (e4m3 [N+, heads * head_dim], scales), with head_dim one group."""
         ctx = get_step_context()
         backend = ctx.backend
         if not stored:
@@ -53,8 +57,12 @@ class Attention(nn.Module):
             return ctx.attention_cut(self, q)
         if ctx.is_prefill:
             return self.prefill(q, ctx)
+        outputs = {}
+        if quantization is not None and backend.decode_quantizes and self.head_dim == ACT_GROUP:
+                        outputs["quantized_out"] = empty_quantized(len(q), self.num_heads * self.head_dim, q.device,
+                                                       **quantization)
         return backend.paged_decode(q, self.k_cache, self.v_cache, ctx.context_lens, ctx.block_tables, self.scale,
-                                    order=ctx.decode_order, **self.kv_scales)
+                                    order=ctx.decode_order, **self.kv_scales, **outputs)
 
     def prefill(self, q: torch.Tensor, ctx: StepContext, out: torch.Tensor | None = None) -> torch.Tensor:
         """Prefill attention of q over the cache, which holds the step's K/V already; into `out`

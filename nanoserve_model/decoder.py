@@ -22,7 +22,7 @@ from nanoserve_model.linear import MergedColumnParallelLinear, QKVParallelLinear
 from nanoserve_model.moe_config import MoeConfig
 from nanoserve_model.norm import RMSNorm
 from nanoserve_model.rotary import RotaryEmbedding, rotary_qk
-from nanoserve_model.row_fusion import norm_project, norm_project_silu_mul
+from nanoserve_model.row_fusion import norm_project, norm_project_silu_mul, row_parallel_layout
 
 
 class DecoderAttention(nn.Module):
@@ -45,7 +45,10 @@ class DecoderAttention(nn.Module):
         q, v = q.view(-1, self.num_heads, head_dim), v.view(-1, self.num_kv_heads, head_dim)
         write = self.attn.cache_write(q, v)
         q, k = self.position(q, k.view(-1, self.num_kv_heads, head_dim), positions, write, self.attn.query_buffer(q))
-        out = self.attn(q, k, v, stored=write is not None)
+        out = self.attn(q, k, v, stored=write is not None,
+                        quantization=row_parallel_layout(self.o_proj, q[:, 0], "attention_quant"))
+        if isinstance(out, tuple):  # quantized for the o projection by the decode kernel
+            return self.o_proj.forward_quantized(out, len(q), q.dtype)
         return self.o_proj(out.flatten(1))
 
     def position(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, write: CacheWrite | None,

@@ -6,8 +6,9 @@ epilogue (nanoserve_kernels/triton_gate_up.py; for e4m3 weights, at any batch si
 FP8 GEMM's: nanoserve_kernels/fp8_linear.py). Before an e4m3 projection that runs W8A8 at the batch's size,
 the RMSNorm writes the quantized activations itself (nanoserve_kernels/triton_rms_norm.rms_norm_fp8), in
 place of a quantization pass; so does the SiLU-and-mul pass after an e4m3 gate/up run by torch's scaled_mm,
-for the down projection. Larger batches and the CPU run the separate modules, as does any step where
-FUSED lacks the fusion."""
+for the down projection, and a decode step's attention kernel for the o projection (a head is one group of
+128 columns). Larger batches and the CPU run the separate modules, as does any step where FUSED lacks the
+fusion."""
 import torch
 
 from nanoserve_kernels.fp8_linear import Activation
@@ -16,7 +17,7 @@ from nanoserve_model.linear import ColumnParallelLinear, RowParallelLinear, on_m
 from nanoserve_model.norm import RMSNorm
 
 # The fusions in use; tests take them out to compare with the separate kernels.
-FUSED = {"rms_norm", "silu_mul", "gate_up_silu", "rms_norm_quant", "silu_mul_quant"}
+FUSED = {"rms_norm", "silu_mul", "gate_up_silu", "rms_norm_quant", "silu_mul_quant", "attention_quant"}
 
 
 def takes_weight(proj: ColumnParallelLinear) -> bool:
@@ -32,13 +33,14 @@ def fp8_args(proj: ColumnParallelLinear) -> dict:
     return {} if proj.weight_scale is None else dict(weight_scale=proj.weight_scale, block=proj.weight_block)
 
 
-def _down_layout(down: RowParallelLinear | None, hidden: torch.Tensor) -> dict | None:
-    """The layout in which the e4m3 down projection's W8A8 GEMM takes this batch's activations, for the
-    SiLU-and-mul pass to quantize them into; None where it takes them unquantized or the fusion is off."""
-    if down is None or down.weight_scale is None or "silu_mul_quant" not in FUSED:
+def row_parallel_layout(proj: RowParallelLinear | None, rows_like: torch.Tensor, fusion: str) -> dict | None:
+    """The layout in which an e4m3 row-parallel projection's W8A8 GEMM takes a batch of rows_like's rows (its
+    device and dtype), for the kernel making the activations to quantize them into (the SiLU-and-mul pass
+    before down, the decode attention before o); None where it takes them unquantized or `fusion` is off."""
+    if proj is None or proj.weight_scale is None or fusion not in FUSED:
         return None
     from nanoserve_kernels.fp8_linear import input_quantization
-    return input_quantization(hidden, down.weight, down.weight_block, columns=down.weight.shape[1])
+    return input_quantization(rows_like, proj.weight, proj.weight_block, columns=proj.weight.shape[1])
 
 
 def _norm_quantized_project(norm: RMSNorm, proj: ColumnParallelLinear, hidden: torch.Tensor,
@@ -87,7 +89,7 @@ def norm_project_silu_mul(norm: RMSNorm, proj: ColumnParallelLinear, hidden: tor
         return rms_norm_gemv(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias, silu_mul=True,
                              **fp8_args(proj))
     if "gate_up_silu" in FUSED and proj.weight_scale is not None and hidden.shape[0] > 1:
-        layout = _down_layout(down, hidden)
+        layout = row_parallel_layout(down, hidden, "silu_mul_quant")
         fused = _norm_quantized_project(norm, proj, hidden, residual, silu_mul=True, output_layout=layout)
         if fused is not None:
             return fused

@@ -159,6 +159,28 @@ def test_the_silu_mul_pass_quantizing_for_the_down_projection_gives_the_unfused_
     assert fused_batches  # the table runs the down projection W8A8 somewhere among these batch sizes
 
 
+@pytest.mark.parametrize("seqs", [4, 64, 256])
+def test_the_decode_attention_quantizing_for_the_o_projection_gives_the_unfused_output(seqs):
+    """The 8B shape's decode attention (32 heads over 8 KV heads of 128) writing its output quantized for the o
+    projection (each head one group; the scales token-minor in padded rows, the layout of scaled_mm and
+    DeepGEMM): the e4m3 values and scales of its 16-bit output quantized by the pass, bit for bit, from the
+    decode kernel's store (64 and 256 sequences) and from the merge of split contexts (4)."""
+    from nanoserve_kernels.triton_decode import num_splits, paged_decode
+    from nanoserve_kernels.triton_fp8_quant import empty_quantized, quantize_activation
+    from tests.worker.test_triton_kernels import Case, make_paged_batch
+    rng = random.Random(seqs)
+    case = Case(new_lens=(1,) * seqs, context_lens=tuple(rng.randrange(1, 900) for _ in range(seqs)), heads=32,
+                kv_heads=8, head_dim=128, block_size=256, dtype=torch.bfloat16)
+    batch = make_paged_batch(case, "cuda", seqs)
+    assert (num_splits(seqs, 8, torch.device("cuda")) > 1) == (seqs == 4)
+    out = paged_decode(*batch.decode_args(), 128 ** -0.5)
+    layout = dict(token_minor=True, padded_rows=-(-seqs // 64) * 64 + 4)
+    quantized = paged_decode(*batch.decode_args(), 128 ** -0.5,
+                             quantized_out=empty_quantized(seqs, 32 * 128, out.device, **layout))
+    expected = quantize_activation(out.flatten(1), **layout)
+    assert same_bits(quantized[0][:seqs], expected[0][:seqs]) and torch.equal(quantized[1][:seqs], expected[1][:seqs])
+
+
 def test_torch_blockwise_scaled_mm_matches_the_reference_where_it_runs():
     """The W8A8 path through torch's blockwise scaled_mm, as the table may choose it: x quantized in the
     layout cuBLAS wants (scales token-minor, rows padded to a multiple of 4), 300 rows."""
@@ -316,6 +338,45 @@ def test_the_step_graphs_replay_the_fp8_kernels_as_run_eagerly(checkpoints, kv_c
         assert (runner.graphs is None) == eager and runner.info().weight_dtype == "float8_e4m3fn"
         writer = StepWriter(BLOCK_SIZE)
         tokens[eager] = generate(runner, writer, prompts, 12), generate(runner, writer, {9: prompts[1]}, 12)
+        del runner
+        torch.cuda.empty_cache()
+    assert tokens[True] == tokens[False]
+
+
+def test_the_decode_attention_quantizing_for_the_o_projection_serves_the_unfused_tokens(tmp_path, monkeypatch):
+    """A model with heads of 128 (one group each) served W8A8 at every decode batch (the table stood in:
+    scaled_mm from 2 rows), through the step graphs: the decode kernel quantizes for the o projection in every
+    layer of every decode step, and the tokens are those of the quantization pass (the fusion taken out)."""
+    from nanoserve_kernels import fp8_linear
+    from nanoserve_model import row_fusion
+    from nanoserve_model.attention import Attention
+    shape = dict(KL_SHAPE, num_attention_heads=2, num_key_value_heads=1, head_dim=128)
+    source = write_checkpoint(tmp_path / "bf16", config_json(False, shape, "bfloat16"),
+                              random_weights(False, shape, KL_STD, torch.bfloat16))
+    checkpoint = write_fp8_checkpoint(source, tmp_path / "fp8", "fp8")
+    table_choice = fp8_linear.choice
+    monkeypatch.setattr(fp8_linear, "choice", lambda rows, weight, silu_mul=False: Fp8Choice(W8A8, SCALED_MM)
+                        if rows > 1 else table_choice(rows, weight, silu_mul))
+    quantized_outputs = []
+    forward = Attention.forward
+
+    def counted(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        quantized_outputs.append(isinstance(out, tuple))
+        return out
+    monkeypatch.setattr(Attention, "forward", counted)
+    rng = random.Random(3)
+    prompts = {i: [rng.randrange(151_643) for _ in range(length)] for i, length in enumerate((5, 40, 300, 17))}
+    tokens = {}
+    for fusions in (row_fusion.FUSED, row_fusion.FUSED - {"attention_quant"}):
+        monkeypatch.setattr(row_fusion, "FUSED", fusions)
+        quantized_outputs.clear()
+        runner = ModelRunner(WorkerConfig(model=str(checkpoint), device="cuda", dtype="bfloat16",
+                                          block_size=BLOCK_SIZE, num_kv_blocks=128, max_num_seqs=8,
+                                          max_model_len=512, attention_backend="triton"))
+        runner.allocate_kv_cache(128)
+        tokens["attention_quant" in fusions] = generate(runner, StepWriter(BLOCK_SIZE), prompts, 12)
+        assert any(quantized_outputs) == ("attention_quant" in fusions)  # the captures' decode layers
         del runner
         torch.cuda.empty_cache()
     assert tokens[True] == tokens[False]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from nanoserve_kernels import kv_quant, reference
+from nanoserve_kernels.fp8_reference import ACT_GROUP
 from nanoserve.mathutil import cdiv
 
 # ||out - ref|| / ||ref|| allowed per dtype (bf16 is GPU-only: the interpreter's bf16 dot is wrong).
@@ -163,6 +164,16 @@ def check_decode(paged_decode: Callable, case: Case, device: str, seed: int) -> 
     assert not out[batch.context_lens == 0].any(), case
     order = torch.argsort(batch.context_lens, descending=True, stable=True).to(torch.int32)
     assert torch.equal(paged_decode(*batch.decode_args(), scale, **batch.scales, order=order), out), case
+    if case.head_dim == ACT_GROUP:  # a head is one group: the output quantized for the o projection, as the
+        from nanoserve_kernels.triton_fp8_quant import empty_quantized, quantize_activation  # pass would
+        rows, width = out.shape[0], case.heads * case.head_dim
+        layout = dict(token_minor=True, padded_rows=rows + 3)  # DeepGEMM's and scaled_mm's layout, padded
+        quantized = empty_quantized(rows, width, out.device, **layout)
+        assert paged_decode(*batch.decode_args(), scale, **batch.scales, order=order, quantized_out=quantized) \
+            is quantized
+        expected = quantize_activation(out.flatten(1), **layout)
+        assert torch.equal(quantized[0][:rows].view(torch.uint8), expected[0][:rows].view(torch.uint8)), case
+        assert torch.equal(quantized[1][:rows], expected[1][:rows]), case
 
 
 STORE_CASES = [
@@ -205,6 +216,9 @@ DECODE_CASES = [
          fp8=True),
     # FP8 cache in blocks of 256 (the default): key tiles within a block, one ending mid-tile; split
     Case(new_lens=(1,) * 3, context_lens=(300, 0, 513), heads=4, kv_heads=2, block_size=256, fp8=True),
+    # head_dim 128, also quantized for the o projection (the decode kernel's store; split: the merge's)
+    Case(new_lens=(1,) * 4, context_lens=(90, 0, 33, 7), heads=4, kv_heads=2, head_dim=128),
+    Case(new_lens=(1,) * 2, context_lens=(150, 20), heads=4, kv_heads=1, head_dim=128, dtype=torch.float16),
 ]
 
 
@@ -586,6 +600,8 @@ def test_kv_kernels_compile_for_hopper_with_an_fp8_cache() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    import triton.language as tl
+
     from nanoserve_kernels import triton_decode, triton_kv_store, triton_prefill
     types = {"k_ptr": "*bf16", "v_ptr": "*bf16", "q_ptr": "*bf16", "out_ptr": "*bf16", "k_cache": "*fp8e4nv",
              "v_cache": "*fp8e4nv", "k_scale": "*fp32", "v_scale": "*fp32", "slot_mapping": "*i64",
@@ -597,8 +613,16 @@ def test_kv_kernels_compile_for_hopper_with_an_fp8_cache() -> None:
             (triton_kv_store._store_kernel, dict(KV_HEADS=8, HEADS_POW2=8, FP8_MAX=kv_quant.FP8_MAX,
                                                  AMAX_FLOOR=kv_quant.AMAX_FLOOR, **shape)),
             (triton_prefill._prefill_kernel, dict(BLOCK_M=64, **attention)),
-            (triton_decode._decode_kernel, dict(GROUP_PAD=16, SPLITS=4, **attention))):
+            (triton_decode._decode_kernel, dict(GROUP_PAD=16, SPLITS=4, QUANTIZE_OUT=False, **attention))):
         source = ASTSource(kernel, _hopper_signature(kernel, types), constexprs=constexprs)
+        assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"], kernel
+    # the output quantized for the o projection, by the decode kernel's store (unsplit) and the merge's
+    quantizing = dict(types, out_ptr="*fp8e4nv", out_scale="*fp32")
+    for kernel, constexprs in (
+            (triton_decode._decode_kernel, dict(GROUP_PAD=16, SPLITS=1, QUANTIZE_OUT=True, **attention)),
+            (triton_decode._merge_kernel, dict(HEAD_DIM=128, BLOCK_N=64, SPLITS=4, PDL=True, DTYPE=tl.bfloat16,
+                                               QUANTIZE_OUT=True))):
+        source = ASTSource(kernel, _hopper_signature(kernel, quantizing), constexprs=constexprs)
         assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"], kernel
 
 
