@@ -59,7 +59,8 @@ class Attention(nn.Module):
             return self.prefill(q, ctx)
         outputs = {}
         if quantization is not None and backend.decode_quantizes and self.head_dim == ACT_GROUP:
-                        outputs["quantized_out"] = empty_quantized(len(q), self.num_heads * self.head_dim, q.device,
+            from nanoserve_kernels.triton_fp8_quant import empty_quantized
+            outputs["quantized_out"] = empty_quantized(len(q), self.num_heads * self.head_dim, q.device,
                                                        **quantization)
         return backend.paged_decode(q, self.k_cache, self.v_cache, ctx.context_lens, ctx.block_tables, self.scale,
                                     order=ctx.decode_order, **self.kv_scales, **outputs)

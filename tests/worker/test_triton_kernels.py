@@ -164,16 +164,22 @@ def check_decode(paged_decode: Callable, case: Case, device: str, seed: int) -> 
     assert not out[batch.context_lens == 0].any(), case
     order = torch.argsort(batch.context_lens, descending=True, stable=True).to(torch.int32)
     assert torch.equal(paged_decode(*batch.decode_args(), scale, **batch.scales, order=order), out), case
-    if case.head_dim == ACT_GROUP:  # a head is one group: the output quantized for the o projection, as the
-        from nanoserve_kernels.triton_fp8_quant import empty_quantized, quantize_activation  # pass would
-        rows, width = out.shape[0], case.heads * case.head_dim
-        layout = dict(token_minor=True, padded_rows=rows + 3)  # DeepGEMM's and scaled_mm's layout, padded
-        quantized = empty_quantized(rows, width, out.device, **layout)
-        assert paged_decode(*batch.decode_args(), scale, **batch.scales, order=order, quantized_out=quantized) \
-            is quantized
-        expected = quantize_activation(out.flatten(1), **layout)
-        assert torch.equal(quantized[0][:rows].view(torch.uint8), expected[0][:rows].view(torch.uint8)), case
-        assert torch.equal(quantized[1][:rows], expected[1][:rows]), case
+
+
+def check_decode_quantized(paged_decode: Callable, case: Case, device: str, seed: int) -> None:
+    """head_dim 128, a head one group: the output quantized for the o projection gives the e4m3 values and
+    scales of the 16-bit output quantized by the pass, bit for bit."""
+    from nanoserve_kernels.triton_fp8_quant import empty_quantized, quantize_activation
+    batch = make_paged_batch(case, device, seed)
+    out = paged_decode(*batch.decode_args(), case.head_dim ** -0.5, **batch.scales)
+    rows, width = out.shape[0], case.heads * case.head_dim
+    layout = dict(token_minor=True, padded_rows=rows + 3)  # DeepGEMM's and scaled_mm's layout, padded
+    quantized = empty_quantized(rows, width, out.device, **layout)
+    assert paged_decode(*batch.decode_args(), case.head_dim ** -0.5, **batch.scales, quantized_out=quantized) \
+        is quantized
+    expected = quantize_activation(out.flatten(1), **layout)
+    assert same_bits(quantized[0][:rows], expected[0][:rows]), case
+    assert torch.equal(quantized[1][:rows], expected[1][:rows]), case
 
 
 STORE_CASES = [
@@ -557,6 +563,8 @@ def run_interpreted_cases(kernel: str) -> None:
     }[kernel]
     for seed, case in enumerate(cases):
         check(function, case, "cpu", seed)
+        if kernel == "decode" and case.head_dim == ACT_GROUP:
+            check_decode_quantized(function, case, "cpu", seed)
     if kernel == "decode":  # both launch paths ran
         from nanoserve_kernels.triton_decode import num_splits
         splits = {num_splits(len(c.new_lens), c.kv_heads, torch.device("cpu")) for c in cases}
