@@ -1,7 +1,10 @@
 """`nanoserve generate` and `nanoserve chat`: one completion streamed to the terminal."""
 import argparse
 import json
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from typing import Iterator
 
 import grpc
@@ -44,21 +47,52 @@ def chat_to_terminal(args: argparse.Namespace) -> int:
                              args)
 
 
+@contextmanager
+def _ctrl_c_cancels(call):
+    """Ctrl-C cancels `call` (a gRPC stream, or failover's ResumingStream), and KeyboardInterrupt comes
+    once gRPC has ended the call. Raised in the middle of gRPC's wait for the next message, it could
+    leave the wait's lock released under it; the interpreter exiting while gRPC's thread still handles
+    the call can hang it (a lock that thread held) or abort it (gRPC's C core)."""
+    interrupted, ended = False, threading.Event()
+
+    def cancel(signum, frame) -> None:
+        nonlocal interrupted
+        interrupted = True
+        if not call.add_callback(ended.set):  # the call had already ended
+            ended.set()
+        call.cancel()
+
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is signal.default_int_handler:  # else Ctrl-C stays as it was (e.g. ignored in a background job)
+        signal.signal(signal.SIGINT, cancel)
+    try:
+        yield
+    except grpc.RpcError:  # CANCELLED, or whatever else ended the stream as it was being cancelled
+        if not interrupted:
+            raise
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if interrupted:
+        ended.wait()  # set by gRPC's thread once through with the call; a second Ctrl-C ends the wait
+        raise KeyboardInterrupt
+
+
 def _print_stream(messages: Iterator[llm_pb2.GenerateResponse], args: argparse.Namespace) -> int:
     """Prints the text as it streams (or, with --logprobs, a line per token), then the finish line
     on stderr; 1 on a gRPC error."""
     try:
-        for msg in messages:
-            if args.logprobs >= 0:
-                for entry in msg.logprobs:
-                    alternatives = "  ".join(f"{top.text!r} {top.logprob:.3f}" for top in entry.top)
-                    print(f"{entry.token.text!r} {entry.token.logprob:.3f} (rank {entry.token.rank})  "
-                          f"[{alternatives}]")
-            else:
-                sys.stdout.write(msg.text)
-                sys.stdout.flush()
-            if msg.finish_reason:
-                _print_finish(msg)
+        with _ctrl_c_cancels(messages):
+            for msg in messages:
+                if args.logprobs >= 0:
+                    for entry in msg.logprobs:
+                        alternatives = "  ".join(f"{top.text!r} {top.logprob:.3f}" for top in entry.top)
+                        print(f"{entry.token.text!r} {entry.token.logprob:.3f} (rank {entry.token.rank})  "
+                              f"[{alternatives}]")
+                else:
+                    sys.stdout.write(msg.text)
+                    sys.stdout.flush()
+                if msg.finish_reason:
+                    _print_finish(msg)
     except grpc.RpcError as err:
         print("\n" + rpc_error_line(err, args), file=sys.stderr)
         return 1

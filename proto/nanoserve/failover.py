@@ -112,6 +112,10 @@ class ResumingStream(Iterator[llm_pb2.GenerateResponse]):
         self.cancelled = True
         self.call.cancel()
 
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        """As grpc.RpcContext.add_callback, for the call in progress: `callback` when it ends."""
+        return self.call.add_callback(callback)
+
     def _resume_elsewhere(self, error: grpc.RpcError) -> None:
         broken = self.addresses[self.replica]
         self.replica = (self.replica + 1) % len(self.methods)
