@@ -121,6 +121,8 @@ class ResumingStream(Iterator[llm_pb2.GenerateResponse]):
         self.replica = (self.replica + 1) % len(self.methods)
         self.on_failover(self.progress.failover(broken, self.addresses[self.replica], error, log))
         self.call = self._open(self.progress.resumed_request())
+        if self.cancelled:  # cancelled (Ctrl-C) while the next replica's call was being opened
+            self.call.cancel()
 
     def _open(self, request: Request):
         timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
