@@ -10,8 +10,8 @@ checked against the plain-torch reference first:
   - torch's blockwise scaled_mm (sm90), likewise; for gate/up followed by the SiLU-and-mul pass (it cannot
     fuse it), against the Triton GEMM's fused epilogue;
   - DeepGEMM's GEMM (nanoserve_kernels/deepgemm_fp8.py, where installed: bench/deepgemm.sh), likewise, at
-    decode buckets: in its own tiling and in each of deepgemm_tiles.candidates (tile shapes of the fewest
-    waves, TMA multicast on either operand or none).
+    decode buckets: in its own tiling and in each of deepgemm_tiles.candidates (tile shapes within a wave of
+    the fewest waves, TMA multicast on either operand or none).
 The fastest per (N, K, bucket) is kept, with its time ("us") and that of the same layer in bf16 ("bf16_us":
 the weight dequantized, run as the unquantized model runs it), from which fp8_configs.served_in_bf16 decides
 where FP8 does not pay. Times are CUDA-graph replays of 20 calls or more (what serving runs), cycling

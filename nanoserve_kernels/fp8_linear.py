@@ -13,8 +13,9 @@ the matrix-vector kernel's prologue (triton_gemv.rms_norm_gemv with the weight's
 SiLU-and-mul after gate/up the GEMM's epilogue (fp8_gate_up_silu). Before a W8A8 GEMM the RMSNorm
 quantizes its own output (input_quantization says in which layout, quantized_linear takes it:
 nanoserve_model/row_fusion.py); so does the SiLU-and-mul pass after scaled_mm or DeepGEMM for the down
-projection (`output_layout`); the o projection's activations, and the down projection's after the Triton
-GEMM's epilogue, take a quantization pass.
+projection (`output_layout`), and a decode step's attention kernel for the o projection (triton_decode.py);
+the o projection's activations in prefill and mixed steps, and the down projection's after the Triton GEMM's
+epilogue, take a quantization pass.
 """
 import dataclasses
 import functools
@@ -164,7 +165,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
 def fp8_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                      bias: torch.Tensor | None = None, output_layout: dict | None = None) -> Activation | None:
     """silu(gate) * up of x [rows > 1, K] times the packed (gate, up) e4m3 weight, the SiLU-and-mul in the
-    GEMM's epilogue, or a pass of its own that quantizes it in `output_layout` if given (scaled_mm); None
+    GEMM's epilogue, or a pass of its own that quantizes it in `output_layout` if given (scaled_mm, DeepGEMM); None
     where the kernels do not take x."""
     if not on_kernels(x, block) or x.shape[0] < 2:
         return None
